@@ -1,1 +1,52 @@
-fn main() {}
+//! `dgr`: the command line over dgr's crates. Each subcommand lives in its own module.
+
+mod bench;
+mod generate;
+mod inspect;
+mod local;
+mod model;
+mod score;
+mod synth;
+mod tokenize;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "dgr", version, about = "Run GGUF language models, whole or split across worker processes.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Tokenize text as llama.cpp does (special tokens parsed, no BOS added); prints {"tokens":[...]}.
+    Tokenize(tokenize::Args),
+    /// Generate a completion of a prompt.
+    Generate(generate::Args),
+    /// Teacher-forced log-probabilities of a given continuation of a prompt.
+    Score(score::Args),
+    /// Print a GGUF file's architecture, hyperparameters and tensors.
+    Inspect(inspect::Args),
+    /// Write a random-weight llama-shaped GGUF (for tests and benchmarks).
+    Synth(synth::Args),
+    /// Measure dgr against llama.cpp in the same run and print the ratios.
+    #[command(subcommand)]
+    Bench(bench::Command),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Tokenize(a) => tokenize::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::Score(a) => score::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Synth(a) => synth::run(a),
+        Command::Bench(c) => bench::run(c),
+    };
+    if let Err(e) = result {
+        eprintln!("dgr: {e:#}");
+        std::process::exit(1);
+    }
+}

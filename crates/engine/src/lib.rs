@@ -1,1 +1,21 @@
-//! placeholder
+//! dgr's compute engine: CPU kernels over GGUF's quantized blocks, a `Stage` holding the weights
+//! of one contiguous layer range of a llama-family decoder, per-sequence KV state kept apart
+//! from the weights, and one batched forward over many sequences at their own positions.
+
+mod config;
+mod error;
+pub mod kernels;
+mod kv;
+mod matrix;
+pub mod ops;
+pub mod pool;
+mod sample;
+mod stage;
+pub mod synth;
+
+pub use config::{ModelConfig, RopeStyle};
+pub use error::EngineError;
+pub use kernels::Isa;
+pub use kv::KvCache;
+pub use sample::{argmax, logprobs, sample, SamplingParams};
+pub use stage::{Input, LogitRows, SeqInput, SeqOutput, Stage, StageOptions};

@@ -1,0 +1,92 @@
+use super::{median, peer, record};
+use crate::model::ModelArg;
+use anyhow::Result;
+use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Compute threads, for dgr and llama.cpp alike
+    #[arg(long, short = 't', default_value_t = 2)]
+    threads: usize,
+    /// Prompt length of the prefill test
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens generated in the decode test
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Paired repetitions (dgr, then llama-bench, each time)
+    #[arg(long, short = 'r', default_value_t = 5)]
+    reps: usize,
+    /// The llama-bench binary [default: $DGR_REF_DIR/bin/llama-bench]
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// Directory for the run's record
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+}
+
+/// dgr's prefill and decode rates (tokens/s) for one repetition, shaped like llama-bench's tests:
+/// a prompt of `p` tokens into an empty cache, and `n` single-token steps from an empty cache.
+fn dgr_rep(stage: &Stage, p: usize, n: usize) -> Result<(f64, f64)> {
+    let vocab = stage.config().vocab as u32;
+    let prompt: Vec<u32> = (0..p as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let mut kv = stage.new_kv(p);
+    let t = Instant::now();
+    stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&prompt), logits: LogitRows::Last }])?;
+    let prefill = p as f64 / t.elapsed().as_secs_f64();
+    let mut kv = stage.new_kv(n);
+    let mut token = 1u32;
+    let t = Instant::now();
+    for _ in 0..n {
+        let out = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&[token]), logits: LogitRows::Last }])?;
+        token = dgr_engine::argmax(&out[0].logits);
+    }
+    Ok((prefill, n as f64 / t.elapsed().as_secs_f64()))
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let model = a.model.path()?;
+    let bench = peer::tool("llama-bench", a.llama_bench.as_deref())?;
+    let g = a.model.open()?;
+    let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+    let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
+    dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?; // warm-up: page in the weights
+    let (mut dp, mut dd, mut lp, mut ld) = (vec![], vec![], vec![], vec![]);
+    let mut version = String::new();
+    for rep in 0..a.reps {
+        let (p, d) = dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?;
+        let l = peer::llama_bench(&bench, &model, a.threads, a.prompt_tokens, a.gen_tokens)?;
+        eprintln!("rep {rep}: dgr pp {p:.1} tg {d:.1} tok/s | llama.cpp pp {:.1} tg {:.1} tok/s", l.prompt_tok_s, l.gen_tok_s);
+        dp.push(p);
+        dd.push(d);
+        lp.push(l.prompt_tok_s);
+        ld.push(l.gen_tok_s);
+        version = l.version;
+    }
+    let ratio = |a: &[f64], b: &[f64]| median(&a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>());
+    let (rp, rd) = (ratio(&dp, &lp), ratio(&dd, &ld));
+    println!("threads {}  isa {}  reps {}", a.threads, stage.isa().name(), a.reps);
+    println!("{:<28} {:>12} {:>12} {:>8}", "test", "dgr tok/s", "llama tok/s", "ratio");
+    println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("prefill pp{}", a.prompt_tokens), median(&dp), median(&lp), rp);
+    println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("decode tg{}", a.gen_tokens), median(&dd), median(&ld), rd);
+    let path = record::write(
+        &a.out,
+        "engine",
+        &model,
+        json!({
+            "split": format!("one process, layers 0..{n_layers}"),
+            "peer": { "tool": bench.display().to_string(), "version": version },
+            "threads": a.threads,
+            "isa": stage.isa().name(),
+            "samples": { "dgr_prefill_tok_s": dp, "dgr_decode_tok_s": dd, "llama_prefill_tok_s": lp, "llama_decode_tok_s": ld },
+            "ratios": { "prefill": rp, "decode": rd },
+        }),
+    )?;
+    println!("record: {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,30 @@
+//! Benchmarks that measure dgr and its peer (llama.cpp) in the same run and report ratios.
+
+mod engine;
+mod peer;
+mod record;
+
+use anyhow::Result;
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// One process: prefill of a prompt and decode of new tokens, against llama-bench.
+    Engine(engine::Args),
+}
+
+pub fn run(c: Command) -> Result<()> {
+    match c {
+        Command::Engine(a) => engine::run(a),
+    }
+}
+
+/// The median of samples (the mean of the middle two for an even count).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}

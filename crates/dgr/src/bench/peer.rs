@@ -1,0 +1,53 @@
+//! Finding and running the llama.cpp tools built by shared/tools/build-llama-ref.sh.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Where build-llama-ref.sh puts its tools: $DGR_REF_DIR/bin, else ~/.cache/dgr-ref/bin.
+pub fn tool(name: &str, explicit: Option<&Path>) -> Result<PathBuf> {
+    let path = match explicit {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let base = std::env::var_os("DGR_REF_DIR").map(PathBuf::from).unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dgr-ref")
+            });
+            base.join("bin").join(name)
+        }
+    };
+    if !path.exists() {
+        bail!("{} not found: build llama.cpp's tools with build-llama-ref.sh (or pass its path)", path.display());
+    }
+    Ok(path)
+}
+
+pub struct LlamaBench {
+    pub prompt_tok_s: f64,
+    pub gen_tok_s: f64,
+    pub version: String,
+}
+
+/// One repetition of llama-bench's prompt and generation tests.
+pub fn llama_bench(bin: &Path, model: &Path, threads: usize, prompt: usize, gen: usize) -> Result<LlamaBench> {
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(["-p", &prompt.to_string(), "-n", &gen.to_string(), "-t", &threads.to_string(), "-r", "1", "-o", "json"])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let runs: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing llama-bench's json")?;
+    let mut r = LlamaBench { prompt_tok_s: f64::NAN, gen_tok_s: f64::NAN, version: String::new() };
+    for t in runs.as_array().into_iter().flatten() {
+        let ts = t["avg_ts"].as_f64().unwrap_or(f64::NAN);
+        if t["n_gen"].as_u64() == Some(0) {
+            r.prompt_tok_s = ts;
+        } else {
+            r.gen_tok_s = ts;
+        }
+        r.version = format!("llama.cpp build {} ({})", t["build_number"], t["build_commit"].as_str().unwrap_or("?"));
+    }
+    Ok(r)
+}

@@ -1,0 +1,48 @@
+//! The record each benchmark run writes beside its result: enough to rerun and to compare.
+
+use anyhow::{Context, Result};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn cpu() -> Value {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |k: &str| {
+        info.lines().find(|l| l.starts_with(k)).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()).unwrap_or_default()
+    };
+    json!({ "model": field("model name"), "flags": field("flags"), "logical_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0) })
+}
+
+/// Writes `{the common fields} + extra` as `<dir>/<name>-<unix seconds>.json` and returns the path.
+pub fn write(dir: &Path, name: &str, model: &Path, extra: Value) -> Result<PathBuf> {
+    let mut rec = json!({
+        "bench": name,
+        "model": { "path": model.display().to_string(), "sha256": sha256_file(model)? },
+        "dgr": { "version": env!("CARGO_PKG_VERSION"), "commit": env!("DGR_COMMIT") },
+        "cpu": cpu(),
+        "command": std::env::args().collect::<Vec<_>>(),
+        "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+    });
+    if let (Some(r), Value::Object(e)) = (rec.as_object_mut(), extra) {
+        r.extend(e);
+    }
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("{name}-{}.json", rec["unix_time"]));
+    std::fs::write(&path, serde_json::to_string_pretty(&rec)?)?;
+    Ok(path)
+}

@@ -1,0 +1,121 @@
+use crate::local::{self, Request};
+use crate::model::{ModelArg, ThreadsArg};
+use anyhow::{bail, Result};
+use dgr_engine::{SamplingParams, Stage, StageOptions};
+use dgr_tokenizer::{ChatMessage, Tokenizer};
+use std::io::Write;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArg,
+    #[command(flatten)]
+    threads: ThreadsArg,
+    /// The prompt (tokenized as llama.cpp tokenizes a completion prompt)
+    #[arg(long, short = 'p')]
+    prompt: String,
+    /// Treat the prompt as one user message and render the model's chat template around it
+    #[arg(long)]
+    chat: bool,
+    /// Most tokens to generate
+    #[arg(long, short = 'n', default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample among the k most likely tokens only (0: all)
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Sample among the most likely tokens whose probabilities sum to p
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Seed of the sampler (with the position, it fixes every draw)
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Report the k most likely tokens and their log-probabilities at each step
+    #[arg(long, default_value_t = 0)]
+    top_logprobs: usize,
+    /// Do not stop at end-of-generation tokens
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Output: text (streamed) or json
+    #[arg(long, default_value = "text")]
+    format: Format,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Text,
+    Json,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if !(a.temperature >= 0.0 && a.temperature.is_finite()) || !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--temperature must be ≥ 0 and --top-p in (0, 1]");
+    }
+    let g = a.model.open()?;
+    let tok = Tokenizer::from_gguf(&g)?;
+    let text = if a.chat {
+        tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: a.prompt.clone() }], true)?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt_tokens = tok.encode_prompt(&text)?;
+    let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+    let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads.get(), isa: None })?;
+    let req = Request {
+        prompt_tokens,
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        top_logprobs: a.top_logprobs,
+        ignore_eos: a.ignore_eos,
+    };
+    let mut stream = Utf8Stream::default();
+    let stdout = std::io::stdout();
+    let out = local::generate(&stage, |t| tok.is_eog(t), &req, |t| {
+        if a.format == Format::Text {
+            let mut o = stdout.lock();
+            let _ = o.write_all(stream.push(&tok.token_bytes(t).unwrap_or_default()).as_bytes());
+            let _ = o.flush();
+        }
+    })?;
+    match a.format {
+        Format::Text => println!(),
+        Format::Json => {
+            let json = serde_json::json!({
+                "prompt_tokens": req.prompt_tokens,
+                "tokens": out.tokens,
+                "text": tok.decode(&out.tokens),
+                "logprobs": out.logprobs,
+                "top_logprobs": out.top_logprobs,
+                "finish_reason": out.finish_reason,
+                "timings": out.timings,
+                "threads": stage.threads(),
+                "isa": stage.isa().name(),
+            });
+            println!("{json}");
+        }
+    }
+    Ok(())
+}
+
+/// Turns a stream of token bytes into text, holding back an incomplete UTF-8 sequence until its
+/// remaining bytes arrive.
+#[derive(Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            Err(e) => e.valid_up_to() + e.error_len().unwrap_or(1),
+        };
+        let text = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
+        self.pending.drain(..valid);
+        text
+    }
+}

@@ -1,0 +1,90 @@
+//! Generation in one process: the whole model as one stage.
+
+use anyhow::{bail, Result};
+use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
+use serde::Serialize;
+use std::time::Instant;
+
+pub struct Request {
+    pub prompt_tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub top_logprobs: usize,
+    /// Keep going past end-of-generation tokens (as the reference runs do).
+    pub ignore_eos: bool,
+}
+
+#[derive(Serialize, Default, Debug)]
+pub struct Timings {
+    pub ttft_ms: f64,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    pub prefill_tok_per_s: f64,
+    pub decode_tok_per_s: f64,
+}
+
+pub struct Completion {
+    pub tokens: Vec<u32>,
+    /// The chosen token's log-probability, per generated token.
+    pub logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    pub finish_reason: &'static str,
+    pub timings: Timings,
+}
+
+/// Prefills the prompt in one forward, then decodes one token per forward until `max_tokens`,
+/// an end-of-generation token (unless ignored) or the context's end. `on_token` sees each token
+/// as it is chosen.
+pub fn generate(stage: &Stage, is_eog: impl Fn(u32) -> bool, req: &Request, mut on_token: impl FnMut(u32)) -> Result<Completion> {
+    if req.prompt_tokens.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let capacity = req.prompt_tokens.len() + req.max_tokens;
+    let mut kv = stage.new_kv(capacity);
+    if kv.capacity() < req.prompt_tokens.len() + 1 {
+        bail!("the prompt's {} tokens leave no room in the model's context of {}", req.prompt_tokens.len(), kv.capacity());
+    }
+    let start = Instant::now();
+    let mut out = Completion {
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+        top_logprobs: Vec::new(),
+        finish_reason: "length",
+        timings: Timings::default(),
+    };
+    let mut input = req.prompt_tokens.clone();
+    let mut decode_start = start;
+    while out.tokens.len() < req.max_tokens {
+        if kv.len() + input.len() > kv.capacity() {
+            out.finish_reason = "context";
+            break;
+        }
+        let result = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&input), logits: LogitRows::Last }])?;
+        let logits = &result[0].logits;
+        let token = dgr_engine::sample(logits, &req.sampling, kv.len() as u64);
+        let (lp, top) = dgr_engine::logprobs(logits, token, req.top_logprobs);
+        if out.tokens.is_empty() {
+            let t = start.elapsed().as_secs_f64();
+            out.timings.ttft_ms = t * 1e3;
+            out.timings.prefill_ms = t * 1e3;
+            out.timings.prefill_tok_per_s = req.prompt_tokens.len() as f64 / t;
+            decode_start = Instant::now();
+        }
+        out.tokens.push(token);
+        out.logprobs.push(lp);
+        out.top_logprobs.push(top);
+        on_token(token);
+        if !req.ignore_eos && is_eog(token) {
+            out.finish_reason = "stop";
+            break;
+        }
+        input = vec![token];
+    }
+    let decoded = out.tokens.len().saturating_sub(1);
+    if decoded > 0 {
+        let t = decode_start.elapsed().as_secs_f64();
+        out.timings.decode_ms = t * 1e3;
+        out.timings.decode_tok_per_s = decoded as f64 / t;
+    }
+    Ok(out)
+}

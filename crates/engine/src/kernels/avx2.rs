@@ -1,0 +1,149 @@
+//! AVX2 kernels: a pair of ymm registers holds the 16 canonical lanes (0..8, 8..16).
+
+use super::FastType;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct V16(__m256, __m256);
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16_pair(p: *const u8) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
+}
+
+/// Eight bytes at `p`, widened to i32 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn u8x8(p: *const u8) -> __m256i {
+    _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn i8x8(p: *const u8) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn bf16x8(p: *const u8) -> __m256 {
+    let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+    _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16x8(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+}
+
+/// `(q & 0xF) + bias` and `(q >> 4) + bias`, times `d`: Q4_0's two nibbles of eight bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn nib_lo(q: __m256i, d: __m256, bias: i32) -> __m256 {
+    let v = _mm256_add_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0xF)), _mm256_set1_epi32(bias));
+    _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn nib_hi(q: __m256i, d: __m256, bias: i32) -> __m256 {
+    let v = _mm256_add_epi32(_mm256_srli_epi32(q, 4), _mm256_set1_epi32(bias));
+    _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)
+}
+
+/// Q4_1's nibble at bit `shift` (0 or 4) of eight bytes, as `q * d + m`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn nib_fma(q: __m256i, shift: i32, d: __m256, m: __m256) -> __m256 {
+    let v = _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_set1_epi32(shift)), _mm256_set1_epi32(0xF));
+    _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m)
+}
+
+/// The two halves (elements 0..16 and 16..32) of one 32-element chunk, dequantized exactly.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dequant(ty: FastType, p: *const u8) -> (V16, V16) {
+    match ty {
+        FastType::F32 => {
+            let f = p as *const f32;
+            (
+                V16(_mm256_loadu_ps(f), _mm256_loadu_ps(f.add(8))),
+                V16(_mm256_loadu_ps(f.add(16)), _mm256_loadu_ps(f.add(24))),
+            )
+        }
+        FastType::F16 => (V16(f16x8(p), f16x8(p.add(16))), V16(f16x8(p.add(32)), f16x8(p.add(48)))),
+        FastType::Bf16 => (V16(bf16x8(p), bf16x8(p.add(16))), V16(bf16x8(p.add(32)), bf16x8(p.add(48)))),
+        FastType::Q4_0 => {
+            let d = _mm256_broadcastss_ps(f16_pair(p));
+            let (q0, q1) = (u8x8(p.add(2)), u8x8(p.add(10)));
+            (V16(nib_lo(q0, d, -8), nib_lo(q1, d, -8)), V16(nib_hi(q0, d, -8), nib_hi(q1, d, -8)))
+        }
+        FastType::Q4_1 => {
+            let dm = f16_pair(p);
+            let d = _mm256_broadcastss_ps(dm);
+            let m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+            let (q0, q1) = (u8x8(p.add(4)), u8x8(p.add(12)));
+            (
+                V16(nib_fma(q0, 0, d, m), nib_fma(q1, 0, d, m)),
+                V16(nib_fma(q0, 4, d, m), nib_fma(q1, 4, d, m)),
+            )
+        }
+        FastType::Q8_0 => {
+            let d = _mm256_broadcastss_ps(f16_pair(p));
+            (
+                V16(_mm256_mul_ps(i8x8(p.add(2)), d), _mm256_mul_ps(i8x8(p.add(10)), d)),
+                V16(_mm256_mul_ps(i8x8(p.add(18)), d), _mm256_mul_ps(i8x8(p.add(26)), d)),
+            )
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn fma16(w: V16, x: *const f32, acc: V16) -> V16 {
+    V16(_mm256_fmadd_ps(w.0, _mm256_loadu_ps(x), acc.0), _mm256_fmadd_ps(w.1, _mm256_loadu_ps(x.add(8)), acc.1))
+}
+
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `row` holds `nb` chunks; each `x[c]` holds `32 * nb` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
+    let mut acc = [V16(_mm256_setzero_ps(), _mm256_setzero_ps()); N];
+    let cb = ty.chunk_bytes();
+    for b in 0..nb {
+        let (lo, hi) = dequant(ty, row.add(b * cb));
+        for c in 0..N {
+            let xb = x[c].add(b * 32);
+            acc[c] = fma16(lo, xb, acc[c]);
+            acc[c] = fma16(hi, xb.add(16), acc[c]);
+        }
+    }
+    let mut out = [0f32; N];
+    for c in 0..N {
+        let mut l = [0f32; 16];
+        _mm256_storeu_ps(l.as_mut_ptr(), acc[c].0);
+        _mm256_storeu_ps(l.as_mut_ptr().add(8), acc[c].1);
+        out[c] = super::reduce16(&l);
+    }
+    out
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
+    super::scalar::dot::<N>(ty, row, x, nb)
+}

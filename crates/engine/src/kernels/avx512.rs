@@ -1,0 +1,90 @@
+//! AVX-512 kernels: one zmm register holds the 16 canonical lanes.
+
+use super::FastType;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+unsafe fn f16_pair(p: *const u8) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
+}
+
+/// The two halves (elements 0..16 and 16..32) of one 32-element chunk, dequantized exactly.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+unsafe fn dequant(ty: FastType, p: *const u8) -> (__m512, __m512) {
+    match ty {
+        FastType::F32 => (_mm512_loadu_ps(p as *const f32), _mm512_loadu_ps((p as *const f32).add(16))),
+        FastType::F16 => (
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32) as *const __m256i)),
+        ),
+        FastType::Bf16 => {
+            let lo = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)), 16);
+            let hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.add(32) as *const __m256i)), 16);
+            (_mm512_castsi512_ps(lo), _mm512_castsi512_ps(hi))
+        }
+        FastType::Q4_0 => {
+            let d = _mm512_broadcastss_ps(f16_pair(p));
+            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i));
+            let eight = _mm512_set1_epi32(8);
+            let lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xF)), eight);
+            let hi = _mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight);
+            (_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d), _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d))
+        }
+        FastType::Q4_1 => {
+            let dm = f16_pair(p);
+            let d = _mm512_broadcastss_ps(dm);
+            let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(4) as *const __m128i));
+            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF)));
+            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+            (_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m))
+        }
+        FastType::Q8_0 => {
+            let d = _mm512_broadcastss_ps(f16_pair(p));
+            let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i)));
+            let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i)));
+            (_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d))
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+unsafe fn reduce(v: __m512) -> f32 {
+    let mut l = [0f32; 16];
+    _mm512_storeu_ps(l.as_mut_ptr(), v);
+    super::reduce16(&l)
+}
+
+/// # Safety
+/// The CPU has AVX-512F/BW, FMA and F16C; `row` holds `nb` chunks; each `x[c]` holds `32 * nb` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
+    let mut acc = [_mm512_setzero_ps(); N];
+    let cb = ty.chunk_bytes();
+    for b in 0..nb {
+        let (lo, hi) = dequant(ty, row.add(b * cb));
+        for c in 0..N {
+            let xb = x[c].add(b * 32);
+            acc[c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[c]);
+            acc[c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[c]);
+        }
+    }
+    let mut out = [0f32; N];
+    for c in 0..N {
+        out[c] = reduce(acc[c]);
+    }
+    out
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
+    super::scalar::dot::<N>(ty, row, x, nb)
+}

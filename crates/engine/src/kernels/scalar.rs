@@ -1,0 +1,86 @@
+//! Portable kernels: the reference order, written out lane by lane.
+
+use super::{reduce16, FastType};
+use half::f16;
+
+#[inline(always)]
+fn rd16(p: *const u8) -> u16 {
+    // SAFETY: callers pass pointers inside a row whose length was checked.
+    unsafe { u16::from_le_bytes([*p, *p.add(1)]) }
+}
+
+/// Dequantizes the 32 elements starting at `p` (one block, or 32 plain values) exactly.
+#[inline(always)]
+unsafe fn dequant(ty: FastType, p: *const u8, w: &mut [f32; 32]) {
+    match ty {
+        FastType::F32 => {
+            for (i, v) in w.iter_mut().enumerate() {
+                *v = f32::from_le_bytes(std::ptr::read_unaligned(p.add(4 * i) as *const [u8; 4]));
+            }
+        }
+        FastType::F16 => {
+            for (i, v) in w.iter_mut().enumerate() {
+                *v = f16::from_bits(rd16(p.add(2 * i))).to_f32();
+            }
+        }
+        FastType::Bf16 => {
+            for (i, v) in w.iter_mut().enumerate() {
+                *v = f32::from_bits((rd16(p.add(2 * i)) as u32) << 16);
+            }
+        }
+        FastType::Q4_0 => {
+            let d = f16::from_bits(rd16(p)).to_f32();
+            for j in 0..16 {
+                let q = *p.add(2 + j);
+                w[j] = ((q & 0xF) as i32 - 8) as f32 * d;
+                w[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        FastType::Q4_1 => {
+            let d = f16::from_bits(rd16(p)).to_f32();
+            let m = f16::from_bits(rd16(p.add(2))).to_f32();
+            for j in 0..16 {
+                let q = *p.add(4 + j);
+                w[j] = ((q & 0xF) as f32).mul_add(d, m);
+                w[j + 16] = ((q >> 4) as f32).mul_add(d, m);
+            }
+        }
+        FastType::Q8_0 => {
+            let d = f16::from_bits(rd16(p)).to_f32();
+            for (j, v) in w.iter_mut().enumerate() {
+                *v = (*p.add(2 + j) as i8) as f32 * d;
+            }
+        }
+    }
+}
+
+/// # Safety
+/// `row` holds `nb` chunks of `ty`, and every `x[c]` holds `32 * nb` floats.
+pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
+    let mut acc = [[0f32; 16]; N];
+    let mut w = [0f32; 32];
+    for b in 0..nb {
+        dequant(ty, row.add(b * ty.chunk_bytes()), &mut w);
+        for c in 0..N {
+            let xb = x[c].add(b * 32);
+            for l in 0..16 {
+                acc[c][l] = w[l].mul_add(*xb.add(l), acc[c][l]);
+            }
+            for l in 0..16 {
+                acc[c][l] = w[16 + l].mul_add(*xb.add(16 + l), acc[c][l]);
+            }
+        }
+    }
+    std::array::from_fn(|c| reduce16(&acc[c]))
+}
+
+/// Element `i` of a plain (non-block) row, for the tail past the last whole 32.
+pub(super) fn element(ty: FastType, row: &[u8], i: usize) -> f32 {
+    match ty {
+        FastType::F32 => f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]),
+        FastType::F16 => f16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32(),
+        FastType::Bf16 => f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16),
+        // Block types have no tail: their rows are whole blocks of 32.
+        FastType::Q4_0 | FastType::Q4_1 | FastType::Q8_0 => 0.0,
+    }
+}

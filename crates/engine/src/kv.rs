@@ -1,0 +1,44 @@
+//! Per-sequence state: the keys and values a sequence has cached in one stage's layers.
+
+/// The KV cache of one sequence for one stage. It belongs to exactly one sequence and is only
+/// reachable through that sequence's handle, never shared.
+#[derive(Debug)]
+pub struct KvCache {
+    /// Per layer of the stage: keys and values, `len` rows of `kv_dim` floats each.
+    pub(crate) k: Vec<Vec<f32>>,
+    pub(crate) v: Vec<Vec<f32>>,
+    pub(crate) len: usize,
+    pub(crate) capacity: usize,
+    pub(crate) kv_dim: usize,
+    pub(crate) stage_id: u64,
+}
+
+impl KvCache {
+    /// Positions already cached (the next token's position).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes held for the cached positions.
+    pub fn bytes(&self) -> usize {
+        2 * self.k.len() * self.len * self.kv_dim * std::mem::size_of::<f32>()
+    }
+
+    /// Forgets positions from `len` on (keeps the first `len`).
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            self.len = len;
+            for l in self.k.iter_mut().chain(self.v.iter_mut()) {
+                l.truncate(len * self.kv_dim);
+            }
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Token choice and log-probabilities from a row of logits.
+//!
+//! Randomness is a pure function of (seed, position), so a session replayed on another route,
+//! or batched with other sessions, draws the same tokens.
+
+/// How the next token is chosen. `temperature <= 0` is greedy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all.
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+    }
+}
+
+/// A uniform draw in [0, 1) from (seed, position): SplitMix64 of the pair.
+fn uniform(seed: u64, position: u64) -> f64 {
+    let mut z = seed ^ position.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0x632B_E59B_D9B4_E019);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The first index of the largest logit (NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] || logits[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Chooses the token at `position` (the position the chosen token will occupy).
+pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
+    if p.temperature <= 0.0 || logits.is_empty() {
+        return argmax(logits);
+    }
+    let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, l)).collect();
+    if cand.is_empty() {
+        return argmax(logits);
+    }
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k);
+    }
+    let max = cand[0].1 as f64;
+    let t = p.temperature as f64;
+    let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|q| *q /= total);
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let keep = probs.iter().position(|q| {
+            acc += q;
+            acc >= p.top_p as f64
+        });
+        let keep = keep.map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= total);
+    }
+    let u = uniform(p.seed, position);
+    let mut acc = 0.0;
+    for (i, q) in probs.iter().enumerate() {
+        acc += q;
+        if u < acc {
+            return cand[i].0;
+        }
+    }
+    cand[probs.len() - 1].0
+}
+
+/// Natural-log softmax over the whole row, computed in f64: (logprob of `token`, top `k` as
+/// (id, logprob), most likely first, ties by lower id).
+pub fn logprobs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
+    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let lp = |i: usize| (logits[i] as f64 - lse) as f32;
+    let mut top: Vec<u32> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for i in 0..logits.len() as u32 {
+            let better = |a: u32, b: u32| logits[a as usize] > logits[b as usize] || (logits[a as usize] == logits[b as usize] && a < b);
+            if top.len() < k || better(i, top[top.len() - 1]) {
+                let at = top.iter().position(|&j| better(i, j)).unwrap_or(top.len());
+                top.insert(at, i);
+                top.truncate(k);
+            }
+        }
+    }
+    let token_lp = logits.get(token as usize).map_or(f32::NEG_INFINITY, |_| lp(token as usize));
+    (token_lp, top.into_iter().map(|i| (i, lp(i as usize))).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        assert_eq!(sample(&[1.0, 3.0, 3.0, -1.0], &SamplingParams::default(), 0), 1);
+    }
+
+    #[test]
+    fn sampling_is_a_function_of_seed_and_position() {
+        let logits: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
+        let p = SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, seed: 42 };
+        let a: Vec<u32> = (0..50).map(|pos| sample(&logits, &p, pos)).collect();
+        let b: Vec<u32> = (0..50).map(|pos| sample(&logits, &p, pos)).collect();
+        assert_eq!(a, b);
+        let other = SamplingParams { seed: 43, ..p };
+        assert_ne!(a, (0..50).map(|pos| sample(&logits, &other, pos)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let logits = [0.1f32, 2.0, 0.5];
+        let p = SamplingParams { temperature: 1.5, top_k: 1, top_p: 1.0, seed: 7 };
+        assert!((0..20).all(|pos| sample(&logits, &p, pos) == 1));
+    }
+
+    #[test]
+    fn logprobs_normalise_and_rank() {
+        let logits = [0.0f32, 1.0, 1.0, -2.0];
+        let (lp, top) = logprobs(&logits, 3, 3);
+        let total: f64 = logits.iter().map(|&l| ((l as f64) - 1.0).exp()).sum::<f64>();
+        assert!((lp as f64 - (-3.0 - total.ln())).abs() < 1e-6);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2, 0]);
+    }
+}

@@ -1,0 +1,414 @@
+//! A `Stage`: the weights of one contiguous layer range, and one batched forward over many
+//! sequences, each at its own positions.
+
+use crate::config::ModelConfig;
+use crate::kernels::Isa;
+use crate::kv::KvCache;
+use crate::matrix::{matmul, Matrix, Product};
+use crate::ops;
+use crate::pool::{share, ThreadPool};
+use crate::EngineError;
+use dgr_gguf::{GgmlType, Gguf};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Matrix,
+    wk: Matrix,
+    wv: Matrix,
+    bias: Option<[Vec<f32>; 3]>,
+    wo: Matrix,
+    ffn_norm: Vec<f32>,
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+struct Head {
+    norm: Vec<f32>,
+    w: Matrix,
+}
+
+/// What a sequence brings to a forward: token ids (first stage) or hidden rows (later stages).
+pub enum Input<'a> {
+    Tokens(&'a [u32]),
+    Hidden(&'a [f32]),
+}
+
+/// Which rows of a sequence want logits from the last stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    None,
+    Last,
+    All,
+}
+
+/// One sequence's part of a batched forward. Its rows take positions `kv.len()..`.
+pub struct SeqInput<'a> {
+    pub kv: &'a mut KvCache,
+    pub input: Input<'a>,
+    pub logits: LogitRows,
+}
+
+/// One sequence's result: hidden rows for the next stage (every row, when this stage is not
+/// the last) or logits (`vocab` floats per requested row, on the last stage).
+#[derive(Debug, Default)]
+pub struct SeqOutput {
+    pub hidden: Vec<f32>,
+    pub logits: Vec<f32>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct StageOptions {
+    pub threads: usize,
+    /// The instruction set to use; `None` picks the best this CPU has.
+    pub isa: Option<Isa>,
+}
+
+impl Default for StageOptions {
+    fn default() -> Self {
+        StageOptions { threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), isa: None }
+    }
+}
+
+pub struct Stage {
+    gguf: Arc<Gguf>,
+    cfg: ModelConfig,
+    range: Range<usize>,
+    embed: Option<Matrix>,
+    layers: Vec<Layer>,
+    head: Option<Head>,
+    isa: Isa,
+    pool: ThreadPool,
+    id: u64,
+}
+
+static NEXT_STAGE_ID: AtomicU64 = AtomicU64::new(1);
+
+fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
+    let t = g.tensor(name).ok_or_else(|| EngineError::MissingTensor(name.into()))?;
+    if t.dims != [len as u64] {
+        return Err(EngineError::BadShape { name: name.into(), expected: vec![len as u64], found: t.dims.clone() });
+    }
+    if !matches!(t.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+        return Err(EngineError::UnsupportedType { name: name.into(), ty: t.ty.name() });
+    }
+    let mut out = vec![0f32; len];
+    dgr_gguf::quant::dequantize_row(t.ty, g.tensor_data(t), &mut out)?;
+    Ok(out)
+}
+
+impl Stage {
+    /// Opens layers `range` of the model: only those layers' tensors, plus the embedding when
+    /// the range starts at 0 and the final norm and head when it ends at the last layer.
+    pub fn open(gguf: Arc<Gguf>, range: Range<usize>, opts: StageOptions) -> Result<Stage, EngineError> {
+        let cfg = ModelConfig::from_gguf(&gguf)?;
+        if range.start >= range.end || range.end > cfg.n_layers {
+            return Err(EngineError::BadLayerRange { start: range.start, end: range.end, n_layers: cfg.n_layers });
+        }
+        let g = &*gguf;
+        let (h, kvd, f) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
+        let embed = if range.start == 0 { Some(Matrix::load(g, "token_embd.weight", h, cfg.vocab)?) } else { None };
+        let mut layers = Vec::with_capacity(range.len());
+        for i in range.clone() {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let bias = if g.tensor(&n("attn_q.bias")).is_some() {
+                Some([vector(g, &n("attn_q.bias"), h)?, vector(g, &n("attn_k.bias"), kvd)?, vector(g, &n("attn_v.bias"), kvd)?])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: vector(g, &n("attn_norm.weight"), h)?,
+                wq: Matrix::load(g, &n("attn_q.weight"), h, h)?,
+                wk: Matrix::load(g, &n("attn_k.weight"), h, kvd)?,
+                wv: Matrix::load(g, &n("attn_v.weight"), h, kvd)?,
+                bias,
+                wo: Matrix::load(g, &n("attn_output.weight"), h, h)?,
+                ffn_norm: vector(g, &n("ffn_norm.weight"), h)?,
+                gate: Matrix::load(g, &n("ffn_gate.weight"), h, f)?,
+                up: Matrix::load(g, &n("ffn_up.weight"), h, f)?,
+                down: Matrix::load(g, &n("ffn_down.weight"), f, h)?,
+            });
+        }
+        let head = if range.end == cfg.n_layers {
+            let name = if g.tensor("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
+            Some(Head { norm: vector(g, "output_norm.weight", h)?, w: Matrix::load(g, name, h, cfg.vocab)? })
+        } else {
+            None
+        };
+        let isa = opts.isa.unwrap_or_else(Isa::detect);
+        Ok(Stage {
+            gguf,
+            cfg,
+            range,
+            embed,
+            layers,
+            head,
+            isa,
+            pool: ThreadPool::new(opts.threads),
+            id: NEXT_STAGE_ID.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn layers(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.embed.is_some()
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.head.is_some()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    pub fn gguf(&self) -> &Arc<Gguf> {
+        &self.gguf
+    }
+
+    /// Bytes of weights this stage reads.
+    pub fn weight_bytes(&self) -> usize {
+        let mats = self.layers.iter().map(|l| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.bytes()).sum::<usize>()
+                + 4 * (l.attn_norm.len() + l.ffn_norm.len())
+        });
+        let embed = self.embed.as_ref().map_or(0, |m| m.bytes());
+        let head = self.head.as_ref().filter(|_| self.embed.is_none() || self.gguf.tensor("output.weight").is_some());
+        mats.sum::<usize>() + embed + head.map_or(0, |h| h.w.bytes())
+    }
+
+    /// A fresh, empty KV cache for one sequence on this stage, holding at most `capacity`
+    /// positions (and never more than the model's context length).
+    pub fn new_kv(&self, capacity: usize) -> KvCache {
+        let n = self.layers.len();
+        KvCache {
+            k: vec![Vec::new(); n],
+            v: vec![Vec::new(); n],
+            len: 0,
+            capacity: capacity.min(self.cfg.context),
+            kv_dim: self.cfg.kv_dim(),
+            stage_id: self.id,
+        }
+    }
+
+    fn check(&self, s: &SeqInput) -> Result<usize, EngineError> {
+        if s.kv.stage_id != self.id {
+            return Err(EngineError::BadInput("KV cache belongs to another stage".into()));
+        }
+        let rows = match (&s.input, self.embed.is_some()) {
+            (Input::Tokens(t), true) => {
+                if let Some(&bad) = t.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+                    return Err(EngineError::TokenOutOfRange { token: bad, vocab: self.cfg.vocab });
+                }
+                t.len()
+            }
+            (Input::Hidden(x), false) => {
+                if x.len() % self.cfg.hidden != 0 {
+                    return Err(EngineError::BadInput(format!(
+                        "{} hidden floats are not whole rows of {}",
+                        x.len(),
+                        self.cfg.hidden
+                    )));
+                }
+                x.len() / self.cfg.hidden
+            }
+            (Input::Tokens(_), false) => return Err(EngineError::BadInput("token ids sent to a stage without the embedding".into())),
+            (Input::Hidden(_), true) => return Err(EngineError::BadInput("hidden rows sent to the first stage".into())),
+        };
+        if rows == 0 {
+            return Err(EngineError::BadInput("a sequence with no rows".into()));
+        }
+        let needed = s.kv.len + rows;
+        if needed > s.kv.capacity {
+            return Err(EngineError::ContextFull { needed, capacity: s.kv.capacity });
+        }
+        Ok(rows)
+    }
+
+    /// Runs every sequence's rows through this stage's layers in one batch. Each sequence's
+    /// result is bitwise what it would be alone: every operation is per row or per sequence,
+    /// and every reduction has a fixed order.
+    pub fn forward(&self, batch: &mut [SeqInput]) -> Result<Vec<SeqOutput>, EngineError> {
+        let mut rows_of = Vec::with_capacity(batch.len());
+        for s in batch.iter() {
+            rows_of.push(self.check(s)?);
+        }
+        let cfg = &self.cfg;
+        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+        let t_all: usize = rows_of.iter().sum();
+        let file = self.gguf.file_bytes();
+
+        // Row t belongs to sequence seq_of[t] at position pos_of[t].
+        let mut seq_of = Vec::with_capacity(t_all);
+        let mut pos_of = Vec::with_capacity(t_all);
+        let mut x = vec![0f32; t_all * h];
+        let mut t = 0;
+        for (si, s) in batch.iter().enumerate() {
+            for r in 0..rows_of[si] {
+                seq_of.push(si);
+                pos_of.push(s.kv.len + r);
+                let row = &mut x[t * h..(t + 1) * h];
+                match (&s.input, &self.embed) {
+                    (Input::Tokens(toks), Some(e)) => e.dequantize_row(file, toks[r] as usize, row)?,
+                    (Input::Hidden(hs), _) => row.copy_from_slice(&hs[r * h..(r + 1) * h]),
+                    (Input::Tokens(_), None) => unreachable!("checked above"),
+                }
+                t += 1;
+            }
+        }
+        let mut angles = Vec::new();
+        let rope: Vec<Vec<(f64, f64)>> = pos_of
+            .iter()
+            .map(|&p| {
+                ops::rope_angles(p, cfg.rope_dim, cfg.rope_base, &mut angles);
+                angles.clone()
+            })
+            .collect();
+
+        let mut xn = vec![0f32; t_all * h];
+        let (mut q, mut k, mut v) = (vec![0f32; t_all * h], vec![0f32; t_all * kvd], vec![0f32; t_all * kvd]);
+        let mut att = vec![0f32; t_all * h];
+        let mut o = vec![0f32; t_all * h];
+        let (mut gate, mut up) = (vec![0f32; t_all * cfg.ffn], vec![0f32; t_all * cfg.ffn]);
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            for t in 0..t_all {
+                ops::rms_norm(&x[t * h..(t + 1) * h], &layer.attn_norm, cfg.rms_eps, &mut xn[t * h..(t + 1) * h]);
+            }
+            matmul(
+                &self.pool,
+                self.isa,
+                file,
+                &xn,
+                t_all,
+                &mut [Product { w: &layer.wq, out: &mut q }, Product { w: &layer.wk, out: &mut k }, Product { w: &layer.wv, out: &mut v }],
+            );
+            for t in 0..t_all {
+                if let Some([bq, bk, bv]) = &layer.bias {
+                    add(&mut q[t * h..(t + 1) * h], bq);
+                    add(&mut k[t * kvd..(t + 1) * kvd], bk);
+                    add(&mut v[t * kvd..(t + 1) * kvd], bv);
+                }
+                ops::rope(&mut q[t * h..(t + 1) * h], hd, &rope[t], cfg.rope_style);
+                ops::rope(&mut k[t * kvd..(t + 1) * kvd], hd, &rope[t], cfg.rope_style);
+            }
+            let mut t0 = 0;
+            for (si, s) in batch.iter_mut().enumerate() {
+                let n = rows_of[si];
+                s.kv.k[li].extend_from_slice(&k[t0 * kvd..(t0 + n) * kvd]);
+                s.kv.v[li].extend_from_slice(&v[t0 * kvd..(t0 + n) * kvd]);
+                t0 += n;
+            }
+            self.attention(batch, li, &seq_of, &pos_of, &q, &mut att);
+            matmul(&self.pool, self.isa, file, &att, t_all, &mut [Product { w: &layer.wo, out: &mut o }]);
+            add(&mut x, &o);
+            for t in 0..t_all {
+                ops::rms_norm(&x[t * h..(t + 1) * h], &layer.ffn_norm, cfg.rms_eps, &mut xn[t * h..(t + 1) * h]);
+            }
+            matmul(
+                &self.pool,
+                self.isa,
+                file,
+                &xn,
+                t_all,
+                &mut [Product { w: &layer.gate, out: &mut gate }, Product { w: &layer.up, out: &mut up }],
+            );
+            ops::silu_mul(&mut gate, &up);
+            matmul(&self.pool, self.isa, file, &gate, t_all, &mut [Product { w: &layer.down, out: &mut o }]);
+            add(&mut x, &o);
+        }
+        for (si, s) in batch.iter_mut().enumerate() {
+            s.kv.len += rows_of[si];
+        }
+
+        let mut outputs: Vec<SeqOutput> = (0..batch.len()).map(|_| SeqOutput::default()).collect();
+        let Some(head) = &self.head else {
+            let mut t0 = 0;
+            for (si, out) in outputs.iter_mut().enumerate() {
+                out.hidden = x[t0 * h..(t0 + rows_of[si]) * h].to_vec();
+                t0 += rows_of[si];
+            }
+            return Ok(outputs);
+        };
+        // The rows that want logits, normed, in batch order.
+        let mut picked = Vec::new();
+        let mut t0 = 0;
+        for (si, s) in batch.iter().enumerate() {
+            let n = rows_of[si];
+            let rows = match s.logits {
+                LogitRows::None => 0..0,
+                LogitRows::Last => n - 1..n,
+                LogitRows::All => 0..n,
+            };
+            for r in rows {
+                picked.push((si, t0 + r));
+            }
+            t0 += n;
+        }
+        let mut hn = vec![0f32; picked.len() * h];
+        for (i, &(_, t)) in picked.iter().enumerate() {
+            ops::rms_norm(&x[t * h..(t + 1) * h], &head.norm, cfg.rms_eps, &mut hn[i * h..(i + 1) * h]);
+        }
+        let vocab = cfg.vocab;
+        let mut logits = vec![0f32; picked.len() * vocab];
+        matmul(&self.pool, self.isa, file, &hn, picked.len(), &mut [Product { w: &head.w, out: &mut logits }]);
+        for (i, &(si, _)) in picked.iter().enumerate() {
+            outputs[si].logits.extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
+        }
+        Ok(outputs)
+    }
+
+    /// Causal attention for every (row, head), spread over the pool. Row t's sequence has
+    /// already cached its keys and values up to and including position pos_of[t].
+    fn attention(&self, batch: &[SeqInput], li: usize, seq_of: &[usize], pos_of: &[usize], q: &[f32], att: &mut [f32]) {
+        let cfg = &self.cfg;
+        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+        let group = cfg.n_head / cfg.n_head_kv;
+        let jobs = seq_of.len() * cfg.n_head;
+        let out = SyncPtr(att.as_mut_ptr());
+        let caches: Vec<(&[f32], &[f32])> = batch.iter().map(|s| (&s.kv.k[li][..], &s.kv.v[li][..])).collect();
+        self.pool.run(&|i, n| {
+            let mut scores = Vec::new();
+            for job in share(jobs, i, n) {
+                let (t, head) = (job / cfg.n_head, job % cfg.n_head);
+                let (kc, vc) = caches[seq_of[t]];
+                // SAFETY: job (t, head) alone writes att[t*h + head*hd ..][..hd].
+                let dst = unsafe { std::slice::from_raw_parts_mut(out.at(t * h + head * hd), hd) };
+                let qh = &q[t * h + head * hd..t * h + (head + 1) * hd];
+                ops::attend(qh, kc, vc, pos_of[t] + 1, kvd, (head / group) * hd, &mut scores, dst);
+            }
+        });
+    }
+}
+
+struct SyncPtr(*mut f32);
+// SAFETY: used only for disjoint writes from pool participants.
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// (A method, so closures capture the whole wrapper rather than the raw pointer.)
+    fn at(&self, i: usize) -> *mut f32 {
+        // SAFETY: callers stay inside the buffer this pointer came from.
+        unsafe { self.0.add(i) }
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
