@@ -1,0 +1,186 @@
+//! GGUF writer, for fixtures and synthetic models. It writes what it is given: metadata the
+//! reader would reject (a bad alignment, over-deep arrays, version 1) is written as is, which
+//! lets tests build hostile files.
+
+use crate::error::GgufError;
+use crate::read::{ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAGIC};
+use crate::tensor::tensor_n_bytes;
+use crate::types::GgmlType;
+use crate::value::{type_id, Value};
+use std::path::Path;
+
+struct PendingTensor {
+    name: String,
+    ty: GgmlType,
+    dims: Vec<u64>,
+    data: Vec<u8>,
+}
+
+pub struct GgufWriter {
+    version: u32,
+    metadata: Vec<(String, Value)>,
+    tensors: Vec<PendingTensor>,
+}
+
+impl Default for GgufWriter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GgufWriter {
+    /// Version 3, alignment 32 unless a valid `general.alignment` is added.
+    pub fn new() -> Self {
+        GgufWriter {
+            version: 3,
+            metadata: Vec::new(),
+            tensors: Vec::new(),
+        }
+    }
+
+    /// Sets the header's version field (2 and 3 share a layout).
+    pub fn set_version(&mut self, version: u32) {
+        self.version = version;
+    }
+
+    /// Adds a key, or replaces its value in place if already present.
+    ///
+    /// # Panics
+    /// If an array (at any depth) mixes element types: GGUF arrays are homogeneous, so such a
+    /// value cannot be encoded. This is a caller bug, never caused by file contents.
+    pub fn add_metadata(&mut self, key: &str, value: Value) {
+        assert!(
+            is_homogeneous(&value),
+            "GGUF arrays must not mix element types (key {key:?})"
+        );
+        match self.metadata.iter_mut().find(|(k, _)| k == key) {
+            Some((_, v)) => *v = value,
+            None => self.metadata.push((key.to_owned(), value)),
+        }
+    }
+
+    /// Adds a tensor; `data` must be exactly the bytes its type and dims call for.
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        dims: &[u64],
+        data: Vec<u8>,
+    ) -> Result<(), GgufError> {
+        let n_bytes = tensor_n_bytes(name, ty, dims, None)?;
+        if data.len() as u64 != n_bytes {
+            return Err(GgufError::LengthMismatch {
+                what: "tensor data",
+                expected: n_bytes,
+                found: data.len() as u64,
+            });
+        }
+        if self.tensors.iter().any(|t| t.name == name) {
+            return Err(GgufError::DuplicateTensor {
+                tensor: name.to_owned(),
+                offset: None,
+            });
+        }
+        self.tensors.push(PendingTensor {
+            name: name.to_owned(),
+            ty,
+            dims: dims.to_vec(),
+            data,
+        });
+        Ok(())
+    }
+
+    fn alignment(&self) -> u64 {
+        match self.metadata.iter().find(|(k, _)| k == ALIGNMENT_KEY) {
+            Some((_, Value::U32(a))) if a.is_power_of_two() => (*a).into(),
+            _ => DEFAULT_ALIGNMENT,
+        }
+    }
+
+    /// The file: header, padding to the alignment, then each tensor at an aligned offset.
+    /// Nothing follows the last tensor, so every proper prefix of a file with tensors is invalid.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let align = self.alignment() as usize;
+        let mut offsets = Vec::with_capacity(self.tensors.len());
+        let mut data_len = 0usize;
+        for t in &self.tensors {
+            data_len = data_len.next_multiple_of(align);
+            offsets.push(data_len as u64);
+            data_len += t.data.len();
+        }
+
+        let mut out = Vec::new();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
+        for (key, value) in &self.metadata {
+            write_str(&mut out, key);
+            out.extend_from_slice(&value.type_id().to_le_bytes());
+            write_value(&mut out, value);
+        }
+        for (t, offset) in self.tensors.iter().zip(&offsets) {
+            write_str(&mut out, &t.name);
+            out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+            for d in &t.dims {
+                out.extend_from_slice(&d.to_le_bytes());
+            }
+            out.extend_from_slice(&t.ty.id().to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
+        }
+        let data_start = out.len().next_multiple_of(align);
+        out.resize(data_start, 0);
+        for (t, offset) in self.tensors.iter().zip(&offsets) {
+            out.resize(data_start + *offset as usize, 0);
+            out.extend_from_slice(&t.data);
+        }
+        out
+    }
+
+    pub fn write_to_path(&self, path: &Path) -> std::io::Result<()> {
+        std::fs::write(path, self.to_bytes())
+    }
+}
+
+fn is_homogeneous(value: &Value) -> bool {
+    match value {
+        Value::Array(items) => {
+            let first = items.first().map(Value::type_id);
+            items
+                .iter()
+                .all(|v| Some(v.type_id()) == first && is_homogeneous(v))
+        }
+        _ => true,
+    }
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn write_value(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::U8(v) => out.push(*v),
+        Value::I8(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::U16(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::I16(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::U32(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::I32(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::U64(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::I64(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::F32(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::F64(v) => out.extend_from_slice(&v.to_le_bytes()),
+        Value::Bool(v) => out.push(u8::from(*v)),
+        Value::String(s) => write_str(out, s),
+        Value::Array(items) => {
+            // An empty array's element type is not recoverable; u8 is as good as any.
+            let elem = items.first().map_or(type_id::U8, Value::type_id);
+            out.extend_from_slice(&elem.to_le_bytes());
+            out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            for item in items {
+                write_value(out, item);
+            }
+        }
+    }
+}
