@@ -56,7 +56,8 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// A dot product in sixteen fixed lanes.
+/// A dot product in sixteen fixed lanes. Plain multiply-adds, not `mul_add`: without FMA in the
+/// compile target that would be a libm call, and the order is fixed either way.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 16];
@@ -64,12 +65,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let whole = n / 16 * 16;
     for (ca, cb) in a[..whole].chunks_exact(16).zip(b[..whole].chunks_exact(16)) {
         for l in 0..16 {
-            lanes[l] = ca[l].mul_add(cb[l], lanes[l]);
+            lanes[l] += ca[l] * cb[l];
         }
     }
     let mut s = crate::kernels::reduce16(&lanes);
     for i in whole..n {
-        s = a[i].mul_add(b[i], s);
+        s += a[i] * b[i];
     }
     s
 }
@@ -99,7 +100,7 @@ pub fn attend(q: &[f32], k: &[f32], v: &[f32], n_ctx: usize, stride: usize, offs
         let vr = &v[j * stride + offset..j * stride + offset + hd];
         let w = p * inv;
         for (o, x) in out.iter_mut().zip(vr) {
-            *o = w.mul_add(*x, *o);
+            *o += w * x;
         }
     }
 }
