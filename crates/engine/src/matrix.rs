@@ -1,6 +1,6 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
-use crate::kernels::{self, FastType, Isa};
+use crate::kernels::{self, FastType, Isa, Rows};
 use crate::pool::{share, ThreadPool};
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
@@ -66,9 +66,15 @@ struct SendPtr(*mut f32);
 unsafe impl Sync for SendPtr {}
 unsafe impl Send for SendPtr {}
 
-/// Columns per tile: the tile of activations stays in L2 while the weight rows stream by.
+/// Columns per tile: as many as keep the tile of activations in L1 (at most a kernel's width),
+/// so each weight block is dequantized once per tile and multiplied from registers and L1.
 fn tile_cols(k: usize) -> usize {
-    ((128 * 1024) / (4 * k.max(1))).clamp(kernels::MAX_COLS, 256) / kernels::MAX_COLS * kernels::MAX_COLS
+    match (24 * 1024) / (4 * k.max(1)) {
+        n if n >= 8 => 8,
+        n if n >= 4 => 4,
+        n if n >= 2 => 2,
+        _ => 1,
+    }
 }
 
 /// Computes every product for the `n` columns of `x` (each `k` floats, contiguous) in one pool
@@ -82,37 +88,38 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, file: &[u8], x: &[f32], n: usi
     let ws: Vec<&Matrix> = products.iter().map(|p| p.w).collect();
     pool.run(&|i, threads| {
         let mut scratch = Vec::new();
-        let mut sums = [0f32; kernels::MAX_COLS];
         for (w, out) in ws.iter().zip(&outs) {
-            let k = w.k;
+            let (k, rows) = (w.k, share(w.rows, i, threads));
+            if rows.is_empty() {
+                continue;
+            }
             let tile = tile_cols(k);
-            let rows = share(w.rows, i, threads);
-            for c0 in (0..n).step_by(tile) {
-                let c1 = (c0 + tile).min(n);
-                for r in rows.clone() {
-                    let (ty, row) = match w.fast {
-                        Some(ty) => (ty, w.row(file, r)),
-                        None => {
-                            scratch.resize(k, 0f32);
-                            // Checked at load: the row length is whole blocks of this type.
+            let mut c0 = 0;
+            while c0 < n {
+                let g = kernels::group((n - c0).min(tile));
+                let xs: [&[f32]; kernels::MAX_COLS] =
+                    std::array::from_fn(|j| if j < g { &x[(c0 + j) * k..(c0 + j + 1) * k] } else { &[] });
+                // SAFETY (both calls below): this participant alone writes rows `rows` of
+                // columns c0..c0 + g of `out`, which the assert above keeps in bounds.
+                let dst = unsafe { out.0.add(c0 * w.rows + rows.start) };
+                match w.fast {
+                    Some(ty) => {
+                        let bytes = &file[w.offset + rows.start * w.row_bytes..w.offset + rows.end * w.row_bytes];
+                        unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes }, k, &xs[..g], dst, w.rows) };
+                    }
+                    None => {
+                        // Types without a SIMD dequantizer: one row at a time through f32.
+                        scratch.resize(k, 0f32);
+                        for r in rows.clone() {
                             if dgr_gguf::quant::dequantize_row(w.ty, w.row(file, r), &mut scratch).is_err() {
-                                scratch.iter_mut().for_each(|v| *v = f32::NAN);
+                                scratch.iter_mut().for_each(|v| *v = f32::NAN); // unreachable: checked at load
                             }
-                            (FastType::F32, as_bytes(&scratch))
-                        }
-                    };
-                    for g0 in (c0..c1).step_by(kernels::MAX_COLS) {
-                        let g1 = (g0 + kernels::MAX_COLS).min(c1);
-                        let xs: [&[f32]; kernels::MAX_COLS] =
-                            std::array::from_fn(|j| if g0 + j < g1 { &x[(g0 + j) * k..(g0 + j + 1) * k] } else { &[] });
-                        kernels::dot_row(isa, ty, row, k, &xs[..g1 - g0], &mut sums[..g1 - g0]);
-                        for (j, s) in sums[..g1 - g0].iter().enumerate() {
-                            // SAFETY: row r of column g0 + j is inside `out` (asserted above) and
-                            // only this participant owns row r.
-                            unsafe { *out.0.add((g0 + j) * w.rows + r) = *s };
+                            let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k };
+                            unsafe { kernels::gemv(isa, &f, k, &xs[..g], dst.add(r - rows.start), w.rows) };
                         }
                     }
                 }
+                c0 += g;
             }
         }
     });

@@ -119,31 +119,53 @@ unsafe fn fma16(w: V16, x: *const f32, acc: V16) -> V16 {
 }
 
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; `row` holds `nb` chunks; each `x[c]` holds `32 * nb` floats.
+/// The CPU has AVX2, FMA and F16C; `w` holds `n_rows` rows of `row_bytes` bytes, each at least `nb` chunks; each `x[c]`
+/// holds `32 * nb` floats; `out` has room for index `(N - 1) * stride + n_rows - 1`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
-    let mut acc = [V16(_mm256_setzero_ps(), _mm256_setzero_ps()); N];
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemv<const N: usize>(
+    ty: FastType,
+    w: *const u8,
+    row_bytes: usize,
+    n_rows: usize,
+    x: &[*const f32; N],
+    nb: usize,
+    out: *mut f32,
+    stride: usize,
+) {
     let cb = ty.chunk_bytes();
-    for b in 0..nb {
-        let (lo, hi) = dequant(ty, row.add(b * cb));
+    for r in 0..n_rows {
+        let row = w.add(r * row_bytes);
+        let mut acc = [V16(_mm256_setzero_ps(), _mm256_setzero_ps()); N];
+        for b in 0..nb {
+            let (lo, hi) = dequant(ty, row.add(b * cb));
+            for c in 0..N {
+                let xb = x[c].add(b * 32);
+                acc[c] = fma16(lo, xb, acc[c]);
+                acc[c] = fma16(hi, xb.add(16), acc[c]);
+            }
+        }
         for c in 0..N {
-            let xb = x[c].add(b * 32);
-            acc[c] = fma16(lo, xb, acc[c]);
-            acc[c] = fma16(hi, xb.add(16), acc[c]);
+            let mut l = [0f32; 16];
+            _mm256_storeu_ps(l.as_mut_ptr(), acc[c].0);
+            _mm256_storeu_ps(l.as_mut_ptr().add(8), acc[c].1);
+            *out.add(c * stride + r) = super::reduce16(&l);
         }
     }
-    let mut out = [0f32; N];
-    for c in 0..N {
-        let mut l = [0f32; 16];
-        _mm256_storeu_ps(l.as_mut_ptr(), acc[c].0);
-        _mm256_storeu_ps(l.as_mut_ptr().add(8), acc[c].1);
-        out[c] = super::reduce16(&l);
-    }
-    out
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
-    super::scalar::dot::<N>(ty, row, x, nb)
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemv<const N: usize>(
+    ty: FastType,
+    w: *const u8,
+    row_bytes: usize,
+    n_rows: usize,
+    x: &[*const f32; N],
+    nb: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    super::scalar::gemv::<N>(ty, w, row_bytes, n_rows, x, nb, out, stride)
 }

@@ -63,28 +63,50 @@ unsafe fn reduce(v: __m512) -> f32 {
 }
 
 /// # Safety
-/// The CPU has AVX-512F/BW, FMA and F16C; `row` holds `nb` chunks; each `x[c]` holds `32 * nb` floats.
+/// The CPU has AVX-512F/BW, FMA and F16C; `w` holds `n_rows` rows of `row_bytes` bytes, each at least `nb` chunks; each `x[c]`
+/// holds `32 * nb` floats; `out` has room for index `(N - 1) * stride + n_rows - 1`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
-    let mut acc = [_mm512_setzero_ps(); N];
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemv<const N: usize>(
+    ty: FastType,
+    w: *const u8,
+    row_bytes: usize,
+    n_rows: usize,
+    x: &[*const f32; N],
+    nb: usize,
+    out: *mut f32,
+    stride: usize,
+) {
     let cb = ty.chunk_bytes();
-    for b in 0..nb {
-        let (lo, hi) = dequant(ty, row.add(b * cb));
+    for r in 0..n_rows {
+        let row = w.add(r * row_bytes);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..nb {
+            let (lo, hi) = dequant(ty, row.add(b * cb));
+            for c in 0..N {
+                let xb = x[c].add(b * 32);
+                acc[c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[c]);
+                acc[c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[c]);
+            }
+        }
         for c in 0..N {
-            let xb = x[c].add(b * 32);
-            acc[c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[c]);
-            acc[c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[c]);
+            *out.add(c * stride + r) = reduce(acc[c]);
         }
     }
-    let mut out = [0f32; N];
-    for c in 0..N {
-        out[c] = reduce(acc[c]);
-    }
-    out
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
-    super::scalar::dot::<N>(ty, row, x, nb)
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemv<const N: usize>(
+    ty: FastType,
+    w: *const u8,
+    row_bytes: usize,
+    n_rows: usize,
+    x: &[*const f32; N],
+    nb: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    super::scalar::gemv::<N>(ty, w, row_bytes, n_rows, x, nb, out, stride)
 }

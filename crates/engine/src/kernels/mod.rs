@@ -52,55 +52,69 @@ impl FastType {
     }
 }
 
-/// The widest column group a kernel call handles; wider batches are split into groups of 8/4/2/1.
+/// The widest column group a kernel call handles.
 pub(crate) const MAX_COLS: usize = 8;
 
-/// Dot products of one weight row with `xs.len()` activation columns, each of length `k`.
-/// `row` holds the row's bytes in `ty`'s layout; `k` is a multiple of 32 for block types.
-pub(crate) fn dot_row(isa: Isa, ty: FastType, row: &[u8], k: usize, xs: &[&[f32]], out: &mut [f32]) {
-    debug_assert_eq!(xs.len(), out.len());
-    let mut c = 0;
-    while c < xs.len() {
-        let n = match xs.len() - c {
-            n if n >= 8 => 8,
-            n if n >= 4 => 4,
-            n if n >= 2 => 2,
-            _ => 1,
-        };
-        let group = &xs[c..c + n];
-        let dst = &mut out[c..c + n];
-        match n {
-            8 => dispatch::<8>(isa, ty, row, k, group, dst),
-            4 => dispatch::<4>(isa, ty, row, k, group, dst),
-            2 => dispatch::<2>(isa, ty, row, k, group, dst),
-            _ => dispatch::<1>(isa, ty, row, k, group, dst),
+/// Rows of a weight matrix, all in `ty`'s layout: `bytes` holds `n_rows` rows of `row_bytes`.
+pub(crate) struct Rows<'a> {
+    pub ty: FastType,
+    pub bytes: &'a [u8],
+    pub row_bytes: usize,
+}
+
+/// `out[c * stride + r] = row r · xs[c]` for every row of `w` and every column, where each row
+/// has `k` elements (`k` a multiple of 32 for block types).
+///
+/// # Safety
+/// `out` is valid for writes at every such index, and nothing else accesses those elements
+/// during the call (other threads may write other rows of the same buffer).
+pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
+    match xs.len() {
+        8 => dispatch::<8>(isa, w, k, xs, out, stride),
+        4 => dispatch::<4>(isa, w, k, xs, out, stride),
+        2 => dispatch::<2>(isa, w, k, xs, out, stride),
+        1 => dispatch::<1>(isa, w, k, xs, out, stride),
+        n => {
+            for c in 0..n {
+                dispatch::<1>(isa, w, k, &xs[c..c + 1], out.add(c * stride), stride);
+            }
         }
-        c += n;
     }
 }
 
-fn dispatch<const N: usize>(isa: Isa, ty: FastType, row: &[u8], k: usize, xs: &[&[f32]], out: &mut [f32]) {
+/// The widest group (8, 4, 2 or 1 columns) that `n` remaining columns fill.
+pub(crate) fn group(n: usize) -> usize {
+    match n {
+        n if n >= 8 => 8,
+        n if n >= 4 => 4,
+        n if n >= 2 => 2,
+        _ => 1,
+    }
+}
+
+/// # Safety
+/// As for `gemv`.
+unsafe fn dispatch<const N: usize>(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
     let nb = k / 32;
-    assert!(row.len() >= nb * ty.chunk_bytes() && xs.iter().all(|x| x.len() >= k));
+    let n_rows = w.bytes.len() / w.row_bytes.max(1);
+    assert!(xs.len() == N && w.row_bytes >= nb * w.ty.chunk_bytes() && xs.iter().all(|x| x.len() >= k));
     let xp: [*const f32; N] = std::array::from_fn(|i| xs[i].as_ptr());
-    // SAFETY: the assert above bounds every read; `isa` was detected on this CPU.
-    let sums: [f32; N] = unsafe {
-        match isa {
-            Isa::Avx512 => avx512::dot::<N>(ty, row.as_ptr(), &xp, nb),
-            Isa::Avx2 => avx2::dot::<N>(ty, row.as_ptr(), &xp, nb),
-            Isa::Scalar => scalar::dot::<N>(ty, row.as_ptr(), &xp, nb),
-        }
-    };
-    let tail = k - nb * 32;
-    for i in 0..N {
-        let mut s = sums[i];
-        if tail > 0 {
-            let t0 = nb * 32;
-            for j in 0..tail {
-                s = scalar::element(ty, row, t0 + j).mul_add(xs[i][t0 + j], s);
+    let (p, rb) = (w.bytes.as_ptr(), w.row_bytes);
+    // The asserts above bound every read, the caller every write; `isa` was detected on this CPU.
+    match isa {
+        Isa::Avx512 => avx512::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+        Isa::Avx2 => avx2::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+        Isa::Scalar => scalar::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+    }
+    // Plain rows whose length is not a multiple of 32 finish sequentially.
+    for r in 0..n_rows {
+        let row = &w.bytes[r * rb..(r + 1) * rb];
+        for (c, x) in xs.iter().enumerate() {
+            for j in nb * 32..k {
+                let o = out.add(c * stride + r);
+                *o = scalar::element(w.ty, row, j).mul_add(x[j], *o);
             }
         }
-        out[i] = s;
     }
 }
 

@@ -55,23 +55,40 @@ unsafe fn dequant(ty: FastType, p: *const u8, w: &mut [f32; 32]) {
 }
 
 /// # Safety
-/// `row` holds `nb` chunks of `ty`, and every `x[c]` holds `32 * nb` floats.
-pub(super) unsafe fn dot<const N: usize>(ty: FastType, row: *const u8, x: &[*const f32; N], nb: usize) -> [f32; N] {
-    let mut acc = [[0f32; 16]; N];
-    let mut w = [0f32; 32];
-    for b in 0..nb {
-        dequant(ty, row.add(b * ty.chunk_bytes()), &mut w);
-        for c in 0..N {
-            let xb = x[c].add(b * 32);
-            for l in 0..16 {
-                acc[c][l] = w[l].mul_add(*xb.add(l), acc[c][l]);
-            }
-            for l in 0..16 {
-                acc[c][l] = w[16 + l].mul_add(*xb.add(16 + l), acc[c][l]);
+/// `w` holds `n_rows` rows of `row_bytes` bytes, each at least `nb` chunks; each `x[c]`
+/// holds `32 * nb` floats; `out` has room for index `(N - 1) * stride + n_rows - 1`.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemv<const N: usize>(
+    ty: FastType,
+    w: *const u8,
+    row_bytes: usize,
+    n_rows: usize,
+    x: &[*const f32; N],
+    nb: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let cb = ty.chunk_bytes();
+    for r in 0..n_rows {
+        let row = w.add(r * row_bytes);
+        let mut acc = [[0f32; 16]; N];
+        let mut w = [0f32; 32];
+        for b in 0..nb {
+            dequant(ty, row.add(b * cb), &mut w);
+            for c in 0..N {
+                let xb = x[c].add(b * 32);
+                for l in 0..16 {
+                    acc[c][l] = w[l].mul_add(*xb.add(l), acc[c][l]);
+                }
+                for l in 0..16 {
+                    acc[c][l] = w[16 + l].mul_add(*xb.add(16 + l), acc[c][l]);
+                }
             }
         }
+        for c in 0..N {
+            *out.add(c * stride + r) = reduce16(&acc[c]);
+        }
     }
-    std::array::from_fn(|c| reduce16(&acc[c]))
 }
 
 /// Element `i` of a plain (non-block) row, for the tail past the last whole 32.
