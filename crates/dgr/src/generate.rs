@@ -53,6 +53,9 @@ pub fn run(a: Args) -> Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) || !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--temperature must be ≥ 0 and --top-p in (0, 1]");
     }
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
     let g = a.model.open()?;
     let tok = Tokenizer::from_gguf(&g)?;
     let text = if a.chat {

@@ -44,6 +44,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads.get(), isa: None })?;
+    let vocab = stage.config().vocab;
+    if let Some(t) = continuation.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {t} in --continuation is outside the vocabulary of {vocab}");
+    }
     let steps = score(&stage, &prompt_tokens, &continuation, a.top_logprobs)?;
     println!("{}", serde_json::json!({ "prompt_tokens": prompt_tokens, "steps": steps }));
     Ok(())
