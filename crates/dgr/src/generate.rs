@@ -1,4 +1,5 @@
 use crate::local::{self, Request};
+use crate::routed;
 use crate::model::{ModelArg, ThreadsArg};
 use anyhow::{bail, Result};
 use dgr_engine::{SamplingParams, Stage, StageOptions};
@@ -41,6 +42,8 @@ pub struct Args {
     /// Output: text (streamed) or json
     #[arg(long, default_value = "text")]
     format: Format,
+    #[command(flatten)]
+    route: routed::RouteArgs,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
@@ -63,29 +66,41 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let prompt_tokens = tok.encode_prompt(&text)?;
-    let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
-    let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads.get(), isa: None })?;
     let req = Request {
-        prompt_tokens,
+        prompt_tokens: tok.encode_prompt(&text)?,
         max_tokens: a.max_tokens,
         sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         top_logprobs: a.top_logprobs,
         ignore_eos: a.ignore_eos,
     };
     let mut stream = Utf8Stream::default();
-    let stdout = std::io::stdout();
-    let out = local::generate(&stage, |t| tok.is_eog(t), &req, |t| {
-        if a.format == Format::Text {
-            let mut o = stdout.lock();
+    let text_format = a.format == Format::Text;
+    let mut print = |t: u32| {
+        if text_format {
+            let mut o = std::io::stdout().lock();
             let _ = o.write_all(stream.push(&tok.token_bytes(t).unwrap_or_default()).as_bytes());
             let _ = o.flush();
         }
-    })?;
+    };
+    let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+    let (out, extra) = if a.route.route.is_some() || a.route.split.is_some() {
+        let is_eog = |t: u32| tok.is_eog(t);
+        match routed::generate(&a.route, &a.model.path()?, n_layers, a.threads.get(), &req, &is_eog, &mut print)? {
+            Ok(v) => v,
+            Err(e) => {
+                println!("{}", serde_json::json!({ "error": e }));
+                std::process::exit(2);
+            }
+        }
+    } else {
+        let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads.get(), isa: None })?;
+        let out = local::generate(&stage, |t| tok.is_eog(t), &req, &mut print)?;
+        (out, serde_json::json!({ "threads": stage.threads(), "isa": stage.isa().name() }))
+    };
     match a.format {
         Format::Text => println!(),
         Format::Json => {
-            let json = serde_json::json!({
+            let mut json = serde_json::json!({
                 "prompt_tokens": req.prompt_tokens,
                 "tokens": out.tokens,
                 "text": tok.decode(&out.tokens),
@@ -93,9 +108,10 @@ pub fn run(a: Args) -> Result<()> {
                 "top_logprobs": out.top_logprobs,
                 "finish_reason": out.finish_reason,
                 "timings": out.timings,
-                "threads": stage.threads(),
-                "isa": stage.isa().name(),
             });
+            if let (Some(j), serde_json::Value::Object(e)) = (json.as_object_mut(), extra) {
+                j.extend(e);
+            }
             println!("{json}");
         }
     }

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Result};
 use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
-use serde::Serialize;
+use dgr_gateway::Completion;
 use std::time::Instant;
 
 pub struct Request {
@@ -12,24 +12,6 @@ pub struct Request {
     pub top_logprobs: usize,
     /// Keep going past end-of-generation tokens (as the reference runs do).
     pub ignore_eos: bool,
-}
-
-#[derive(Serialize, Default, Debug)]
-pub struct Timings {
-    pub ttft_ms: f64,
-    pub prefill_ms: f64,
-    pub decode_ms: f64,
-    pub prefill_tok_per_s: f64,
-    pub decode_tok_per_s: f64,
-}
-
-pub struct Completion {
-    pub tokens: Vec<u32>,
-    /// The chosen token's log-probability, per generated token.
-    pub logprobs: Vec<f32>,
-    pub top_logprobs: Vec<Vec<(u32, f32)>>,
-    pub finish_reason: &'static str,
-    pub timings: Timings,
 }
 
 /// Prefills the prompt in one forward, then decodes one token per forward until `max_tokens`,
@@ -45,18 +27,12 @@ pub fn generate(stage: &Stage, is_eog: impl Fn(u32) -> bool, req: &Request, mut 
         bail!("the prompt's {} tokens leave no room in the model's context of {}", req.prompt_tokens.len(), kv.capacity());
     }
     let start = Instant::now();
-    let mut out = Completion {
-        tokens: Vec::new(),
-        logprobs: Vec::new(),
-        top_logprobs: Vec::new(),
-        finish_reason: "length",
-        timings: Timings::default(),
-    };
+    let mut out = Completion { finish_reason: "length".into(), ..Default::default() };
     let mut input = req.prompt_tokens.clone();
     let mut decode_start = start;
     while out.tokens.len() < req.max_tokens {
         if kv.len() + input.len() > kv.capacity() {
-            out.finish_reason = "context";
+            out.finish_reason = "context".into();
             break;
         }
         let result = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&input), logits: LogitRows::Last }])?;
@@ -75,7 +51,7 @@ pub fn generate(stage: &Stage, is_eog: impl Fn(u32) -> bool, req: &Request, mut 
         out.top_logprobs.push(top);
         on_token(token);
         if !req.ignore_eos && is_eog(token) {
-            out.finish_reason = "stop";
+            out.finish_reason = "stop".into();
             break;
         }
         input = vec![token];

@@ -5,9 +5,12 @@ mod generate;
 mod inspect;
 mod local;
 mod model;
+mod routed;
 mod score;
+mod swarm;
 mod synth;
 mod tokenize;
+mod worker;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +27,8 @@ enum Command {
     Tokenize(tokenize::Args),
     /// Generate a completion of a prompt.
     Generate(generate::Args),
+    /// Serve a layer range of a model as one stage of a route.
+    Worker(worker::Args),
     /// Teacher-forced log-probabilities of a given continuation of a prompt.
     Score(score::Args),
     /// Print a GGUF file's architecture, hyperparameters and tensors.
@@ -41,6 +46,7 @@ fn main() {
         Command::Tokenize(a) => tokenize::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Score(a) => score::run(a),
+        Command::Worker(a) => worker::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Bench(c) => bench::run(c),

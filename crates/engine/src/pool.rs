@@ -1,8 +1,9 @@
 //! A persistent thread pool: one job at a time, split by the job itself over `n` participants.
 //!
 //! Decode runs a few hundred short parallel steps per token, so workers spin briefly between
-//! jobs instead of sleeping (a futex wake per step would cost more than the step), and fall
-//! asleep only after a while without work.
+//! jobs instead of sleeping (a futex wake per step would cost more than the step). The spin is
+//! short and then yields the core, so that other processes on the host (the other stages of a
+//! route) get it; after a while without work, workers sleep.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
@@ -30,8 +31,8 @@ pub struct ThreadPool {
     caller: Mutex<()>,
 }
 
-const SPINS: u32 = 1 << 15;
-const YIELDS: u32 = 1 << 10;
+const SPINS: u32 = 1 << 11;
+const YIELDS: u32 = 1 << 12;
 
 impl ThreadPool {
     /// A pool of `n` participants: the calling thread plus `n - 1` workers (n = 0 counts as 1).
@@ -79,8 +80,14 @@ impl ThreadPool {
             s.bell.1.notify_all();
         }
         f(0, n);
+        let mut spins = 0u32;
         while s.pending.load(Acquire) != 0 {
-            std::hint::spin_loop();
+            spins += 1;
+            if spins < SPINS {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
     }
 }

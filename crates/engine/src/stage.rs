@@ -205,7 +205,9 @@ impl Stage {
         }
     }
 
-    fn check(&self, s: &SeqInput) -> Result<usize, EngineError> {
+    /// Checks one sequence's input as `forward` would, returning its row count, so a caller can
+    /// turn away one bad sequence without failing a whole batch.
+    pub fn check(&self, s: &SeqInput) -> Result<usize, EngineError> {
         if s.kv.stage_id != self.id {
             return Err(EngineError::BadInput("KV cache belongs to another stage".into()));
         }

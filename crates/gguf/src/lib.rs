@@ -3,6 +3,7 @@
 
 mod error;
 mod gguf;
+mod identity;
 mod paths;
 pub mod quant;
 mod read;
@@ -13,6 +14,7 @@ mod write;
 
 pub use error::GgufError;
 pub use gguf::Gguf;
+pub use identity::model_id;
 pub use paths::{default_model_path, DEFAULT_MODEL_FILE};
 pub use tensor::{TensorInfo, MAX_DIMS};
 pub use types::GgmlType;

@@ -2,23 +2,7 @@
 
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
-use std::io::Read;
 use std::path::{Path, PathBuf};
-
-pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
-}
 
 fn cpu() -> Value {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
@@ -32,7 +16,7 @@ fn cpu() -> Value {
 pub fn write(dir: &Path, name: &str, model: &Path, extra: Value) -> Result<PathBuf> {
     let mut rec = json!({
         "bench": name,
-        "model": { "path": model.display().to_string(), "sha256": sha256_file(model)? },
+        "model": { "path": model.display().to_string(), "sha256": dgr_gguf::model_id(model).with_context(|| format!("hashing {}", model.display()))? },
         "dgr": { "version": env!("CARGO_PKG_VERSION"), "commit": env!("DGR_COMMIT") },
         "cpu": cpu(),
         "command": std::env::args().collect::<Vec<_>>(),

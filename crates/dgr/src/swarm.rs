@@ -1,0 +1,70 @@
+//! A quick local route: N worker processes on loopback with even layer ranges.
+
+use anyhow::{bail, Context, Result};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct LocalSwarm {
+    children: Vec<Child>,
+    pub addrs: Vec<String>,
+}
+
+/// Layer ranges of `n` stages over `layers` layers, as even as they divide.
+pub fn even_split(layers: usize, n: usize) -> Vec<std::ops::Range<usize>> {
+    (0..n).map(|i| layers * i / n..layers * (i + 1) / n).collect()
+}
+
+impl LocalSwarm {
+    /// Starts one `dgr worker` per stage and waits until each is listening.
+    pub fn start(model: &Path, layers: usize, n: usize, threads: usize) -> Result<LocalSwarm> {
+        if n == 0 || n > layers {
+            bail!("--split {n}: the model has {layers} layers");
+        }
+        let exe = std::env::current_exe().context("locating the dgr executable")?;
+        let mut swarm = LocalSwarm { children: Vec::new(), addrs: Vec::new() };
+        for r in even_split(layers, n) {
+            let child = Command::new(&exe)
+                .args(["worker", "--listen", "127.0.0.1:0", "--layers", &format!("{}..{}", r.start, r.end)])
+                .arg("--threads")
+                .arg(threads.to_string())
+                .arg("--model")
+                .arg(model)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .context("starting a worker")?;
+            swarm.children.push(child);
+        }
+        for c in swarm.children.iter_mut() {
+            let mut line = String::new();
+            let mut out = BufReader::new(c.stdout.take().context("worker stdout")?);
+            if out.read_line(&mut line)? == 0 {
+                bail!("a local worker failed to start (its error is above)");
+            }
+            let v: serde_json::Value = serde_json::from_str(&line).context("reading a worker's ready line")?;
+            swarm.addrs.push(v["listening"].as_str().context("worker did not say where it listens")?.to_string());
+        }
+        Ok(swarm)
+    }
+}
+
+impl Drop for LocalSwarm {
+    /// SIGTERM, a short wait for a clean exit, then SIGKILL.
+    fn drop(&mut self) {
+        for c in &self.children {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for c in self.children.iter_mut() {
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

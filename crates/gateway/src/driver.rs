@@ -1,0 +1,258 @@
+//! Driving one session along a route: open it on every stage, prefill, decode token by token,
+//! and close it — or fail with a structured error naming the stage, within a deadline.
+
+use crate::conn::{self, Sink, Source};
+use crate::report::{quantile, Completion, SeamReport, StageReport};
+use crate::{DriveError, Route};
+use dgr_proto::{Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Sampling, SeamDtype, SessionRef, TokenOut, STAGE_UNKNOWN};
+use futures::StreamExt;
+use prost::Message;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+pub struct GenRequest {
+    pub prompt_tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub top_logprobs: u32,
+    pub seam_dtype: SeamDtype,
+}
+
+#[derive(Clone, Debug)]
+pub struct DriveOptions {
+    /// Longest wait for any one step (the first token, or each next one).
+    pub step_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub max_frame: usize,
+}
+
+impl Default for DriveOptions {
+    fn default() -> Self {
+        DriveOptions { step_timeout: Duration::from_secs(5), connect_timeout: Duration::from_secs(5), max_frame: dgr_proto::DEFAULT_MAX_FRAME }
+    }
+}
+
+/// What the caller wants after seeing a token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// This token ends the generation (an end-of-generation token): finish with "stop".
+    Stop,
+    /// Stop now and free the session on every stage: finish with "cancelled".
+    Cancel,
+}
+
+enum Event {
+    Frame(u32, Body),
+    Lost(u32, String),
+}
+
+/// Reads one stage's frames into the driver's event queue until the connection ends.
+fn spawn_reader(stage: u32, mut source: Source, tx: mpsc::Sender<Event>) {
+    tokio::spawn(async move {
+        loop {
+            let ev = match source.next().await {
+                Some(Ok(b)) => match Frame::decode(b) {
+                    Ok(Frame { body: Some(body) }) => Event::Frame(stage, body),
+                    _ => Event::Lost(stage, "undecodable frame from the worker".into()),
+                },
+                Some(Err(e)) => Event::Lost(stage, e.to_string()),
+                None => Event::Lost(stage, "connection closed".into()),
+            };
+            let lost = matches!(ev, Event::Lost(..));
+            if tx.send(ev).await.is_err() || lost {
+                return;
+            }
+        }
+    });
+}
+
+struct Session<'r> {
+    route: &'r Route,
+    id: [u8; 16],
+    sinks: Vec<Sink>,
+    events: mpsc::Receiver<Event>,
+}
+
+impl Session<'_> {
+    fn err(&self, kind: &str, stage: u32, message: impl Into<String>) -> DriveError {
+        let addr = self.route.stages.get(stage as usize).map(|s| s.addr.as_str());
+        DriveError::new(kind, Some(stage), addr, message)
+    }
+
+    async fn send(&mut self, stage: u32, body: Body) -> Result<(), DriveError> {
+        let r = conn::send(&mut self.sinks[stage as usize], &Frame::new(body)).await;
+        r.map_err(|e| self.err("connection_lost", stage, e))
+    }
+
+    /// The next event, turned into an error unless it is a frame this session expects.
+    async fn next(&mut self, timeout: Duration) -> Result<(u32, Body), DriveError> {
+        match tokio::time::timeout(timeout, self.events.recv()).await {
+            Err(_) => Err(DriveError::new("timeout", None, None, format!("no answer from the route within {timeout:?}"))),
+            Ok(None) => Err(DriveError::new("connection_lost", None, None, "every connection closed")),
+            Ok(Some(Event::Lost(stage, why))) => Err(self.err("connection_lost", stage, why)),
+            Ok(Some(Event::Frame(stage, Body::Error(e)))) => {
+                let at = if e.stage == STAGE_UNKNOWN { stage } else { e.stage };
+                Err(self.err(e.error_kind().name(), at, e.message))
+            }
+            Ok(Some(Event::Frame(stage, body))) => Ok((stage, body)),
+        }
+    }
+
+    /// Tells every stage to free the session (best effort: a dead stage frees it by dying).
+    async fn finish(&mut self, cancel: bool) {
+        let r = SessionRef { session_id: self.id.to_vec() };
+        for i in 0..self.sinks.len() as u32 {
+            let body = if cancel { Body::Cancel(r.clone()) } else { Body::Close(r.clone()) };
+            let _ = conn::send(&mut self.sinks[i as usize], &Frame::new(body)).await;
+        }
+    }
+}
+
+/// Generates along `route`. `on_token` sees every token as it arrives and may cancel.
+pub async fn generate(
+    route: &Route,
+    req: &GenRequest,
+    opts: &DriveOptions,
+    mut on_token: impl FnMut(&TokenOut) -> Flow,
+) -> Result<Completion, DriveError> {
+    if req.prompt_tokens.is_empty() || req.max_tokens == 0 {
+        return Err(DriveError::new("bad_request", None, None, "need a non-empty prompt and max_tokens ≥ 1"));
+    }
+    let mut id = [0u8; 16];
+    getrandom::fill(&mut id).map_err(|e| DriveError::new("internal", None, None, e.to_string()))?;
+    let n = route.stages.len() as u32;
+    let connects = route.stages.iter().enumerate().map(|(i, s)| conn::connect(&s.addr, i as u32, opts.connect_timeout, opts.max_frame));
+    let (tx, events) = mpsc::channel(1024);
+    let mut sinks = Vec::new();
+    for (i, r) in futures::future::join_all(connects).await.into_iter().enumerate() {
+        let (sink, source, info) = r?;
+        let want = &route.stages[i].info;
+        if info.model_id != want.model_id || (info.layer_start, info.layer_end) != (want.layer_start, want.layer_end) {
+            return Err(DriveError::new("route", Some(i as u32), Some(&route.stages[i].addr), "the worker changed since the route was planned"));
+        }
+        spawn_reader(i as u32, source, tx.clone());
+        sinks.push(sink);
+    }
+    drop(tx);
+    let mut s = Session { route, id, sinks, events };
+    let result = drive(&mut s, req, opts, n, &mut on_token).await;
+    s.finish(!matches!(&result, Ok(c) if c.finish_reason != "cancelled")).await;
+    result
+}
+
+async fn drive(
+    s: &mut Session<'_>,
+    req: &GenRequest,
+    opts: &DriveOptions,
+    n: u32,
+    on_token: &mut impl FnMut(&TokenOut) -> Flow,
+) -> Result<Completion, DriveError> {
+    let max_positions = (req.prompt_tokens.len() + req.max_tokens) as u64;
+    for i in 0..n {
+        let info = &s.route.stages[i as usize].info;
+        let open = OpenSession {
+            session_id: s.id.to_vec(),
+            schema: Some(BoundarySchema {
+                protocol_version: dgr_proto::PROTOCOL_VERSION,
+                model_id: info.model_id.clone(),
+                layer_start: info.layer_start,
+                layer_end: info.layer_end,
+                hidden: info.hidden,
+                seam_dtype: req.seam_dtype as i32,
+            }),
+            stage_index: i,
+            n_stages: n,
+            next: s.route.stages.get(i as usize + 1).map(|x| x.addr.clone()).unwrap_or_default(),
+            sampling: Some(req.sampling),
+            top_logprobs: req.top_logprobs,
+            max_positions,
+        };
+        s.send(i, Body::Open(open)).await?;
+    }
+    let mut opened = 0;
+    while opened < n {
+        match s.next(opts.connect_timeout).await? {
+            (_, Body::Opened(_)) => opened += 1,
+            (stage, _) => return Err(s.err("protocol", stage, "expected Opened")),
+        }
+    }
+    let start = Instant::now();
+    let mut out = Completion { finish_reason: "length".into(), ..Default::default() };
+    let mut traces: Vec<Vec<Hop>> = Vec::new();
+    let mut position = 0u64;
+    let mut input = req.prompt_tokens.clone();
+    let mut decode_start = start;
+    loop {
+        let f = Forward { session_id: s.id.to_vec(), position, tokens: input.clone(), sample: true, ..Default::default() };
+        s.send(0, Body::Forward(f)).await?;
+        let t = loop {
+            match s.next(opts.step_timeout).await? {
+                (_, Body::Token(t)) if t.session_id == s.id => break t,
+                (stage, _) => return Err(s.err("protocol", stage, "unexpected frame while waiting for a token")),
+            }
+        };
+        position += input.len() as u64;
+        if out.tokens.is_empty() {
+            let el = start.elapsed().as_secs_f64();
+            out.timings.ttft_ms = el * 1e3;
+            out.timings.prefill_ms = el * 1e3;
+            out.timings.prefill_tok_per_s = req.prompt_tokens.len() as f64 / el;
+            decode_start = Instant::now();
+        }
+        out.tokens.push(t.token);
+        out.logprobs.push(t.logprob);
+        out.top_logprobs.push(t.top.iter().map(|e| (e.id, e.logprob)).collect());
+        traces.push(t.trace.clone());
+        match on_token(&t) {
+            Flow::Cancel => {
+                out.finish_reason = "cancelled".into();
+                break;
+            }
+            Flow::Stop => {
+                out.finish_reason = "stop".into();
+                break;
+            }
+            Flow::Continue => {}
+        }
+        if out.tokens.len() >= req.max_tokens {
+            break;
+        }
+        input = vec![t.token];
+    }
+    let decoded = out.tokens.len().saturating_sub(1);
+    if decoded > 0 {
+        let el = decode_start.elapsed().as_secs_f64();
+        out.timings.decode_ms = el * 1e3;
+        out.timings.decode_tok_per_s = decoded as f64 / el;
+    }
+    report(s.route, &traces, &mut out);
+    Ok(out)
+}
+
+/// Per seam bytes and latency, per stage queue wait and compute, from the steps' traces.
+fn report(route: &Route, traces: &[Vec<Hop>], out: &mut Completion) {
+    let n = route.stages.len();
+    for i in 0..n {
+        let hops: Vec<&Hop> = traces.iter().filter_map(|t| t.iter().find(|h| h.stage == i as u32)).collect();
+        let queue: Vec<f64> = hops.iter().map(|h| h.queue_us as f64 / 1e3).collect();
+        out.stages.push(StageReport {
+            stage: i as u32,
+            addr: route.stages[i].addr.clone(),
+            queue_wait_ms_p50: quantile(&queue, 0.5),
+            queue_wait_ms_max: queue.iter().cloned().fold(0.0, f64::max),
+            compute_ms_total: hops.iter().map(|h| h.compute_us as f64 / 1e3).sum(),
+        });
+        if i + 1 < n {
+            let mut lat = Vec::new();
+            let mut bytes = 0;
+            for t in traces {
+                if let (Some(a), Some(b)) = (t.iter().find(|h| h.stage == i as u32), t.iter().find(|h| h.stage == i as u32 + 1)) {
+                    bytes += a.bytes_out;
+                    lat.push(b.recv_unix_us.saturating_sub(a.sent_unix_us) as f64 / 1e3);
+                }
+            }
+            out.seams.push(SeamReport { from: i as u32, bytes, latency_ms_p50: quantile(&lat, 0.5), latency_ms_p99: quantile(&lat, 0.99) });
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! The gateway side of dgr: the driver that opens a session along a route of stage workers,
+//! drives prefill and decode, and streams tokens back.
+
+mod conn;
+mod driver;
+mod error;
+mod report;
+mod route;
+
+pub use driver::{generate, DriveOptions, Flow, GenRequest};
+pub use error::DriveError;
+pub use report::{Completion, SeamReport, StageReport, Timings};
+pub use route::{Route, StageEndpoint};

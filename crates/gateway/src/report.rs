@@ -1,0 +1,51 @@
+//! What a routed request reports: its tokens and timings, and per seam and stage figures.
+
+use serde::Serialize;
+
+#[derive(Serialize, Default, Debug, Clone)]
+pub struct Timings {
+    pub ttft_ms: f64,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    pub prefill_tok_per_s: f64,
+    pub decode_tok_per_s: f64,
+}
+
+/// The seam from stage `from` to stage `from + 1`.
+#[derive(Serialize, Default, Debug, Clone)]
+pub struct SeamReport {
+    pub from: u32,
+    pub bytes: u64,
+    pub latency_ms_p50: f64,
+    pub latency_ms_p99: f64,
+}
+
+#[derive(Serialize, Default, Debug, Clone)]
+pub struct StageReport {
+    pub stage: u32,
+    pub addr: String,
+    pub queue_wait_ms_p50: f64,
+    pub queue_wait_ms_max: f64,
+    pub compute_ms_total: f64,
+}
+
+#[derive(Serialize, Default, Debug, Clone)]
+pub struct Completion {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    pub finish_reason: String,
+    pub timings: Timings,
+    pub seams: Vec<SeamReport>,
+    pub stages: Vec<StageReport>,
+}
+
+/// The q-quantile (0..=1) of samples, nearest rank.
+pub(crate) fn quantile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[((s.len() as f64 * q).ceil() as usize).clamp(1, s.len()) - 1]
+}

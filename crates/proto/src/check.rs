@@ -1,0 +1,155 @@
+//! Validation of what arrives, before a receiver uses any of it.
+
+use crate::{BoundarySchema, ErrorKind, Forward, OpenSession, SeamDtype, PROTOCOL_VERSION};
+
+/// A session's handle: 128 random bits.
+pub type SessionId = [u8; 16];
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ProtoError {
+    #[error("session id must be 16 bytes, got {0}")]
+    BadSessionId(usize),
+    #[error("boundary schema mismatch: {0}")]
+    SchemaMismatch(String),
+    #[error("bad input: {0}")]
+    BadInput(String),
+    #[error("bad frame: {0}")]
+    BadFrame(String),
+}
+
+impl ProtoError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ProtoError::BadSessionId(_) | ProtoError::BadFrame(_) => ErrorKind::BadFrame,
+            ProtoError::SchemaMismatch(_) => ErrorKind::SchemaMismatch,
+            ProtoError::BadInput(_) => ErrorKind::BadInput,
+        }
+    }
+}
+
+pub fn session_id(bytes: &[u8]) -> Result<SessionId, ProtoError> {
+    bytes.try_into().map_err(|_| ProtoError::BadSessionId(bytes.len()))
+}
+
+/// Checks an OpenSession against what this stage serves (`ours`, with the seam dtypes it
+/// accepts) and returns the session id and the dtype the session will use.
+pub fn check_open(open: &OpenSession, ours: &BoundarySchema, dtypes: &[SeamDtype]) -> Result<(SessionId, SeamDtype), ProtoError> {
+    let id = session_id(&open.session_id)?;
+    let s = open.schema.as_ref().ok_or_else(|| ProtoError::BadFrame("OpenSession without a schema".into()))?;
+    let mismatch = |what: &str, theirs: String, mine: String| {
+        Err(ProtoError::SchemaMismatch(format!("{what}: the session expects {theirs}, this stage has {mine}")))
+    };
+    if s.protocol_version != PROTOCOL_VERSION {
+        return mismatch("protocol version", s.protocol_version.to_string(), PROTOCOL_VERSION.to_string());
+    }
+    if s.model_id != ours.model_id {
+        return mismatch("model identity", s.model_id.clone(), ours.model_id.clone());
+    }
+    if (s.layer_start, s.layer_end) != (ours.layer_start, ours.layer_end) {
+        return mismatch("layer range", format!("{}..{}", s.layer_start, s.layer_end), format!("{}..{}", ours.layer_start, ours.layer_end));
+    }
+    if s.hidden != ours.hidden {
+        return mismatch("hidden size", s.hidden.to_string(), ours.hidden.to_string());
+    }
+    let dtype = SeamDtype::try_from(s.seam_dtype).map_err(|_| ProtoError::SchemaMismatch(format!("unknown seam dtype {}", s.seam_dtype)))?;
+    if !dtypes.contains(&dtype) {
+        return mismatch("seam dtype", dtype.name().into(), format!("{dtypes:?}"));
+    }
+    if open.n_stages == 0 || open.stage_index >= open.n_stages {
+        return Err(ProtoError::BadFrame(format!("stage {} of {}", open.stage_index, open.n_stages)));
+    }
+    Ok((id, dtype))
+}
+
+/// Checks a Forward's rows against the session it names: token ids for a first stage, hidden
+/// rows of `hidden` values in the session's dtype otherwise; at most `max_rows` rows.
+/// Returns the number of rows.
+pub fn check_forward(f: &Forward, first_stage: bool, hidden: usize, dtype: SeamDtype, max_rows: usize) -> Result<usize, ProtoError> {
+    let rows = if first_stage {
+        if !f.hidden.is_empty() {
+            return Err(ProtoError::BadInput("hidden rows sent to the first stage".into()));
+        }
+        f.tokens.len()
+    } else {
+        if !f.tokens.is_empty() {
+            return Err(ProtoError::BadInput("token ids sent past the first stage".into()));
+        }
+        if f.dtype != dtype as i32 {
+            return Err(ProtoError::BadInput(format!("rows in dtype {} on a {} seam", f.dtype, dtype.name())));
+        }
+        let row_bytes = hidden * dtype.size();
+        if f.n_rows == 0 || f.hidden.len() != f.n_rows as usize * row_bytes {
+            return Err(ProtoError::BadInput(format!(
+                "{} bytes are not {} rows of hidden size {} in {}",
+                f.hidden.len(),
+                f.n_rows,
+                hidden,
+                dtype.name()
+            )));
+        }
+        f.n_rows as usize
+    };
+    if rows == 0 || rows > max_rows {
+        return Err(ProtoError::BadInput(format!("{rows} rows (at most {max_rows} per frame)")));
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schema() -> BoundarySchema {
+        BoundarySchema { protocol_version: PROTOCOL_VERSION, model_id: "m".into(), layer_start: 0, layer_end: 15, hidden: 8, seam_dtype: 0 }
+    }
+
+    fn open(s: BoundarySchema) -> OpenSession {
+        OpenSession { session_id: vec![7; 16], schema: Some(s), stage_index: 0, n_stages: 2, ..Default::default() }
+    }
+
+    #[test]
+    fn open_checks_every_schema_field() {
+        let ours = schema();
+        assert!(check_open(&open(schema()), &ours, &[SeamDtype::F32]).is_ok());
+        let bad = [
+            BoundarySchema { protocol_version: 99, ..schema() },
+            BoundarySchema { model_id: "other".into(), ..schema() },
+            BoundarySchema { layer_end: 16, ..schema() },
+            BoundarySchema { hidden: 9, ..schema() },
+            BoundarySchema { seam_dtype: 1, ..schema() },
+            BoundarySchema { seam_dtype: 77, ..schema() },
+        ];
+        for s in bad {
+            assert!(matches!(check_open(&open(s), &ours, &[SeamDtype::F32]), Err(ProtoError::SchemaMismatch(_))));
+        }
+        let mut short_id = open(schema());
+        short_id.session_id.pop();
+        assert_eq!(check_open(&short_id, &ours, &[SeamDtype::F32]), Err(ProtoError::BadSessionId(15)));
+    }
+
+    #[test]
+    fn forward_checks_rows_dtype_and_size() {
+        let rows = |n: u32, bytes: usize, dtype: i32| Forward { n_rows: n, hidden: vec![0; bytes], dtype, ..Default::default() };
+        assert_eq!(check_forward(&rows(2, 64, 0), false, 8, SeamDtype::F32, 16), Ok(2));
+        assert!(check_forward(&rows(2, 63, 0), false, 8, SeamDtype::F32, 16).is_err());
+        assert!(check_forward(&rows(2, 32, 1), false, 8, SeamDtype::F32, 16).is_err());
+        assert!(check_forward(&rows(0, 0, 0), false, 8, SeamDtype::F32, 16).is_err());
+        assert!(check_forward(&rows(32, 1024, 0), false, 8, SeamDtype::F32, 16).is_err());
+        let toks = Forward { tokens: vec![1, 2, 3], ..Default::default() };
+        assert_eq!(check_forward(&toks, true, 8, SeamDtype::F32, 16), Ok(3));
+        assert!(check_forward(&toks, false, 8, SeamDtype::F32, 16).is_err());
+        assert!(check_forward(&rows(2, 64, 0), true, 8, SeamDtype::F32, 16).is_err());
+    }
+
+    #[test]
+    fn seam_dtypes_round_trip() {
+        let v = [0.0f32, 1.5, -2.25, 1e-3, 65504.0];
+        for d in [SeamDtype::F32, SeamDtype::F16, SeamDtype::Bf16] {
+            let back = crate::decode_rows(&crate::encode_rows(&v, d), d);
+            for (a, b) in v.iter().zip(&back) {
+                assert!((a - b).abs() <= a.abs() * 0.01, "{d:?}: {a} vs {b}");
+            }
+        }
+        assert_eq!(crate::decode_rows(&crate::encode_rows(&v, SeamDtype::F32), SeamDtype::F32), v);
+    }
+}

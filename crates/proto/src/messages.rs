@@ -1,0 +1,272 @@
+//! The messages, as prost types (no .proto build step: the schema is this file).
+
+/// One frame on the wire.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Frame {
+    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8")]
+    pub body: Option<Body>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum Body {
+    /// The first frame each side sends on a connection.
+    #[prost(message, tag = "1")]
+    Hello(Hello),
+    /// Driver → every stage: open a session on this stage.
+    #[prost(message, tag = "2")]
+    Open(OpenSession),
+    /// Stage → driver: the session is open here.
+    #[prost(message, tag = "3")]
+    Opened(SessionRef),
+    /// Driver → first stage (token ids), stage → next stage (hidden rows).
+    #[prost(message, tag = "4")]
+    Forward(Forward),
+    /// Last stage → driver: a sampled token.
+    #[prost(message, tag = "5")]
+    Token(TokenOut),
+    /// Driver → every stage: stop and free the session now.
+    #[prost(message, tag = "6")]
+    Cancel(SessionRef),
+    /// Driver → every stage: the session is done; free it.
+    #[prost(message, tag = "7")]
+    Close(SessionRef),
+    /// Either way: something about a session (or the connection) failed.
+    #[prost(message, tag = "8")]
+    Error(ErrorMsg),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, prost::Enumeration)]
+#[repr(i32)]
+pub enum Role {
+    Driver = 0,
+    /// A previous stage forwarding hidden rows.
+    Upstream = 1,
+    Worker = 2,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Hello {
+    #[prost(uint32, tag = "1")]
+    pub protocol_version: u32,
+    #[prost(enumeration = "Role", tag = "2")]
+    pub role: i32,
+    /// Sent by workers: what they serve.
+    #[prost(message, optional, tag = "3")]
+    pub info: Option<StageInfo>,
+}
+
+/// What a worker serves, announced in its Hello.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct StageInfo {
+    #[prost(string, tag = "1")]
+    pub model_id: String,
+    #[prost(uint32, tag = "2")]
+    pub layer_start: u32,
+    #[prost(uint32, tag = "3")]
+    pub layer_end: u32,
+    #[prost(uint32, tag = "4")]
+    pub n_layers: u32,
+    #[prost(uint32, tag = "5")]
+    pub hidden: u32,
+    #[prost(uint32, tag = "6")]
+    pub vocab: u32,
+    /// Most positions one session may hold on this worker.
+    #[prost(uint64, tag = "7")]
+    pub max_positions: u64,
+    #[prost(string, tag = "8")]
+    pub version: String,
+}
+
+/// What both sides of a seam must agree on before any hidden row crosses it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct BoundarySchema {
+    #[prost(uint32, tag = "1")]
+    pub protocol_version: u32,
+    /// SHA-256 of the model file's bytes (metadata and tensor data), hex.
+    #[prost(string, tag = "2")]
+    pub model_id: String,
+    #[prost(uint32, tag = "3")]
+    pub layer_start: u32,
+    #[prost(uint32, tag = "4")]
+    pub layer_end: u32,
+    #[prost(uint32, tag = "5")]
+    pub hidden: u32,
+    /// The dtype of hidden rows this stage receives and sends.
+    #[prost(enumeration = "crate::SeamDtype", tag = "6")]
+    pub seam_dtype: i32,
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Sampling {
+    #[prost(float, tag = "1")]
+    pub temperature: f32,
+    #[prost(uint32, tag = "2")]
+    pub top_k: u32,
+    #[prost(float, tag = "3")]
+    pub top_p: f32,
+    #[prost(uint64, tag = "4")]
+    pub seed: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct OpenSession {
+    /// 16 random bytes.
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    #[prost(message, optional, tag = "2")]
+    pub schema: Option<BoundarySchema>,
+    #[prost(uint32, tag = "3")]
+    pub stage_index: u32,
+    #[prost(uint32, tag = "4")]
+    pub n_stages: u32,
+    /// The next stage's address; empty on the last stage.
+    #[prost(string, tag = "5")]
+    pub next: String,
+    #[prost(message, optional, tag = "6")]
+    pub sampling: Option<Sampling>,
+    #[prost(uint32, tag = "7")]
+    pub top_logprobs: u32,
+    /// Positions the session will need at most (prompt + generated tokens).
+    #[prost(uint64, tag = "8")]
+    pub max_positions: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SessionRef {
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+}
+
+/// Per-hop timing that travels with a step, so the driver can report each seam.
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Hop {
+    #[prost(uint32, tag = "1")]
+    pub stage: u32,
+    /// Microseconds the step waited in the stage's queue.
+    #[prost(uint64, tag = "2")]
+    pub queue_us: u64,
+    #[prost(uint64, tag = "3")]
+    pub compute_us: u64,
+    /// Bytes this stage sent onward for the step.
+    #[prost(uint64, tag = "4")]
+    pub bytes_out: u64,
+    /// Unix microseconds when the stage received the step, and when it sent its result.
+    #[prost(uint64, tag = "5")]
+    pub recv_unix_us: u64,
+    #[prost(uint64, tag = "6")]
+    pub sent_unix_us: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Forward {
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    /// Position of the first row.
+    #[prost(uint64, tag = "2")]
+    pub position: u64,
+    /// Token ids (to the first stage) ...
+    #[prost(uint32, repeated, tag = "3")]
+    pub tokens: Vec<u32>,
+    /// ... or hidden rows (between stages), `n_rows × hidden` values in `dtype`.
+    #[prost(bytes = "vec", tag = "4")]
+    pub hidden: Vec<u8>,
+    #[prost(enumeration = "crate::SeamDtype", tag = "5")]
+    pub dtype: i32,
+    #[prost(uint32, tag = "6")]
+    pub n_rows: u32,
+    /// Whether the last stage samples a token after these rows.
+    #[prost(bool, tag = "7")]
+    pub sample: bool,
+    #[prost(message, repeated, tag = "8")]
+    pub trace: Vec<Hop>,
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct TopEntry {
+    #[prost(uint32, tag = "1")]
+    pub id: u32,
+    #[prost(float, tag = "2")]
+    pub logprob: f32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TokenOut {
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    /// The position the token will occupy.
+    #[prost(uint64, tag = "2")]
+    pub position: u64,
+    #[prost(uint32, tag = "3")]
+    pub token: u32,
+    #[prost(float, tag = "4")]
+    pub logprob: f32,
+    #[prost(message, repeated, tag = "5")]
+    pub top: Vec<TopEntry>,
+    #[prost(message, repeated, tag = "6")]
+    pub trace: Vec<Hop>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, prost::Enumeration)]
+#[repr(i32)]
+pub enum ErrorKind {
+    Internal = 0,
+    /// A frame or message that does not parse or breaks a rule of the protocol.
+    BadFrame = 1,
+    /// The boundary schema does not match what this stage serves.
+    SchemaMismatch = 2,
+    UnknownSession = 3,
+    /// Well-formed but unusable input: wrong row size, dtype, positions, token ids.
+    BadInput = 4,
+    /// No room: KV capacity, session count or queue.
+    Overloaded = 5,
+    /// The next stage could not be reached or failed.
+    NextStage = 6,
+    ShuttingDown = 7,
+    Cancelled = 8,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ErrorMsg {
+    /// Empty when the error concerns the connection, not a session.
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    #[prost(enumeration = "ErrorKind", tag = "2")]
+    pub kind: i32,
+    /// The stage (index in the route) the error is about.
+    #[prost(uint32, tag = "3")]
+    pub stage: u32,
+    #[prost(string, tag = "4")]
+    pub message: String,
+}
+
+impl Frame {
+    pub fn new(body: Body) -> Frame {
+        Frame { body: Some(body) }
+    }
+}
+
+impl ErrorKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Internal => "internal",
+            ErrorKind::BadFrame => "bad_frame",
+            ErrorKind::SchemaMismatch => "schema_mismatch",
+            ErrorKind::UnknownSession => "unknown_session",
+            ErrorKind::BadInput => "bad_input",
+            ErrorKind::Overloaded => "overloaded",
+            ErrorKind::NextStage => "next_stage",
+            ErrorKind::ShuttingDown => "shutting_down",
+            ErrorKind::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl ErrorMsg {
+    pub fn new(session_id: &[u8], kind: ErrorKind, stage: u32, message: impl Into<String>) -> ErrorMsg {
+        ErrorMsg { session_id: session_id.to_vec(), kind: kind as i32, stage, message: message.into() }
+    }
+
+    pub fn error_kind(&self) -> ErrorKind {
+        ErrorKind::try_from(self.kind).unwrap_or(ErrorKind::Internal)
+    }
+}

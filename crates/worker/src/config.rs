@@ -1,0 +1,41 @@
+use dgr_proto::SeamDtype;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    pub model: PathBuf,
+    pub layers: Range<usize>,
+    pub threads: usize,
+    /// Most sessions open at once.
+    pub max_sessions: usize,
+    /// KV positions held across all sessions; a session reserves its `max_positions` at open.
+    pub kv_budget_tokens: usize,
+    /// A session with no traffic for this long is freed.
+    pub idle_timeout: Duration,
+    /// After SIGTERM, how long open sessions may take to finish before they are cancelled.
+    pub drain_timeout: Duration,
+    pub max_frame: usize,
+    /// Seam dtypes this worker accepts.
+    pub seam_dtypes: Vec<SeamDtype>,
+    /// Most rows one step may compute (the scheduler's token budget).
+    pub step_tokens: usize,
+}
+
+impl WorkerConfig {
+    pub fn new(model: PathBuf, layers: Range<usize>) -> WorkerConfig {
+        WorkerConfig {
+            model,
+            layers,
+            threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            max_sessions: 64,
+            kv_budget_tokens: 1 << 16,
+            idle_timeout: Duration::from_secs(120),
+            drain_timeout: Duration::from_secs(10),
+            max_frame: dgr_proto::DEFAULT_MAX_FRAME,
+            seam_dtypes: vec![SeamDtype::F32, SeamDtype::F16, SeamDtype::Bf16],
+            step_tokens: 8192,
+        }
+    }
+}

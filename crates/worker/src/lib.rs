@@ -1,0 +1,15 @@
+//! A worker serves one stage of a model: the layers it opened, the sessions driven through them,
+//! one scheduler that batches every ready session into one forward per step, and metrics.
+//!
+//! Threads: tokio tasks own the sockets (one reader and one writer per connection); one
+//! scheduler thread owns the `Stage` and every session's state. They talk through bounded
+//! queues, so a slow or hostile peer can fill only its own queue.
+
+mod config;
+mod metrics;
+mod scheduler;
+mod server;
+
+pub use config::WorkerConfig;
+pub use metrics::{rss_bytes, Metrics};
+pub use server::{bind, Worker, WorkerError};

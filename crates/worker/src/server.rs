@@ -1,0 +1,324 @@
+//! The network side: accepting connections, the handshake, reading frames into scheduler
+//! commands, writing frames out, connections to the next stage, and /metrics over HTTP on the
+//! same port (a connection that starts with "GET " is an HTTP request).
+
+use crate::scheduler::{Cmd, ConnId, Outbox, Scheduler};
+use crate::{Metrics, WorkerConfig};
+use bytes::Bytes;
+use dgr_engine::{Stage, StageOptions};
+use dgr_proto::{Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, Role, SeamDtype, StageInfo, PROTOCOL_VERSION, STAGE_UNKNOWN};
+use futures::{SinkExt, StreamExt};
+use prost::Message;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::codec::Framed;
+
+/// Frames waiting to be written on one connection.
+const OUTBOX: usize = 1024;
+/// Commands waiting for the scheduler.
+const COMMANDS: usize = 4096;
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("opening the model: {0}")]
+    Model(#[from] dgr_gguf::GgufError),
+    #[error(transparent)]
+    Engine(#[from] dgr_engine::EngineError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A worker ready to serve: its stage is open and its scheduler is waiting.
+pub struct Worker {
+    cfg: WorkerConfig,
+    info: StageInfo,
+    metrics: Arc<Metrics>,
+    cmds: SyncSender<Cmd>,
+    scheduler: std::thread::JoinHandle<()>,
+}
+
+struct Shared {
+    cfg: WorkerConfig,
+    info: StageInfo,
+    metrics: Arc<Metrics>,
+    cmds: SyncSender<Cmd>,
+    next_conn: AtomicU64,
+    peers: tokio::sync::Mutex<HashMap<String, Outbox>>,
+}
+
+fn encode(f: &Frame) -> Bytes {
+    Bytes::from(f.encode_to_vec())
+}
+
+fn unix_us() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+impl Worker {
+    /// Opens the model's layers `cfg.layers` and starts the scheduler.
+    pub fn open(cfg: WorkerConfig) -> Result<Worker, WorkerError> {
+        let model_id = dgr_gguf::model_id(&cfg.model).map_err(|source| dgr_gguf::GgufError::Io { path: cfg.model.clone(), source })?;
+        let gguf = Arc::new(dgr_gguf::Gguf::open(&cfg.model)?);
+        let stage = Stage::open(gguf, cfg.layers.clone(), StageOptions { threads: cfg.threads, isa: None })?;
+        let c = stage.config();
+        let info = StageInfo {
+            model_id: model_id.clone(),
+            layer_start: cfg.layers.start as u32,
+            layer_end: cfg.layers.end as u32,
+            n_layers: c.n_layers as u32,
+            hidden: c.hidden as u32,
+            vocab: c.vocab as u32,
+            max_positions: c.context as u64,
+            version: env!("CARGO_PKG_VERSION").into(),
+        };
+        let schema = BoundarySchema {
+            protocol_version: PROTOCOL_VERSION,
+            model_id,
+            layer_start: info.layer_start,
+            layer_end: info.layer_end,
+            hidden: info.hidden,
+            seam_dtype: SeamDtype::F32 as i32,
+        };
+        let metrics = Arc::new(Metrics::default());
+        let (cmds, rx) = sync_channel(COMMANDS);
+        let sched = Scheduler::new(stage, cfg.clone(), schema, metrics.clone());
+        let scheduler = std::thread::Builder::new().name("dgr-scheduler".into()).spawn(move || sched.run(rx))?;
+        Ok(Worker { cfg, info, metrics, cmds, scheduler })
+    }
+
+    pub fn info(&self) -> &StageInfo {
+        &self.info
+    }
+
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// Serves `listener` until `shutdown` completes; then stops taking sessions, lets open ones
+    /// finish for up to the drain timeout, cancels the rest and returns.
+    pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> Result<(), WorkerError> {
+        let shared = Arc::new(Shared {
+            cfg: self.cfg.clone(),
+            info: self.info.clone(),
+            metrics: self.metrics.clone(),
+            cmds: self.cmds.clone(),
+            next_conn: AtomicU64::new(1),
+            peers: tokio::sync::Mutex::new(HashMap::new()),
+        });
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = listener.accept() => {
+                    if let Ok((stream, _)) = accepted {
+                        let _ = stream.set_nodelay(true);
+                        tokio::spawn(connection(stream, shared.clone()));
+                    }
+                }
+            }
+        }
+        let _ = self.cmds.send(Cmd::Drain { deadline: Instant::now() + self.cfg.drain_timeout });
+        drop(self.cmds);
+        drop(shared);
+        // Connections keep running while the scheduler drains; it returns once done.
+        let handle = self.scheduler;
+        tokio::task::spawn_blocking(move || handle.join()).await.ok();
+        Ok(())
+    }
+}
+
+/// The writer half of a connection: a bounded outbox drained onto the socket.
+fn spawn_writer<S>(mut sink: S) -> Outbox
+where
+    S: futures::Sink<Bytes> + Unpin + Send + 'static,
+{
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Frame>(OUTBOX);
+    tokio::spawn(async move {
+        while let Some(f) = rx.recv().await {
+            if sink.send(encode(&f)).await.is_err() {
+                break;
+            }
+        }
+    });
+    tx
+}
+
+fn hello(info: Option<StageInfo>) -> Frame {
+    let role = if info.is_some() { Role::Worker } else { Role::Upstream };
+    Frame::new(Body::Hello(Hello { protocol_version: PROTOCOL_VERSION, role: role as i32, info }))
+}
+
+async fn connection(stream: TcpStream, shared: Arc<Shared>) {
+    let mut head = [0u8; 4];
+    let peeked = tokio::time::timeout(HANDSHAKE, async {
+        loop {
+            match stream.peek(&mut head).await {
+                Ok(n) if n >= 4 => return true,
+                Ok(0) | Err(_) => return false,
+                Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+            }
+        }
+    })
+    .await;
+    if peeked != Ok(true) {
+        return;
+    }
+    if &head == b"GET " {
+        return http(stream, &shared.metrics).await;
+    }
+    let conn: ConnId = shared.next_conn.fetch_add(1, Relaxed);
+    let (sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
+    let out = spawn_writer(sink);
+    let refuse = |out: &Outbox, id: &[u8], kind, msg: String| {
+        shared.metrics.failure(kind);
+        let _ = out.try_send(Frame::new(Body::Error(ErrorMsg::new(id, kind, STAGE_UNKNOWN, msg))));
+    };
+    // The handshake: the peer's Hello first, with our protocol version.
+    match tokio::time::timeout(HANDSHAKE, frames.next()).await {
+        Ok(Some(Ok(bytes))) => match Frame::decode(bytes) {
+            Ok(Frame { body: Some(Body::Hello(h)) }) if h.protocol_version == PROTOCOL_VERSION => {
+                let _ = out.try_send(hello(Some(shared.info.clone())));
+            }
+            Ok(Frame { body: Some(Body::Hello(h)) }) => {
+                let msg = format!("protocol version {} (this worker speaks {PROTOCOL_VERSION})", h.protocol_version);
+                return refuse(&out, &[], ErrorKind::SchemaMismatch, msg);
+            }
+            _ => return refuse(&out, &[], ErrorKind::BadFrame, "expected Hello as the first frame".into()),
+        },
+        _ => return,
+    }
+    while let Some(next) = frames.next().await {
+        let bytes = match next {
+            Ok(b) => b,
+            Err(e) => {
+                // A frame over the size cap or a broken stream: the framing is lost, so close.
+                refuse(&out, &[], ErrorKind::BadFrame, format!("unreadable frame: {e}"));
+                break;
+            }
+        };
+        let body = match Frame::decode(bytes) {
+            Ok(Frame { body: Some(b) }) => b,
+            Ok(Frame { body: None }) => {
+                refuse(&out, &[], ErrorKind::BadFrame, "empty frame".into());
+                continue;
+            }
+            Err(e) => {
+                refuse(&out, &[], ErrorKind::BadFrame, format!("undecodable frame: {e}"));
+                continue;
+            }
+        };
+        let cmd = match body {
+            Body::Open(open) => {
+                let next = if open.next.is_empty() {
+                    None
+                } else {
+                    match peer(&shared, &open.next).await {
+                        Ok(tx) => Some((open.next.clone(), tx)),
+                        Err(why) => {
+                            let msg = format!("cannot reach the next stage at {}: {why}", open.next);
+                            shared.metrics.failure(ErrorKind::NextStage);
+                            let e = ErrorMsg::new(&open.session_id, ErrorKind::NextStage, open.stage_index + 1, msg);
+                            let _ = out.try_send(Frame::new(Body::Error(e)));
+                            continue;
+                        }
+                    }
+                };
+                Cmd::Open { conn, open, reply: out.clone(), next }
+            }
+            Body::Forward(f) => Cmd::Forward { f, recv_us: unix_us(), at: Instant::now(), reply: out.clone() },
+            Body::Cancel(r) => Cmd::Cancel { id: r.session_id },
+            Body::Close(r) => Cmd::Close { id: r.session_id },
+            Body::Hello(_) | Body::Opened(_) | Body::Token(_) | Body::Error(_) => {
+                refuse(&out, &[], ErrorKind::BadFrame, "a frame a worker does not accept".into());
+                continue;
+            }
+        };
+        if shared.cmds.try_send(cmd).is_err() {
+            refuse(&out, &[], ErrorKind::Overloaded, "the worker's queue is full".into());
+        }
+    }
+    let _ = shared.cmds.send(Cmd::ConnClosed { conn });
+}
+
+/// The connection to a next stage, shared by every session that goes there; opened on first use.
+async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
+    let mut peers = shared.peers.lock().await;
+    if let Some(tx) = peers.get(addr).filter(|tx| !tx.is_closed()) {
+        return Ok(tx.clone());
+    }
+    let stream = tokio::time::timeout(HANDSHAKE, TcpStream::connect(addr)).await.map_err(|_| "connect timed out".to_string())?;
+    let stream = stream.map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let (mut sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
+    sink.send(encode(&hello(None))).await.map_err(|e| e.to_string())?;
+    match tokio::time::timeout(HANDSHAKE, frames.next()).await {
+        Ok(Some(Ok(b))) => match Frame::decode(b) {
+            Ok(Frame { body: Some(Body::Hello(h)) }) if h.info.is_some() => {}
+            Ok(Frame { body: Some(Body::Error(e)) }) => return Err(e.message),
+            _ => return Err("the next stage did not answer with a worker's Hello".into()),
+        },
+        _ => return Err("no Hello from the next stage".into()),
+    }
+    let tx = spawn_writer(sink);
+    let (cmds, owned) = (shared.cmds.clone(), addr.to_string());
+    tokio::spawn(async move {
+        let mut why = "connection closed".to_string();
+        while let Some(next) = frames.next().await {
+            match next.map(Frame::decode) {
+                Ok(Ok(Frame { body: Some(Body::Error(err)) })) => {
+                    let _ = cmds.try_send(Cmd::PeerError { err });
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    why = e.to_string();
+                    break;
+                }
+            }
+        }
+        let _ = cmds.send(Cmd::PeerLost { addr: owned, why });
+    });
+    peers.insert(addr.to_string(), tx.clone());
+    Ok(tx)
+}
+
+/// A minimal HTTP/1.1 responder for GET /metrics; anything else is 404. One request per
+/// connection, head capped at 8 KiB, 5 s to send it.
+async fn http(mut stream: TcpStream, metrics: &Metrics) {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        true
+    })
+    .await;
+    if read != Ok(true) {
+        return;
+    }
+    let path = head.split(|b| *b == b' ').nth(1).unwrap_or_default();
+    let (status, body) = if path == b"/metrics" { ("200 OK", metrics.render()) } else { ("404 Not Found", "not found\n".to_string()) };
+    let resp = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(resp.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+/// Binds `addr` (port 0 picks a free port) and reports the address it got.
+pub async fn bind(addr: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
+    let l = TcpListener::bind(addr).await?;
+    let a = l.local_addr()?;
+    Ok((l, a))
+}
