@@ -1,4 +1,4 @@
-use anyhow::Result;
+use anyhow::{Context, Result};
 use dgr_gguf::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -20,7 +20,7 @@ fn show(v: &Value) -> String {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let g = dgr_gguf::Gguf::open(&a.file)?;
+    let g = dgr_gguf::Gguf::open(&a.file).with_context(|| format!("opening {}", a.file.display()))?;
     println!("file: {} (GGUF v{}, alignment {})", a.file.display(), g.version(), g.alignment());
     match dgr_engine::ModelConfig::from_gguf(&g) {
         Ok(c) => println!(

@@ -41,6 +41,10 @@ enum Command {
 }
 
 fn main() {
+    // Die quietly when the reader of our output goes away (`dgr inspect m | head`), as CLI
+    // tools do, instead of failing a write.
+    // SAFETY: restoring the default disposition of a signal, before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Tokenize(a) => tokenize::run(a),
@@ -52,7 +56,22 @@ fn main() {
         Command::Bench(c) => bench::run(c),
     };
     if let Err(e) = result {
-        eprintln!("dgr: {e:#}");
+        eprintln!("dgr: {}", describe(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes, leaving out a cause whose text its parent already includes.
+fn describe(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
 }

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 pub struct LocalSwarm {
     children: Vec<Child>,
+    /// Each worker's stderr, kept in a file (removed on drop) and shown if it fails to start.
+    logs: Vec<std::path::PathBuf>,
     pub addrs: Vec<String>,
 }
 
@@ -23,8 +25,11 @@ impl LocalSwarm {
             bail!("--split {n}: the model has {layers} layers");
         }
         let exe = std::env::current_exe().context("locating the dgr executable")?;
-        let mut swarm = LocalSwarm { children: Vec::new(), addrs: Vec::new() };
-        for r in even_split(layers, n) {
+        let mut swarm = LocalSwarm { children: Vec::new(), logs: Vec::new(), addrs: Vec::new() };
+        for (i, r) in even_split(layers, n).into_iter().enumerate() {
+            let log = std::env::temp_dir().join(format!("dgr-worker-{}-{i}.log", std::process::id()));
+            let stderr = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+            swarm.logs.push(log);
             let child = Command::new(&exe)
                 .args(["worker", "--listen", "127.0.0.1:0", "--layers", &format!("{}..{}", r.start, r.end)])
                 .arg("--threads")
@@ -33,16 +38,17 @@ impl LocalSwarm {
                 .arg(model)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
+                .stderr(stderr)
                 .spawn()
                 .context("starting a worker")?;
             swarm.children.push(child);
         }
-        for c in swarm.children.iter_mut() {
+        for (c, log) in swarm.children.iter_mut().zip(&swarm.logs) {
             let mut line = String::new();
             let mut out = BufReader::new(c.stdout.take().context("worker stdout")?);
             if out.read_line(&mut line)? == 0 {
-                bail!("a local worker failed to start (its error is above)");
+                let why = std::fs::read_to_string(log).unwrap_or_default();
+                bail!("a local worker failed to start: {}", why.trim());
             }
             let v: serde_json::Value = serde_json::from_str(&line).context("reading a worker's ready line")?;
             swarm.addrs.push(v["listening"].as_str().context("worker did not say where it listens")?.to_string());
@@ -65,6 +71,9 @@ impl Drop for LocalSwarm {
             }
             let _ = c.kill();
             let _ = c.wait();
+        }
+        for log in &self.logs {
+            let _ = std::fs::remove_file(log);
         }
     }
 }
