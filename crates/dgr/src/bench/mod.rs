@@ -3,6 +3,7 @@
 mod engine;
 mod peer;
 mod record;
+mod route;
 
 use anyhow::Result;
 
@@ -10,11 +11,15 @@ use anyhow::Result;
 pub enum Command {
     /// One process: prefill of a prompt and decode of new tokens, against llama-bench.
     Engine(engine::Args),
+    /// One session decoding through a local multi-process route, against one-process dgr and
+    /// llama.cpp RPC (ggml-rpc-server processes driven by llama-bench).
+    Route(route::Args),
 }
 
 pub fn run(c: Command) -> Result<()> {
     match c {
         Command::Engine(a) => engine::run(a),
+        Command::Route(a) => route::run(a),
     }
 }
 

@@ -29,12 +29,20 @@ pub struct LlamaBench {
 
 /// One repetition of llama-bench's prompt and generation tests.
 pub fn llama_bench(bin: &Path, model: &Path, threads: usize, prompt: usize, gen: usize) -> Result<LlamaBench> {
-    let out = Command::new(bin)
-        .arg("-m")
-        .arg(model)
-        .args(["-p", &prompt.to_string(), "-n", &gen.to_string(), "-t", &threads.to_string(), "-r", "1", "-o", "json"])
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
+    let mut c = Command::new(bin);
+    c.arg("-m").arg(model).args(["-p", &prompt.to_string(), "-n", &gen.to_string(), "-t", &threads.to_string()]);
+    run_llama_bench(c)
+}
+
+/// One repetition of llama-bench's generation test with every layer on llama.cpp RPC servers.
+pub fn llama_bench_rpc(bin: &Path, model: &Path, threads: usize, gen: usize, servers: &str) -> Result<LlamaBench> {
+    let mut c = Command::new(bin);
+    c.arg("-m").arg(model).args(["--rpc", servers, "-ngl", "99", "-p", "0", "-n", &gen.to_string(), "-t", &threads.to_string()]);
+    run_llama_bench(c)
+}
+
+fn run_llama_bench(mut c: Command) -> Result<LlamaBench> {
+    let out = c.args(["-r", "1", "-o", "json"]).output().with_context(|| format!("running {:?}", c.get_program()))?;
     if !out.status.success() {
         bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
     }

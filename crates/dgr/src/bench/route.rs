@@ -1,0 +1,143 @@
+use super::{median, peer, record};
+use crate::local::{self, Request};
+use crate::model::ModelArg;
+use crate::swarm::{even_split, LocalSwarm};
+use anyhow::{Context, Result};
+use dgr_engine::{SamplingParams, Stage, StageOptions};
+use dgr_gateway::{DriveOptions, Flow, GenRequest, Route};
+use dgr_proto::{Sampling, SeamDtype};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Compute threads of each process (each worker, the one process, each rpc-server)
+    #[arg(long, short = 't', default_value_t = 2)]
+    threads: usize,
+    /// Tokens generated per repetition
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Stages in the route
+    #[arg(long, default_value_t = 2)]
+    split: usize,
+    /// Paired repetitions
+    #[arg(long, short = 'r', default_value_t = 5)]
+    reps: usize,
+    /// The llama-bench binary [default: $DGR_REF_DIR/bin/llama-bench]
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// The ggml-rpc-server binary [default: $DGR_REF_DIR/bin/ggml-rpc-server]
+    #[arg(long)]
+    rpc_server: Option<PathBuf>,
+    /// Directory for the run's record
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+}
+
+/// llama.cpp's RPC servers, killed on drop.
+struct RpcServers(Vec<Child>);
+
+impl Drop for RpcServers {
+    fn drop(&mut self) {
+        for c in self.0.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let model = a.model.path()?;
+    let bench = peer::tool("llama-bench", a.llama_bench.as_deref())?;
+    let rpc = peer::tool("ggml-rpc-server", a.rpc_server.as_deref())?;
+    let g = a.model.open()?;
+    let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+    let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
+    let swarm = LocalSwarm::start(&model, n_layers, a.split, a.threads)?;
+    let ports: Vec<u16> = (0..a.split as u16).map(|i| 50100 + i).collect();
+    let servers = RpcServers(
+        ports
+            .iter()
+            .map(|p| {
+                Command::new(&rpc)
+                    .args(["-p", &p.to_string(), "-t", &a.threads.to_string()])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .context("starting ggml-rpc-server")
+            })
+            .collect::<Result<_>>()?,
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let rpc_addrs = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+
+    // The same shape for every contender: one token in, `gen_tokens` out, greedy, EOS ignored.
+    let req = Request {
+        prompt_tokens: vec![1],
+        max_tokens: a.gen_tokens,
+        sampling: SamplingParams::default(),
+        top_logprobs: 0,
+        ignore_eos: true,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let route = rt.block_on(Route::discover(&swarm.addrs, std::time::Duration::from_secs(5)))?;
+    let greq = GenRequest {
+        prompt_tokens: req.prompt_tokens.clone(),
+        max_tokens: req.max_tokens,
+        sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
+        top_logprobs: 0,
+        seam_dtype: SeamDtype::F32,
+    };
+    let routed = || rt.block_on(dgr_gateway::generate(&route, &greq, &DriveOptions::default(), |_| Flow::Continue));
+    local::generate(&stage, |_| false, &req, |_| {})?; // warm-up
+    routed()?;
+    let (mut one, mut split, mut llama) = (vec![], vec![], vec![]);
+    let mut seam_p50: Vec<Vec<f64>> = vec![Vec::new(); a.split - 1];
+    let mut seam_p99: Vec<Vec<f64>> = vec![Vec::new(); a.split - 1];
+    let mut version = String::new();
+    for rep in 0..a.reps {
+        let o = local::generate(&stage, |_| false, &req, |_| {})?.timings.decode_tok_per_s;
+        let r = routed()?;
+        for s in &r.seams {
+            seam_p50[s.from as usize].push(s.latency_ms_p50);
+            seam_p99[s.from as usize].push(s.latency_ms_p99);
+        }
+        let l = peer::llama_bench_rpc(&bench, &model, a.threads, a.gen_tokens, &rpc_addrs)?;
+        eprintln!("rep {rep}: dgr one process {o:.1}, dgr {}-stage route {:.1}, llama.cpp RPC {:.1} tok/s", a.split, r.timings.decode_tok_per_s, l.gen_tok_s);
+        one.push(o);
+        split.push(r.timings.decode_tok_per_s);
+        llama.push(l.gen_tok_s);
+        version = l.version;
+    }
+    drop(servers);
+    let ratio = |a: &[f64], b: &[f64]| median(&a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>());
+    let (vs_one, vs_llama) = (ratio(&split, &one), ratio(&split, &llama));
+    let ranges: Vec<String> = even_split(n_layers, a.split).iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
+    println!("decode tg{}, threads {} per process, route {}", a.gen_tokens, a.threads, ranges.join(" + "));
+    println!("{:<34} {:>10}", "contender", "tok/s");
+    println!("{:<34} {:>10.1}", "dgr one process", median(&one));
+    println!("{:<34} {:>10.1}", format!("dgr {}-process route", a.split), median(&split));
+    println!("{:<34} {:>10.1}", format!("llama.cpp RPC, {} rpc-servers", a.split), median(&llama));
+    println!("route / one process: {vs_one:.3}   route / llama.cpp RPC: {vs_llama:.3}");
+    for (i, (p50, p99)) in seam_p50.iter().zip(&seam_p99).enumerate() {
+        println!("seam {i}->{}: latency p50 {:.3} ms, p99 {:.3} ms (medians over reps)", i + 1, median(p50), median(p99));
+    }
+    let path = record::write(
+        &a.out,
+        "route",
+        &model,
+        json!({
+            "split": ranges,
+            "peer": { "tool": format!("{} with {} x {}", bench.display(), a.split, rpc.display()), "version": version },
+            "threads": a.threads,
+            "samples": { "dgr_one_process_decode_tok_s": one, "dgr_route_decode_tok_s": split, "llama_rpc_decode_tok_s": llama,
+                         "seam_latency_ms_p50": seam_p50, "seam_latency_ms_p99": seam_p99 },
+            "ratios": { "route_vs_one_process": vs_one, "route_vs_llama_rpc": vs_llama },
+        }),
+    )?;
+    println!("record: {}", path.display());
+    Ok(())
+}
