@@ -71,7 +71,13 @@ pub fn generate(
             }
         })
         .await?;
-        let extra = serde_json::json!({ "route": route.addrs(), "seam_dtype": seam_dtype.name(), "seams": out.seams, "stages": out.stages });
+        let extra = serde_json::json!({
+            "route": route.addrs(),
+            "seam_dtype": seam_dtype.name(),
+            "seams": out.seams,
+            "stages": out.stages,
+            "usage": out.usage,
+        });
         Ok((out, extra))
     }))
 }

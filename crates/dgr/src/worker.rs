@@ -27,9 +27,19 @@ pub struct Args {
     /// Seconds open sessions get to finish after SIGTERM before they are cancelled
     #[arg(long, default_value_t = 10.0)]
     drain_timeout: f64,
-    /// Most rows computed in one scheduler step
+    /// Most rows computed in one scheduler step (the token budget)
     #[arg(long, default_value_t = 8192)]
     step_tokens: usize,
+    /// Largest prompt chunk in a step when no session is decoding
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Largest prompt chunk in a step that also decodes (bounds the added inter-token latency)
+    #[arg(long, default_value_t = 4)]
+    busy_chunk: usize,
+    /// Spread decoding sessions over this many consecutive steps, so that the stages of a
+    /// route compute different micro-batches at the same time
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
 }
 
 /// Parses "A..B".
@@ -53,7 +63,12 @@ pub fn run(a: Args) -> Result<()> {
     cfg.kv_budget_tokens = a.kv_tokens.max(1);
     cfg.idle_timeout = secs(a.idle_timeout, "idle-timeout")?;
     cfg.drain_timeout = secs(a.drain_timeout, "drain-timeout")?;
-    cfg.step_tokens = a.step_tokens.max(1);
+    cfg.policy = dgr_worker::Policy {
+        step_tokens: a.step_tokens.max(1),
+        prefill_chunk: a.prefill_chunk.max(1),
+        busy_chunk: a.busy_chunk.max(1),
+        micro_batches: a.micro_batches.max(1),
+    };
     let layers = cfg.layers.clone();
     let worker = Worker::open(cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;

@@ -2,7 +2,7 @@
 //! and close it — or fail with a structured error naming the stage, within a deadline.
 
 use crate::conn::{self, Sink, Source};
-use crate::report::{quantile, Completion, SeamReport, StageReport};
+use crate::report::{quantile, Completion, SeamReport, StageReport, UsageReport};
 use crate::{DriveError, Route};
 use dgr_proto::{Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Sampling, SeamDtype, SessionRef, TokenOut, STAGE_UNKNOWN};
 use futures::StreamExt;
@@ -107,6 +107,26 @@ impl Session<'_> {
             let _ = conn::send(&mut self.sinks[i as usize], &Frame::new(body)).await;
         }
     }
+
+    /// Each stage's usage report for the session, in route order, waiting at most `timeout`.
+    async fn usage(&mut self, timeout: Duration) -> Vec<UsageReport> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut got: Vec<UsageReport> = Vec::new();
+        while got.len() < self.sinks.len() {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some(Event::Frame(stage, Body::Usage(u)))) if u.session_id == self.id => got.push(UsageReport {
+                    stage,
+                    tokens_prefilled: u.tokens_prefilled,
+                    tokens_decoded: u.tokens_decoded,
+                    layer_tokens: u.layer_tokens,
+                }),
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        got.sort_by_key(|u| u.stage);
+        got
+    }
 }
 
 /// Generates along `route`. `on_token` sees every token as it arrives and may cancel.
@@ -136,8 +156,11 @@ pub async fn generate(
     }
     drop(tx);
     let mut s = Session { route, id, sinks, events };
-    let result = drive(&mut s, req, opts, n, &mut on_token).await;
+    let mut result = drive(&mut s, req, opts, n, &mut on_token).await;
     s.finish(!matches!(&result, Ok(c) if c.finish_reason != "cancelled")).await;
+    if let Ok(c) = &mut result {
+        c.usage = s.usage(opts.connect_timeout).await;
+    }
     result
 }
 

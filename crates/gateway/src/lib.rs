@@ -9,5 +9,5 @@ mod route;
 
 pub use driver::{generate, DriveOptions, Flow, GenRequest};
 pub use error::DriveError;
-pub use report::{Completion, SeamReport, StageReport, Timings};
+pub use report::{Completion, SeamReport, StageReport, Timings, UsageReport};
 pub use route::{Route, StageEndpoint};

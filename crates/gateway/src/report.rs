@@ -29,6 +29,15 @@ pub struct StageReport {
     pub compute_ms_total: f64,
 }
 
+/// What one stage computed for the session, as it reported when the session was closed.
+#[derive(Serialize, Default, Debug, Clone, PartialEq, Eq)]
+pub struct UsageReport {
+    pub stage: u32,
+    pub tokens_prefilled: u64,
+    pub tokens_decoded: u64,
+    pub layer_tokens: u64,
+}
+
 #[derive(Serialize, Default, Debug, Clone)]
 pub struct Completion {
     pub tokens: Vec<u32>,
@@ -38,6 +47,8 @@ pub struct Completion {
     pub timings: Timings,
     pub seams: Vec<SeamReport>,
     pub stages: Vec<StageReport>,
+    /// Per stage, in route order; a stage that did not report in time is missing.
+    pub usage: Vec<UsageReport>,
 }
 
 /// The q-quantile (0..=1) of samples, nearest rank.

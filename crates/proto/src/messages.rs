@@ -3,7 +3,7 @@
 /// One frame on the wire.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Frame {
-    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8")]
+    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9")]
     pub body: Option<Body>,
 }
 
@@ -33,6 +33,9 @@ pub enum Body {
     /// Either way: something about a session (or the connection) failed.
     #[prost(message, tag = "8")]
     Error(ErrorMsg),
+    /// Stage → driver, when a session is closed or cancelled: what it computed there.
+    #[prost(message, tag = "9")]
+    Usage(Usage),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, prost::Enumeration)]
@@ -204,6 +207,24 @@ pub struct TokenOut {
     pub top: Vec<TopEntry>,
     #[prost(message, repeated, tag = "6")]
     pub trace: Vec<Hop>,
+}
+
+/// What one stage computed for one session.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Usage {
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    #[prost(uint32, tag = "2")]
+    pub stage: u32,
+    /// Prompt rows computed (rows of multi-row frames).
+    #[prost(uint64, tag = "3")]
+    pub tokens_prefilled: u64,
+    /// Single-row decode steps computed.
+    #[prost(uint64, tag = "4")]
+    pub tokens_decoded: u64,
+    /// Rows times this stage's layers.
+    #[prost(uint64, tag = "5")]
+    pub layer_tokens: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, prost::Enumeration)]

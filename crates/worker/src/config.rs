@@ -19,8 +19,8 @@ pub struct WorkerConfig {
     pub max_frame: usize,
     /// Seam dtypes this worker accepts.
     pub seam_dtypes: Vec<SeamDtype>,
-    /// Most rows one step may compute (the scheduler's token budget).
-    pub step_tokens: usize,
+    /// The scheduler's per-step budget and chunking.
+    pub policy: crate::plan::Policy,
 }
 
 impl WorkerConfig {
@@ -35,7 +35,7 @@ impl WorkerConfig {
             drain_timeout: Duration::from_secs(10),
             max_frame: dgr_proto::DEFAULT_MAX_FRAME,
             seam_dtypes: vec![SeamDtype::F32, SeamDtype::F16, SeamDtype::Bf16],
-            step_tokens: 8192,
+            policy: crate::plan::Policy::default(),
         }
     }
 }

@@ -5,11 +5,15 @@
 //! scheduler thread owns the `Stage` and every session's state. They talk through bounded
 //! queues, so a slow or hostile peer can fill only its own queue.
 
+mod compat;
 mod config;
 mod metrics;
+mod plan;
 mod scheduler;
 mod server;
 
+pub use compat::{CompatKey, KvLayout, Phase};
 pub use config::WorkerConfig;
+pub use plan::Policy;
 pub use metrics::{rss_bytes, Metrics};
 pub use server::{bind, Worker, WorkerError};

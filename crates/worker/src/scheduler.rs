@@ -1,11 +1,14 @@
-//! The scheduler: one thread that owns the stage and every session's state, and runs each
-//! ready session's next chunk in one batched forward per step.
+//! The scheduler: one thread that owns the stage and every session's state. Each step it plans
+//! which rows run (decode first, then capped prompt chunks, within a token budget; see `plan`)
+//! and runs one batched forward per compatibility key.
 
+use crate::compat::{CompatKey, Phase, ENGINE, KV_LAYOUT};
+use crate::plan::{plan, Batch, Policy, Ready};
 use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
 use dgr_proto::{
     check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, SeamDtype,
-    SessionId, SessionRef, TokenOut, TopEntry, STAGE_UNKNOWN,
+    SessionId, SessionRef, TokenOut, TopEntry, Usage, STAGE_UNKNOWN,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -35,11 +38,23 @@ pub(crate) enum Cmd {
     Drain { deadline: Instant },
 }
 
+/// A frame's rows waiting to run; prompts run in chunks, `done` rows at a time.
 struct Pending {
     f: Forward,
     rows: usize,
+    done: usize,
     recv_us: u64,
     at: Instant,
+}
+
+impl Pending {
+    fn phase(&self) -> Phase {
+        if self.rows > 1 {
+            Phase::Prefill
+        } else {
+            Phase::Decode
+        }
+    }
 }
 
 struct Session {
@@ -55,6 +70,7 @@ struct Session {
     reserved: usize,
     pending: VecDeque<Pending>,
     last_active: Instant,
+    usage: Usage,
 }
 
 pub(crate) struct Scheduler {
@@ -65,6 +81,8 @@ pub(crate) struct Scheduler {
     sessions: HashMap<SessionId, Session>,
     reserved: usize,
     drain: Option<Instant>,
+    policy: Policy,
+    model_id: Arc<str>,
 }
 
 fn unix_us() -> u64 {
@@ -80,7 +98,9 @@ impl Scheduler {
         let per_position = 2 * stage.layers().len() * stage.config().kv_dim() * 4;
         metrics.kv_bytes_capacity.store((cfg.kv_budget_tokens * per_position) as u64, Relaxed);
         metrics.weight_bytes.store(stage.weight_bytes() as u64, Relaxed);
-        Scheduler { stage, cfg, schema, metrics, sessions: HashMap::new(), reserved: 0, drain: None }
+        let policy = cfg.policy.clone();
+        let model_id = schema.model_id.as_str().into();
+        Scheduler { stage, cfg, schema, metrics, sessions: HashMap::new(), reserved: 0, drain: None, policy, model_id }
     }
 
     /// Runs until every command sender is gone or a drain completes.
@@ -146,8 +166,8 @@ impl Scheduler {
             Cmd::Open { conn, open, reply, next } => self.open(conn, open, reply, next),
             Cmd::Forward { f, recv_us, at, reply } => self.forward(f, recv_us, at, reply),
             Cmd::Cancel { id } | Cmd::Close { id } => {
-                if let Ok(id) = session_id(&id) {
-                    self.remove(&id);
+                if let Some(s) = session_id(&id).ok().and_then(|id| self.remove(&id)) {
+                    send(&s.reply, Body::Usage(s.usage));
                 }
             }
             Cmd::ConnClosed { conn } => {
@@ -224,6 +244,7 @@ impl Scheduler {
             reserved: want,
             pending: VecDeque::new(),
             last_active: Instant::now(),
+            usage: Usage { session_id: id.to_vec(), stage: stage_index, ..Default::default() },
         };
         self.reserved += want;
         self.sessions.insert(id, session);
@@ -239,13 +260,13 @@ impl Scheduler {
         };
         let first = self.stage.is_first();
         let hidden = self.stage.config().hidden;
-        let step_tokens = self.cfg.step_tokens;
+        let max_rows = self.stage.config().context;
         let Some(s) = self.sessions.get_mut(&id) else {
             return self.error_to(&reply, &id, ErrorKind::UnknownSession, me, "no such session on this stage");
         };
         let stage_index = s.stage_index;
-        let checked = check_forward(&f, first, hidden, s.dtype, step_tokens).map_err(|e| (e.kind(), e.to_string())).and_then(|rows| {
-            let expected = s.kv.len() + s.pending.iter().map(|p| p.rows).sum::<usize>();
+        let checked = check_forward(&f, first, hidden, s.dtype, max_rows).map_err(|e| (e.kind(), e.to_string())).and_then(|rows| {
+            let expected = s.kv.len() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
             if f.position as usize != expected {
                 Err((ErrorKind::BadInput, format!("rows at position {} but the session is at {expected}", f.position)))
             } else if s.pending.len() >= MAX_PENDING {
@@ -257,7 +278,7 @@ impl Scheduler {
         match checked {
             Ok(rows) => {
                 s.last_active = Instant::now();
-                s.pending.push_back(Pending { f, rows, recv_us, at });
+                s.pending.push_back(Pending { f, rows, done: 0, recv_us, at });
             }
             Err((kind, msg)) => {
                 // The frame's sender hears why; the session cannot go on with a gap in it.
@@ -271,91 +292,146 @@ impl Scheduler {
         }
     }
 
-    /// One batched forward over the next chunk of every ready session, within the token budget.
-    fn step(&mut self) {
-        let mut budget = self.cfg.step_tokens;
-        let mut chosen: Vec<Session> = Vec::new();
-        let ready: Vec<SessionId> = self.sessions.values().filter(|s| !s.pending.is_empty()).map(|s| s.id).collect();
-        for id in ready {
-            let rows = self.sessions[&id].pending[0].rows;
-            if rows <= budget || chosen.is_empty() {
-                budget = budget.saturating_sub(rows);
-                chosen.extend(self.sessions.remove(&id));
-            }
+    fn key(&self, s: &Session, phase: Phase) -> CompatKey {
+        CompatKey {
+            engine: ENGINE,
+            model_id: self.model_id.clone(),
+            layers: (self.schema.layer_start, self.schema.layer_end),
+            phase,
+            hidden: self.schema.hidden,
+            seam_dtype: s.dtype,
+            kv: KV_LAYOUT,
         }
-        if chosen.is_empty() {
+    }
+
+    /// One scheduler step: plan it, then one forward per batch.
+    fn step(&mut self) {
+        let ready: Vec<Ready> = self
+            .sessions
+            .values()
+            .filter_map(|s| {
+                let p = s.pending.front()?;
+                Some(Ready { id: s.id, key: self.key(s, p.phase()), rows_left: p.rows - p.done, since: p.at })
+            })
+            .collect();
+        if ready.is_empty() {
             return;
         }
+        for batch in plan(ready, &self.policy) {
+            self.run_batch(batch);
+        }
+    }
+
+    /// Runs `rows` of the first waiting frame of each session in `batch` as one forward, and
+    /// passes each result on: hidden rows to the next stage, or a sampled token to the driver.
+    fn run_batch(&mut self, batch: Batch) {
+        let mut chosen: Vec<(Session, usize)> =
+            batch.items.iter().filter_map(|&(id, n)| self.sessions.remove(&id).map(|s| (s, n))).collect();
         let started = Instant::now();
-        let work: Vec<Pending> = chosen.iter_mut().filter_map(|s| s.pending.pop_front()).collect();
-        let hidden: Vec<Vec<f32>> = work.iter().zip(&chosen).map(|(p, s)| dgr_proto::decode_rows(&p.f.hidden, s.dtype)).collect();
+        let first = self.stage.is_first();
         let last = self.stage.is_last();
-        let mut batch: Vec<SeqInput> = Vec::with_capacity(chosen.len());
+        let h = self.stage.config().hidden;
+        // This chunk's rows of each session's first waiting frame, as the stage takes them.
+        let hidden: Vec<Vec<f32>> = chosen
+            .iter()
+            .map(|(s, n)| {
+                let p = &s.pending[0];
+                if first {
+                    Vec::new()
+                } else {
+                    let row = h * s.dtype.size();
+                    dgr_proto::decode_rows(&p.f.hidden[p.done * row..(p.done + n) * row], s.dtype)
+                }
+            })
+            .collect();
+        let tokens: Vec<Vec<u32>> = chosen
+            .iter()
+            .map(|(s, n)| if first { s.pending[0].f.tokens[s.pending[0].done..s.pending[0].done + n].to_vec() } else { Vec::new() })
+            .collect();
+        let wants: Vec<bool> = chosen.iter().map(|(s, n)| s.pending[0].done + n == s.pending[0].rows && s.pending[0].f.sample).collect();
+        let mut seqs: Vec<SeqInput> = Vec::with_capacity(chosen.len());
         let mut bad: Vec<(usize, String)> = Vec::new();
-        for (i, (s, p)) in chosen.iter_mut().zip(&work).enumerate() {
-            let input = if self.stage.is_first() { Input::Tokens(&p.f.tokens) } else { Input::Hidden(&hidden[i]) };
-            let seq = SeqInput { kv: &mut s.kv, input, logits: if last && p.f.sample { LogitRows::Last } else { LogitRows::None } };
+        // Split borrows: the sequences borrow each session's KV mutably, nothing else.
+        let mut kvs: Vec<&mut dgr_engine::KvCache> = chosen.iter_mut().map(|(s, _)| &mut s.kv).collect();
+        for (i, kv) in kvs.drain(..).enumerate() {
+            let input = if first { Input::Tokens(&tokens[i]) } else { Input::Hidden(&hidden[i]) };
+            let seq = SeqInput { kv, input, logits: if last && wants[i] { LogitRows::Last } else { LogitRows::None } };
             match self.stage.check(&seq) {
-                Ok(_) => batch.push(seq),
+                Ok(_) => seqs.push(seq),
                 Err(e) => bad.push((i, e.to_string())),
             }
         }
-        let result = self.stage.forward(&mut batch);
-        drop(batch);
+        let result = self.stage.forward(&mut seqs);
+        drop(seqs);
         let compute_us = started.elapsed().as_micros() as u64;
-        let rows: usize = work.iter().enumerate().filter(|(i, _)| !bad.iter().any(|(b, _)| b == i)).map(|(_, p)| p.rows).sum();
-        self.metrics.steps.fetch_add(1, Relaxed);
-        self.metrics.step_rows.fetch_add(rows as u64, Relaxed);
-        self.metrics.step_micros.fetch_add(compute_us, Relaxed);
-        self.metrics.last_batch_sessions.store((chosen.len() - bad.len()) as u64, Relaxed);
+        let is_bad = |i: usize| bad.iter().find(|(b, _)| *b == i).map(|(_, m)| m.clone());
+        let rows: usize = chosen.iter().enumerate().filter(|(i, _)| is_bad(*i).is_none()).map(|(_, (_, n))| n).sum();
+        let m = &self.metrics;
+        m.steps.fetch_add(1, Relaxed);
+        m.step_rows.fetch_add(rows as u64, Relaxed);
+        m.step_micros.fetch_add(compute_us, Relaxed);
+        m.last_batch_sessions.store((chosen.len() - bad.len()) as u64, Relaxed);
         let mut outputs = match result {
             Ok(o) => o.into_iter(),
             Err(e) => {
                 // Checked per sequence above, so this is a bug; fail the batch rather than guess.
-                for s in chosen {
+                for (s, _) in chosen {
                     self.end(s, Some((ErrorKind::Internal, e.to_string())));
                 }
                 return;
             }
         };
-        for (i, (mut s, p)) in chosen.into_iter().zip(work).enumerate() {
-            if let Some((_, msg)) = bad.iter().find(|(b, _)| *b == i) {
-                self.end(s, Some((ErrorKind::BadInput, msg.clone())));
+        let n_layers = self.stage.layers().len() as u64;
+        for (i, (mut s, n)) in chosen.into_iter().enumerate() {
+            if let Some(msg) = is_bad(i) {
+                self.end(s, Some((ErrorKind::BadInput, msg)));
                 continue;
             }
             let out = outputs.next().unwrap_or_default();
-            let counter = if p.rows > 1 { &self.metrics.tokens_prefilled } else { &self.metrics.tokens_decoded };
-            counter.fetch_add(p.rows as u64, Relaxed);
-            let mut trace = p.f.trace;
-            let hop = |bytes_out: usize| Hop {
+            let prefill = batch.key.phase == Phase::Prefill;
+            let counter = if prefill { &self.metrics.tokens_prefilled } else { &self.metrics.tokens_decoded };
+            counter.fetch_add(n as u64, Relaxed);
+            if prefill {
+                s.usage.tokens_prefilled += n as u64;
+            } else {
+                s.usage.tokens_decoded += n as u64;
+            }
+            s.usage.layer_tokens += n as u64 * n_layers;
+            let p = &mut s.pending[0];
+            let chunk_start = p.f.position + p.done as u64;
+            p.done += n;
+            let finished = p.done == p.rows;
+            let hop = Hop {
                 stage: s.stage_index,
                 queue_us: started.duration_since(p.at).as_micros() as u64,
                 compute_us,
-                bytes_out: bytes_out as u64,
+                bytes_out: 0,
                 recv_unix_us: p.recv_us,
-                sent_unix_us: unix_us(),
+                sent_unix_us: 0,
             };
             let delivered = match &s.next {
                 Some((_, next)) => {
                     let bytes = dgr_proto::encode_rows(&out.hidden, s.dtype);
-                    trace.push(hop(bytes.len()));
+                    let mut trace = p.f.trace.clone();
+                    trace.push(Hop { bytes_out: bytes.len() as u64, sent_unix_us: unix_us(), ..hop });
                     let f = Forward {
                         session_id: s.id.to_vec(),
-                        position: p.f.position,
+                        position: chunk_start,
                         tokens: Vec::new(),
                         hidden: bytes,
                         dtype: s.dtype as i32,
-                        n_rows: p.rows as u32,
-                        sample: p.f.sample,
+                        n_rows: n as u32,
+                        sample: wants[i],
                         trace,
                     };
                     send(next, Body::Forward(f))
                 }
-                None if p.f.sample => {
+                None if wants[i] => {
                     let position = s.kv.len() as u64;
                     let token = dgr_engine::sample(&out.logits, &s.sampling, position);
                     let (logprob, top) = dgr_engine::logprobs(&out.logits, token, s.top_logprobs);
-                    trace.push(hop(0));
+                    let mut trace = p.f.trace.clone();
+                    trace.push(Hop { sent_unix_us: unix_us(), ..hop });
                     let t = TokenOut {
                         session_id: s.id.to_vec(),
                         position,
@@ -368,6 +444,9 @@ impl Scheduler {
                 }
                 None => true,
             };
+            if finished {
+                s.pending.pop_front();
+            }
             if delivered {
                 s.last_active = Instant::now();
                 self.sessions.insert(s.id, s);

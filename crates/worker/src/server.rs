@@ -235,7 +235,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             Body::Forward(f) => Cmd::Forward { f, recv_us: unix_us(), at: Instant::now(), reply: out.clone() },
             Body::Cancel(r) => Cmd::Cancel { id: r.session_id },
             Body::Close(r) => Cmd::Close { id: r.session_id },
-            Body::Hello(_) | Body::Opened(_) | Body::Token(_) | Body::Error(_) => {
+            Body::Hello(_) | Body::Opened(_) | Body::Token(_) | Body::Error(_) | Body::Usage(_) => {
                 refuse(&out, &[], ErrorKind::BadFrame, "a frame a worker does not accept".into());
                 continue;
             }

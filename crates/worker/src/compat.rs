@@ -1,0 +1,37 @@
+//! Which sessions may share a forward. Within one worker most of the key is the same for every
+//! session, but it is still the whole key that decides, as a type, not a convention.
+
+use dgr_proto::SeamDtype;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Prefill,
+    Decode,
+}
+
+/// How a stage keeps KV: element type and block size (positions per block; 1 = contiguous).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    pub dtype: &'static str,
+    pub block: u32,
+}
+
+/// Sessions share a batch only when their keys are equal.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CompatKey {
+    /// The compute engine and its numerics.
+    pub engine: &'static str,
+    /// The recipe: model identity and layer range.
+    pub model_id: Arc<str>,
+    pub layers: (u32, u32),
+    pub phase: Phase,
+    /// The boundary schema.
+    pub hidden: u32,
+    pub seam_dtype: SeamDtype,
+    pub kv: KvLayout,
+}
+
+/// dgr's CPU engine: f32 activations, fixed-order reductions.
+pub const ENGINE: &str = "dgr-cpu-f32";
+pub const KV_LAYOUT: KvLayout = KvLayout { dtype: "f32", block: 1 };

@@ -1,0 +1,135 @@
+//! Planning one scheduler step: which rows of which sessions run, in which batches.
+//!
+//! Decode rows come first (every session that waits for its next token, oldest first); then
+//! chunks of waiting prompts, each capped so that a long prompt cannot stall decoding, while the
+//! step's token budget lasts. Sessions are grouped into one batch per compatibility key.
+
+use crate::compat::{CompatKey, Phase};
+use dgr_proto::SessionId;
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct Policy {
+    /// Rows one step may compute in all.
+    pub step_tokens: usize,
+    /// The largest prompt chunk when no session is decoding.
+    pub prefill_chunk: usize,
+    /// The largest prompt chunk in a step that also decodes.
+    pub busy_chunk: usize,
+    /// Decode sessions are spread over this many consecutive steps, so that on a multi-stage
+    /// route the next stage computes one micro-batch while this one computes the next.
+    pub micro_batches: usize,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy { step_tokens: 8192, prefill_chunk: 512, busy_chunk: 4, micro_batches: 1 }
+    }
+}
+
+/// A session with rows waiting.
+#[derive(Clone, Debug)]
+pub struct Ready {
+    pub id: SessionId,
+    pub key: CompatKey,
+    pub rows_left: usize,
+    pub since: Instant,
+}
+
+/// One forward: sessions with equal keys, and how many of their waiting rows each runs.
+#[derive(Debug)]
+pub struct Batch {
+    pub key: CompatKey,
+    pub items: Vec<(SessionId, usize)>,
+}
+
+pub fn plan(mut ready: Vec<Ready>, p: &Policy) -> Vec<Batch> {
+    ready.sort_by_key(|r| r.since);
+    let (decode, prefill): (Vec<Ready>, Vec<Ready>) = ready.into_iter().partition(|r| r.key.phase == Phase::Decode);
+    let mut budget = p.step_tokens.max(1);
+    let mut take: Vec<(Ready, usize)> = Vec::new();
+    let per_step = decode.len().div_ceil(p.micro_batches.max(1));
+    for r in decode.into_iter().take(per_step) {
+        if budget == 0 {
+            break;
+        }
+        budget -= 1;
+        take.push((r, 1));
+    }
+    let chunk = if take.is_empty() { p.prefill_chunk } else { p.busy_chunk }.max(1);
+    for r in prefill {
+        let n = r.rows_left.min(chunk).min(budget);
+        if n == 0 {
+            break;
+        }
+        budget -= n;
+        take.push((r, n));
+    }
+    let mut batches: Vec<Batch> = Vec::new();
+    for (r, n) in take {
+        match batches.iter_mut().find(|b| b.key == r.key) {
+            Some(b) => b.items.push((r.id, n)),
+            None => batches.push(Batch { key: r.key, items: vec![(r.id, n)] }),
+        }
+    }
+    batches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compat::{ENGINE, KV_LAYOUT};
+    use dgr_proto::SeamDtype;
+    use std::time::Duration;
+
+    fn key(phase: Phase, seam_dtype: SeamDtype) -> CompatKey {
+        CompatKey { engine: ENGINE, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype, kv: KV_LAYOUT }
+    }
+
+    fn ready(i: u8, phase: Phase, dtype: SeamDtype, rows: usize, age_ms: u64) -> Ready {
+        let since = Instant::now() - Duration::from_millis(age_ms);
+        Ready { id: [i; 16], key: key(phase, dtype), rows_left: rows, since }
+    }
+
+    #[test]
+    fn sessions_with_different_keys_never_share_a_batch() {
+        let r = vec![
+            ready(1, Phase::Decode, SeamDtype::F32, 1, 5),
+            ready(2, Phase::Decode, SeamDtype::F16, 1, 4),
+            ready(3, Phase::Decode, SeamDtype::F32, 1, 3),
+            ready(4, Phase::Prefill, SeamDtype::F32, 100, 2),
+            ready(5, Phase::Decode, SeamDtype::Bf16, 1, 1),
+        ];
+        let b = plan(r, &Policy::default());
+        assert_eq!(b.len(), 4);
+        for batch in &b {
+            let keys: Vec<_> = batch.items.iter().map(|(id, _)| (id[0] == 2, id[0] == 5, id[0] == 4)).collect();
+            assert!(keys.windows(2).all(|w| w[0] == w[1]), "{batch:?}");
+        }
+        assert_eq!(b[0].items, vec![([1; 16], 1), ([3; 16], 1)]);
+    }
+
+    #[test]
+    fn decode_first_then_capped_prompt_chunks_within_the_budget() {
+        let p = Policy { step_tokens: 16, prefill_chunk: 512, busy_chunk: 4, micro_batches: 1 };
+        let mut r: Vec<Ready> = (0..8).map(|i| ready(i, Phase::Decode, SeamDtype::F32, 1, 10)).collect();
+        r.push(ready(100, Phase::Prefill, SeamDtype::F32, 1500, 20));
+        r.push(ready(101, Phase::Prefill, SeamDtype::F32, 1500, 5));
+        let b = plan(r, &p);
+        let rows: usize = b.iter().flat_map(|b| &b.items).map(|i| i.1).sum();
+        assert!(rows <= 16);
+        assert_eq!(b[0].items.len(), 8, "every decode row runs");
+        assert_eq!(b[1].items, vec![([100; 16], 4), ([101; 16], 4)], "older prompt first, each chunk capped");
+        // Alone, a prompt gets the large chunk, still within the budget.
+        let b = plan(vec![ready(9, Phase::Prefill, SeamDtype::F32, 1500, 1)], &p);
+        assert_eq!(b[0].items, vec![([9; 16], 16)]);
+    }
+
+    #[test]
+    fn micro_batches_spread_decode_over_steps() {
+        let p = Policy { micro_batches: 2, ..Policy::default() };
+        let r: Vec<Ready> = (0..8).map(|i| ready(i, Phase::Decode, SeamDtype::F32, 1, 10 - i as u64)).collect();
+        let b = plan(r, &p);
+        assert_eq!(b[0].items.iter().map(|i| i.0[0]).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    }
+}
