@@ -1,5 +1,6 @@
 //! Benchmarks that measure dgr and its peer (llama.cpp) in the same run and report ratios.
 
+mod batch;
 mod engine;
 mod peer;
 mod record;
@@ -14,12 +15,16 @@ pub enum Command {
     /// One session decoding through a local multi-process route, against one-process dgr and
     /// llama.cpp RPC (ggml-rpc-server processes driven by llama-bench).
     Route(route::Args),
+    /// Aggregate decode of 1, 2, 4, 8 concurrent sessions, one process and through a route,
+    /// against llama-batched-bench; writes a plot beside the record.
+    Batch(batch::Args),
 }
 
 pub fn run(c: Command) -> Result<()> {
     match c {
         Command::Engine(a) => engine::run(a),
         Command::Route(a) => route::run(a),
+        Command::Batch(a) => batch::run(a),
     }
 }
 

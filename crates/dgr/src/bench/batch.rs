@@ -1,0 +1,220 @@
+use super::{median, peer, record};
+use crate::model::ModelArg;
+use crate::swarm::LocalSwarm;
+use anyhow::{bail, Context, Result};
+use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
+use dgr_gateway::{DriveOptions, Flow, GenRequest, Route};
+use dgr_proto::{Sampling, SeamDtype};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Compute threads of each process
+    #[arg(long, short = 't', default_value_t = 2)]
+    threads: usize,
+    /// Concurrent sessions to measure, comma-separated
+    #[arg(long, default_value = "1,2,4,8")]
+    sessions: String,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Stages of the route
+    #[arg(long, default_value_t = 2)]
+    split: usize,
+    /// Repetitions (each measures every contender at every session count)
+    #[arg(long, short = 'r', default_value_t = 3)]
+    reps: usize,
+    /// The llama-batched-bench binary [default: $DGR_REF_DIR/bin/llama-batched-bench]
+    #[arg(long)]
+    llama_batched_bench: Option<PathBuf>,
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+}
+
+fn prompt(vocab: u32, seq: usize, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 7919 + seq as u32 * 104_729 + 13) % vocab).collect()
+}
+
+/// Aggregate decode tok/s of `b` sequences in one process: prompts prefilled, then
+/// `gen` steps of one batched forward over all `b` sequences.
+fn one_process(stage: &Stage, b: usize, p: usize, gen: usize) -> Result<f64> {
+    let vocab = stage.config().vocab as u32;
+    let mut kvs: Vec<_> = (0..b).map(|_| stage.new_kv(p + gen)).collect();
+    let mut next: Vec<u32> = Vec::new();
+    for (i, kv) in kvs.iter_mut().enumerate() {
+        let out = stage.forward(&mut [SeqInput { kv, input: Input::Tokens(&prompt(vocab, i, p)), logits: LogitRows::Last }])?;
+        next.push(dgr_engine::argmax(&out[0].logits));
+    }
+    let t = Instant::now();
+    for _ in 1..gen {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut batch: Vec<SeqInput> =
+            kvs.iter_mut().zip(&toks).map(|(kv, t)| SeqInput { kv, input: Input::Tokens(t), logits: LogitRows::Last }).collect();
+        let out = stage.forward(&mut batch)?;
+        next = out.iter().map(|o| dgr_engine::argmax(&o.logits)).collect();
+    }
+    Ok((b * (gen - 1)) as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Aggregate decode tok/s of `b` concurrent sessions driven through `route`: generated tokens
+/// after each session's first, over the span from the first first-token to the last token.
+fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: usize, gen: usize) -> Result<f64> {
+    let reqs: Vec<GenRequest> = (0..b)
+        .map(|i| GenRequest {
+            prompt_tokens: prompt(vocab, i, p),
+            max_tokens: gen,
+            sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
+            top_logprobs: 0,
+            seam_dtype: SeamDtype::F32,
+        })
+        .collect();
+    let opts = DriveOptions { step_timeout: Duration::from_secs(60), ..DriveOptions::default() };
+    let spans: Vec<(Instant, Instant, usize)> = rt.block_on(async {
+        let runs = reqs.iter().map(|r| async {
+            let (mut first, mut last, mut n) = (None, Instant::now(), 0usize);
+            dgr_gateway::generate(route, r, &opts, |_| {
+                let now = Instant::now();
+                first.get_or_insert(now);
+                last = now;
+                n += 1;
+                Flow::Continue
+            })
+            .await
+            .map(|_| (first.unwrap_or(last), last, n))
+        });
+        futures_join(runs).await
+    })?;
+    let start = spans.iter().map(|s| s.0).min().context("no sessions")?;
+    let end = spans.iter().map(|s| s.1).max().context("no sessions")?;
+    let tokens: usize = spans.iter().map(|s| s.2.saturating_sub(1)).sum();
+    Ok(tokens as f64 / end.duration_since(start).as_secs_f64())
+}
+
+async fn futures_join<F, T, E>(runs: impl Iterator<Item = F>) -> std::result::Result<Vec<T>, E>
+where
+    F: std::future::Future<Output = std::result::Result<T, E>>,
+{
+    futures::future::join_all(runs).await.into_iter().collect()
+}
+
+/// llama-batched-bench's aggregate generation speed (speed_tg) per session count.
+fn llama(bin: &Path, model: &Path, threads: usize, b: &[usize], p: usize, gen: usize) -> Result<(Vec<f64>, String)> {
+    let npl: Vec<String> = b.iter().map(|x| x.to_string()).collect();
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(["-c", "4096", "-b", "2048", "-ub", "512", "-npp", &p.to_string(), "-ntg", &gen.to_string()])
+        .args(["-npl", &npl.join(","), "-t", &threads.to_string(), "--output-format", "jsonl"])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("llama-batched-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let mut speeds = vec![f64::NAN; b.len()];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+            if let Some(i) = b.iter().position(|&x| Some(x as u64) == v["pl"].as_u64()) {
+                speeds[i] = v["speed_tg"].as_f64().unwrap_or(f64::NAN);
+            }
+        }
+    }
+    let version = String::from_utf8_lossy(&out.stderr).lines().find(|l| l.contains("build")).unwrap_or("").trim().to_string();
+    Ok((speeds, version))
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let sessions: Vec<usize> = a.sessions.split(',').map(|s| s.trim().parse().context("--sessions")).collect::<Result<_>>()?;
+    if sessions.is_empty() || sessions.contains(&0) || a.gen_tokens < 2 {
+        bail!("--sessions must list positive counts and --gen-tokens be at least 2");
+    }
+    let model = a.model.path()?;
+    let bin = peer::tool("llama-batched-bench", a.llama_batched_bench.as_deref())?;
+    let g = a.model.open()?;
+    let cfg = dgr_engine::ModelConfig::from_gguf(&g)?;
+    let stage = Stage::open(g, 0..cfg.n_layers, StageOptions { threads: a.threads, isa: None })?;
+    let swarm = LocalSwarm::start(&model, cfg.n_layers, a.split, a.threads)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let route = rt.block_on(Route::discover(&swarm.addrs, Duration::from_secs(5)))?;
+    let vocab = cfg.vocab as u32;
+    one_process(&stage, 1, a.prompt_tokens, 4)?; // warm-up
+    routed(&rt, &route, vocab, 1, a.prompt_tokens, 4)?;
+    let n = sessions.len();
+    let (mut one, mut split, mut peer_s) = (vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
+    let mut version = String::new();
+    for rep in 0..a.reps {
+        for (i, &b) in sessions.iter().enumerate() {
+            one[i].push(one_process(&stage, b, a.prompt_tokens, a.gen_tokens)?);
+            split[i].push(routed(&rt, &route, vocab, b, a.prompt_tokens, a.gen_tokens)?);
+        }
+        let (l, v) = llama(&bin, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens)?;
+        for (i, s) in l.into_iter().enumerate() {
+            peer_s[i].push(s);
+        }
+        version = v;
+        eprintln!("rep {rep} done");
+    }
+    let ratio = |x: &[f64], y: &[f64]| median(&x.iter().zip(y).map(|(a, b)| a / b).collect::<Vec<_>>());
+    println!("aggregate decode tok/s, {}-token prompts, {} generated, {} threads per process", a.prompt_tokens, a.gen_tokens, a.threads);
+    println!("{:>3} {:>12} {:>14} {:>12} {:>14} {:>16}", "B", "dgr 1-proc", "dgr route", "llama.cpp", "1-proc/llama", "route/1-proc");
+    let mut rows = Vec::new();
+    for (i, &b) in sessions.iter().enumerate() {
+        let (o, s, l) = (median(&one[i]), median(&split[i]), median(&peer_s[i]));
+        let (r1, r2) = (ratio(&one[i], &peer_s[i]), ratio(&split[i], &one[i]));
+        println!("{b:>3} {o:>12.1} {s:>14.1} {l:>12.1} {r1:>14.3} {r2:>16.3}");
+        rows.push(json!({ "sessions": b, "dgr_one_process": o, "dgr_route": s, "llama": l, "one_process_vs_llama": r1, "route_vs_one_process": r2 }));
+    }
+    let series = [("dgr one process", &one), (&*format!("dgr {}-process route", a.split), &split), ("llama.cpp batched", &peer_s)];
+    let svg_path = a.out.join("batch.svg");
+    std::fs::create_dir_all(&a.out)?;
+    std::fs::write(&svg_path, plot(&sessions, &series))?;
+    let path = record::write(
+        &a.out,
+        "batch",
+        &model,
+        json!({
+            "split": format!("{} stages, even layer ranges", a.split),
+            "peer": { "tool": bin.display().to_string(), "version": version },
+            "threads": a.threads,
+            "prompt_tokens": a.prompt_tokens,
+            "gen_tokens": a.gen_tokens,
+            "samples": { "sessions": sessions, "dgr_one_process": one, "dgr_route": split, "llama_batched": peer_s },
+            "table": rows,
+            "plot": svg_path.display().to_string(),
+        }),
+    )?;
+    println!("record: {}\nplot: {}", path.display(), svg_path.display());
+    Ok(())
+}
+
+/// A small SVG line chart: aggregate tok/s (median) against session count, one line per series.
+fn plot(xs: &[usize], series: &[(&str, &Vec<Vec<f64>>)]) -> String {
+    let (w, h, m) = (640.0, 360.0, 50.0);
+    let ymax = series.iter().flat_map(|(_, s)| s.iter().map(|v| median(v))).fold(1.0, f64::max) * 1.1;
+    let x = |i: usize| m + (w - 2.0 * m) * i as f64 / (xs.len().max(2) - 1) as f64;
+    let y = |v: f64| h - m - (h - 2.0 * m) * v / ymax;
+    let colors = ["#1f77b4", "#2ca02c", "#d62728"];
+    let mut svg = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\n");
+    svg += &format!("<line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n", h - m, w - m, h - m);
+    svg += &format!("<line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n", h - m);
+    svg += &format!("<text x='{}' y='{}' text-anchor='middle'>concurrent sessions</text>\n", w / 2.0, h - 10.0);
+    svg += &format!("<text x='12' y='{}' transform='rotate(-90 12 {})' text-anchor='middle'>aggregate decode tok/s</text>\n", h / 2.0, h / 2.0);
+    for (i, b) in xs.iter().enumerate() {
+        svg += &format!("<text x='{}' y='{}' text-anchor='middle'>{b}</text>\n", x(i), h - m + 16.0);
+    }
+    for k in 0..=4 {
+        let v = ymax * k as f64 / 4.0;
+        svg += &format!("<text x='{}' y='{}' text-anchor='end'>{v:.0}</text>\n", m - 4.0, y(v) + 4.0);
+    }
+    for (si, (name, s)) in series.iter().enumerate() {
+        let pts: Vec<String> = s.iter().enumerate().map(|(i, v)| format!("{:.1},{:.1}", x(i), y(median(v)))).collect();
+        svg += &format!("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", colors[si % 3], pts.join(" "));
+        svg += &format!("<text x='{}' y='{}' fill='{}'>{name}</text>\n", m + 10.0, m + 16.0 * si as f64, colors[si % 3]);
+    }
+    svg + "</svg>\n"
+}

@@ -1,0 +1,992 @@
+//! Split routes on the real model, with real `dgr worker` processes on loopback: a route gives
+//! bitwise the whole model's output; concurrent sessions do not see each other; a cancelled,
+//! closed, abandoned or idle session is freed on every worker; a killed worker fails the request
+//! with a structured error naming the stage, in bounded time; and bad input at a seam is refused
+//! with the right error kind while the route keeps serving.
+//!
+//! Every check runs over both splits, [0,15)+[15,30) and [0,10)+[10,20)+[20,30). Every spawned
+//! process is killed when its guard drops (so a failing test leaves nothing running) and every
+//! wait has a deadline (so no test can hang). Run with --nocapture to see the figures.
+
+mod common;
+use common::*;
+
+use dgr_gateway::{Completion, DriveOptions, Flow, GenRequest, Route};
+use dgr_proto::{
+    Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hello, OpenSession, Role, Sampling, SeamDtype, StageInfo, TokenOut,
+    PROTOCOL_VERSION, STAGE_UNKNOWN,
+};
+use prost::Message;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The two splits every check runs over, as layer cut points.
+const SPLITS: [&[usize]; 2] = [&[0, 15, 30], &[0, 10, 20, 30]];
+
+/// Held by every test: one route at a time. Several checks time what workers do (a freed
+/// session within a second, a failed request within ten), which other tests' compute on the
+/// same few cores would only blur.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn layers_of(cuts: &[usize]) -> String {
+    cuts.windows(2).map(|w| format!("[{},{})", w[0], w[1])).collect::<Vec<_>>().join("+")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+
+/// Reads a child's pipe to the end on a thread, so the child never blocks on a full pipe.
+fn drain(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = r.read_to_end(&mut buf);
+        buf
+    })
+}
+
+/// A running dgr process (not a worker), killed when dropped.
+struct Proc {
+    child: Child,
+    what: String,
+    out: Option<std::thread::JoinHandle<Vec<u8>>>,
+    err: Option<std::thread::JoinHandle<Vec<u8>>>,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command) -> Proc {
+        let what = format!("{cmd:?}");
+        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning dgr");
+        let out = Some(drain(child.stdout.take().unwrap()));
+        let err = Some(drain(child.stderr.take().unwrap()));
+        Proc { child, what, out, err }
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits for the exit, failing the test (and killing the process) past `limit`.
+    fn wait_within(mut self, limit: Duration) -> Output {
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > limit {
+                panic!("{} still running after {limit:?}", self.what);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        Output { status, stdout: self.out.take().unwrap().join().unwrap(), stderr: self.err.take().unwrap().join().unwrap() }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One `dgr worker` process per stage of a split, each on its own loopback port; all killed
+/// (SIGKILL) when dropped. Their stderr is kept and shown if the test fails.
+struct Workers {
+    children: Vec<Child>,
+    addrs: Vec<String>,
+    cuts: Vec<usize>,
+    logs: Vec<Arc<Mutex<Vec<u8>>>>,
+}
+
+impl Workers {
+    /// Starts the workers for `cuts` with `--threads 1` and `extra` options, and waits (with a
+    /// deadline) for each one's ready line.
+    fn start(cuts: &[usize], extra: &[&str]) -> Workers {
+        let model = model();
+        let mut w = Workers { children: Vec::new(), addrs: Vec::new(), cuts: cuts.to_vec(), logs: Vec::new() };
+        let mut ready = Vec::new();
+        for r in cuts.windows(2) {
+            let mut child = dgr()
+                .args(["worker", "--listen", "127.0.0.1:0", "--threads", "1", "--layers", &format!("{}..{}", r[0], r[1])])
+                .args(extra)
+                .arg("--model")
+                .arg(&model)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawning dgr worker");
+            let stdout = child.stdout.take().unwrap();
+            let mut stderr = child.stderr.take().unwrap();
+            w.children.push(child);
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(stdout);
+                let mut line = String::new();
+                let _ = r.read_line(&mut line);
+                let _ = tx.send(line);
+                let _ = std::io::copy(&mut r, &mut std::io::sink());
+            });
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let l = log.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stderr.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    l.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+            w.logs.push(log);
+            ready.push(rx);
+        }
+        for (i, rx) in ready.into_iter().enumerate() {
+            let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("worker {i} of {cuts:?} not ready within 60 s"));
+            let v: Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("worker {i} of {cuts:?}: no ready line ({e}): {line:?}; stderr: {}", w.log(i)));
+            assert_eq!(v["layers"], serde_json::json!([cuts[i], cuts[i + 1]]), "worker {i}: {v}");
+            w.addrs.push(v["listening"].as_str().expect("listening").to_string());
+        }
+        w
+    }
+
+    fn n(&self) -> usize {
+        self.addrs.len()
+    }
+
+    fn route(&self) -> String {
+        self.addrs.join(",")
+    }
+
+    fn log(&self, i: usize) -> String {
+        String::from_utf8_lossy(&self.logs[i].lock().unwrap()).into_owned()
+    }
+
+    /// SIGKILL worker `i`, waiting for it to be gone.
+    fn kill(&mut self, i: usize) {
+        self.children[i].kill().expect("killing a worker");
+        let _ = self.children[i].wait();
+    }
+
+    fn metrics(&self, i: usize) -> Metrics {
+        metrics(&self.addrs[i])
+    }
+
+    /// Waits until every worker in `which` holds no session and no KV bytes; fails past
+    /// `within`. Returns how long it took.
+    fn wait_all_free(&self, which: &[usize], within: Duration, what: &str) -> Duration {
+        let start = Instant::now();
+        loop {
+            let ms: Vec<Metrics> = which.iter().map(|&i| self.metrics(i)).collect();
+            if ms.iter().all(|m| m.get("dgr_worker_sessions_open") == 0.0 && m.get("dgr_worker_kv_bytes_used") == 0.0) {
+                return start.elapsed();
+            }
+            if start.elapsed() > within {
+                let seen: Vec<String> = which
+                    .iter()
+                    .zip(&ms)
+                    .map(|(i, m)| format!("worker {i}: sessions_open {} kv_bytes_used {}", m.get("dgr_worker_sessions_open"), m.get("dgr_worker_kv_bytes_used")))
+                    .collect();
+                panic!("{what}: sessions not freed within {within:?}: {seen:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            for i in 0..self.children.len() {
+                let log = self.log(i);
+                let tail: String = log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                eprintln!("--- worker {i} of {:?} stderr (tail):\n{tail}", self.cuts);
+            }
+        }
+    }
+}
+
+/// Runs `dgr generate` with `args` (plus --model), within `limit`.
+fn generate_cmd(args: &[&str]) -> Command {
+    let mut c = dgr();
+    c.arg("generate").args(args).arg("--model").arg(model());
+    c
+}
+
+/// `dgr generate --format json` with `args`; fails the test on a non-zero exit.
+fn generate_json(args: &[&str]) -> Value {
+    let mut all = vec!["--format", "json"];
+    all.extend_from_slice(args);
+    let out = Proc::spawn(generate_cmd(&all)).wait_within(Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "dgr generate {args:?} failed ({:?}): {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("dgr generate {args:?} printed no JSON ({e}): {stdout}"))
+}
+
+/// The fields of a generation that a route must reproduce exactly, as their JSON text (so
+/// numbers compare bit for bit as printed).
+fn essence(v: &Value) -> Vec<(&'static str, String)> {
+    ["prompt_tokens", "tokens", "text", "logprobs", "top_logprobs", "finish_reason"].iter().map(|&k| (k, v[k].to_string())).collect()
+}
+
+fn assert_same_generation(got: &Value, want: &Value, what: &str) {
+    assert!(got["tokens"].as_array().is_some_and(|t| !t.is_empty()), "{what}: no tokens in {got}");
+    for ((k, g), (_, w)) in essence(got).iter().zip(essence(want)) {
+        assert_eq!(*g, w, "{what}: field {k:?} differs\n routed: {g}\n  whole: {w}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// /metrics
+
+struct Metrics(HashMap<String, f64>);
+
+impl Metrics {
+    fn get(&self, name: &str) -> f64 {
+        *self.0.get(name).unwrap_or_else(|| panic!("/metrics has no {name}: {:?}", self.0.keys().collect::<Vec<_>>()))
+    }
+}
+
+/// GET /metrics over a plain TcpStream, parsed into name (with labels) → value.
+fn metrics(addr: &str) -> Metrics {
+    let mut s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2)).unwrap_or_else(|e| panic!("GET {addr}/metrics: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap_or_else(|e| panic!("GET {addr}/metrics: {e}"));
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or_else(|| panic!("GET {addr}/metrics: no HTTP head in {resp:?}"));
+    assert!(head.starts_with("HTTP/1.1 200"), "GET {addr}/metrics: {head}");
+    let mut m = HashMap::new();
+    for line in body.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
+        let (name, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad metrics line {line:?}"));
+        m.insert(name.to_string(), value.parse().unwrap_or_else(|_| panic!("bad metrics value in {line:?}")));
+    }
+    Metrics(m)
+}
+
+// ---------------------------------------------------------------------------------------------
+// A raw protocol client (blocking, every read with a deadline)
+
+struct Raw {
+    s: TcpStream,
+    info: StageInfo,
+}
+
+fn random_id() -> Vec<u8> {
+    use std::hash::{BuildHasher, Hasher};
+    let mut id = Vec::new();
+    for _ in 0..2 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+        id.extend_from_slice(&h.finish().to_le_bytes());
+    }
+    id
+}
+
+impl Raw {
+    /// Connects to a worker without saying Hello.
+    fn connect_bare(addr: &str) -> Raw {
+        let s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(5)).unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.set_nodelay(true).unwrap();
+        Raw { s, info: StageInfo::default() }
+    }
+
+    /// Connects as a driver: Hello, and the worker's Hello with what it serves.
+    fn connect(addr: &str) -> Raw {
+        let mut r = Raw::connect_bare(addr);
+        r.send(Body::Hello(Hello { protocol_version: PROTOCOL_VERSION, role: Role::Driver as i32, info: None }));
+        match r.recv() {
+            Frame { body: Some(Body::Hello(Hello { info: Some(info), .. })) } => r.info = info,
+            f => panic!("{addr} answered Hello with {f:?}"),
+        }
+        r
+    }
+
+    fn send_payload(&mut self, payload: &[u8]) {
+        let mut buf = (payload.len() as u32).to_be_bytes().to_vec();
+        buf.extend_from_slice(payload);
+        self.s.write_all(&buf).expect("writing to a worker");
+    }
+
+    fn send(&mut self, body: Body) {
+        self.send_payload(&Frame::new(body).encode_to_vec());
+    }
+
+    /// The next frame; Err on EOF, a broken connection or the read deadline.
+    fn try_recv(&mut self) -> std::io::Result<Frame> {
+        let mut len = [0u8; 4];
+        self.s.read_exact(&mut len)?;
+        let mut payload = vec![0u8; u32::from_be_bytes(len) as usize];
+        self.s.read_exact(&mut payload)?;
+        Frame::decode(payload.as_slice()).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    }
+
+    fn recv(&mut self) -> Frame {
+        self.try_recv().unwrap_or_else(|e| panic!("no frame from the worker within the deadline: {e}"))
+    }
+
+    /// This stage's schema, as a correct OpenSession carries it.
+    fn schema(&self) -> BoundarySchema {
+        BoundarySchema {
+            protocol_version: PROTOCOL_VERSION,
+            model_id: self.info.model_id.clone(),
+            layer_start: self.info.layer_start,
+            layer_end: self.info.layer_end,
+            hidden: self.info.hidden,
+            seam_dtype: SeamDtype::F32 as i32,
+        }
+    }
+
+    /// A correct OpenSession for this stage at `stage_index` of `n_stages`.
+    fn open_msg(&self, stage_index: u32, n_stages: u32, next: &str) -> OpenSession {
+        OpenSession {
+            session_id: random_id(),
+            schema: Some(self.schema()),
+            stage_index,
+            n_stages,
+            next: next.to_string(),
+            sampling: Some(Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, seed: 0 }),
+            top_logprobs: 0,
+            max_positions: 64,
+        }
+    }
+
+    /// Sends an Open and expects Opened for it.
+    fn open_ok(&mut self, open: OpenSession) {
+        let id = open.session_id.clone();
+        self.send(Body::Open(open));
+        match self.recv() {
+            Frame { body: Some(Body::Opened(r)) } => assert_eq!(r.session_id, id, "Opened for another session"),
+            f => panic!("a correct Open was answered with {f:?}"),
+        }
+    }
+}
+
+/// Expects `f` to be an Error of `kind`; returns it.
+fn expect_error(f: Frame, kind: ErrorKind, what: &str) -> ErrorMsg {
+    match f {
+        Frame { body: Some(Body::Error(e)) } => {
+            println!("    {what}: {} (stage {}) {:?}", e.error_kind().name(), e.stage, e.message);
+            assert_eq!(e.error_kind(), kind, "{what}: expected {}, got {e:?}", kind.name());
+            e
+        }
+        f => panic!("{what}: expected an Error {}, got {f:?}", kind.name()),
+    }
+}
+
+/// Opens one session on every stage of `w` by hand, as a driver does, one connection per
+/// stage; with `prompt`, also prefills it and reads the token the last stage samples.
+fn open_by_hand(w: &Workers, prompt: Option<&[u32]>) -> (Vec<u8>, Vec<Raw>) {
+    let n = w.n() as u32;
+    let mut raws: Vec<Raw> = w.addrs.iter().map(|a| Raw::connect(a)).collect();
+    let id = random_id();
+    for i in 0..w.n() {
+        let next = w.addrs.get(i + 1).cloned().unwrap_or_default();
+        let mut open = raws[i].open_msg(i as u32, n, &next);
+        open.session_id = id.clone();
+        raws[i].open_ok(open);
+    }
+    if let Some(p) = prompt {
+        let f = Forward { session_id: id.clone(), position: 0, tokens: p.to_vec(), sample: true, ..Default::default() };
+        raws[0].send(Body::Forward(f));
+        match raws.last_mut().unwrap().recv() {
+            Frame { body: Some(Body::Token(t)) } => assert_eq!(t.session_id, id),
+            f => panic!("expected the prefill's token from the last stage, got {f:?}"),
+        }
+    }
+    (id, raws)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference prompts
+
+struct Prompt {
+    name: String,
+    text: String,
+    tokens: Vec<u32>,
+}
+
+fn prompts() -> Vec<Prompt> {
+    let r = reference("smollm2-q4_1-llamacpp.json");
+    let c = r["completions"].as_array().expect("completions");
+    assert_eq!(c.len(), 6, "the reference has six completion prompts");
+    c.iter()
+        .map(|c| Prompt {
+            name: c["name"].as_str().unwrap().into(),
+            text: c["prompt"].as_str().unwrap().into(),
+            tokens: ids(&c["prompt_tokens"]).into_iter().map(|t| t as u32).collect(),
+        })
+        .collect()
+}
+
+fn prompt(name: &str) -> Prompt {
+    prompts().into_iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no prompt {name:?} in the reference"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Whole-model parity
+
+#[test]
+fn a_route_reproduces_the_whole_model_bitwise_on_every_reference_prompt() {
+    let _serial = serial();
+    let ps = prompts();
+    let common = ["--max-tokens", "8", "--ignore-eos", "--top-logprobs", "5"];
+    let whole: Vec<Value> = ps
+        .iter()
+        .map(|p| {
+            let mut a = vec!["--prompt", &p.text, "--threads", "1"];
+            a.extend(common);
+            generate_json(&a)
+        })
+        .collect();
+    for cuts in SPLITS {
+        let w = Workers::start(cuts, &[]);
+        let route = w.route();
+        for (p, want) in ps.iter().zip(&whole) {
+            let mut a = vec!["--prompt", &p.text, "--route", &route];
+            a.extend(common);
+            let got = generate_json(&a);
+            assert_same_generation(&got, want, &format!("{} over {}", p.name, layers_of(cuts)));
+            assert_eq!(got["route"], serde_json::json!(w.addrs), "the reported route");
+            assert_eq!(got["stages"].as_array().map(Vec::len), Some(w.n()), "one stage report per stage: {got}");
+            let seams = got["seams"].as_array().expect("seams");
+            assert_eq!(seams.len(), w.n() - 1, "one seam report per seam: {got}");
+            // f32 rows of hidden size 576: every position crosses every seam once.
+            let positions = p.tokens.len() + 8 - 1;
+            for s in seams {
+                assert_eq!(s["bytes"].as_u64(), Some((positions * 576 * 4) as u64), "seam bytes for {} positions: {s}", positions);
+            }
+            println!(
+                "{} {:>8}: {} prompt tokens, tokens {} identical to the whole model; seam bytes {:?}",
+                layers_of(cuts),
+                p.name,
+                p.tokens.len(),
+                got["tokens"],
+                seams.iter().map(|s| s["bytes"].as_u64().unwrap()).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. A longer greedy decode
+
+#[test]
+fn a_32_token_greedy_decode_over_a_route_equals_the_unsplit_model() {
+    let _serial = serial();
+    let p = prompt("once");
+    let args = ["--prompt", &p.text, "--max-tokens", "32", "--ignore-eos"];
+    let mut a = args.to_vec();
+    a.extend(["--threads", "1"]);
+    let whole = generate_json(&a);
+    assert_eq!(whole["tokens"].as_array().unwrap().len(), 32);
+    for cuts in SPLITS {
+        let w = Workers::start(cuts, &[]);
+        let route = w.route();
+        let mut a = args.to_vec();
+        a.extend(["--route", &route]);
+        let got = generate_json(&a);
+        assert_same_generation(&got, &whole, &format!("32 greedy tokens over {}", layers_of(cuts)));
+        println!("{}: 32 greedy tokens identical to the unsplit model: {:?}", layers_of(cuts), got["text"]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Isolation
+
+#[test]
+fn concurrent_sessions_on_the_same_workers_each_get_their_solo_output() {
+    let _serial = serial();
+    let names = ["once", "capital", "code", "list"];
+    for cuts in SPLITS {
+        let w = Workers::start(cuts, &[]);
+        let route = w.route();
+        let ps: Vec<Prompt> = names.iter().map(|n| prompt(n)).collect();
+        let args = |p: &Prompt| -> Vec<String> {
+            ["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "24", "--ignore-eos", "--top-logprobs", "5"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        };
+        let solo: Vec<Value> = ps.iter().map(|p| generate_json(&args(p)[2..].iter().map(String::as_str).collect::<Vec<_>>())).collect();
+        let before: Vec<Metrics> = (0..w.n()).map(|i| w.metrics(i)).collect();
+        let procs: Vec<Proc> = ps.iter().map(|p| Proc::spawn(generate_cmd(&args(p).iter().map(String::as_str).collect::<Vec<_>>()))).collect();
+        for ((proc, p), want) in procs.into_iter().zip(&ps).zip(&solo) {
+            let out = proc.wait_within(Duration::from_secs(60));
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "concurrent {}: {stdout}{}", p.name, String::from_utf8_lossy(&out.stderr));
+            let got: Value = serde_json::from_str(&stdout).unwrap();
+            assert_same_generation(&got, want, &format!("{} run concurrently with three others over {}", p.name, layers_of(cuts)));
+        }
+        for i in 0..w.n() {
+            let (b, a) = (&before[i], w.metrics(i));
+            let steps = a.get("dgr_worker_steps_total") - b.get("dgr_worker_steps_total");
+            let rows = a.get("dgr_worker_step_rows_total") - b.get("dgr_worker_step_rows_total");
+            println!(
+                "{} worker {i}: 4 concurrent sessions in {steps} steps of {rows} rows ({:.2} rows/step; 1.00 would mean no batching)",
+                layers_of(cuts),
+                rows / steps
+            );
+        }
+        w.wait_all_free(&(0..w.n()).collect::<Vec<_>>(), Duration::from_secs(2), "after the concurrent sessions");
+        println!("{}: 4 concurrent sessions each equal their solo run", layers_of(cuts));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Cancellation
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn gen_request(tokens: &[u32], max_tokens: usize) -> GenRequest {
+    GenRequest {
+        prompt_tokens: tokens.to_vec(),
+        max_tokens,
+        sampling: Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, seed: 0 },
+        top_logprobs: 5,
+        seam_dtype: SeamDtype::F32,
+    }
+}
+
+fn assert_same_completion(got: &Completion, want: &Completion, what: &str) {
+    assert_eq!(got.tokens, want.tokens, "{what}: tokens");
+    let bits = |c: &Completion| c.logprobs.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(got), bits(want), "{what}: logprobs");
+    let top = |c: &Completion| c.top_logprobs.iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
+    assert_eq!(top(got), top(want), "{what}: top_logprobs");
+    assert_eq!(got.finish_reason, want.finish_reason, "{what}: finish_reason");
+}
+
+/// What the observer saw on one worker once the cancel had taken effect there.
+struct Freed {
+    after: Duration,
+    open_before: f64,
+    kv_before: f64,
+    open_after: f64,
+    kv_after: f64,
+    kv_positions_bounds: (usize, usize),
+}
+
+#[test]
+fn a_cancelled_session_is_freed_at_once_and_the_others_finish_unchanged() {
+    let _serial = serial();
+    const OTHERS_TOKENS: usize = 96;
+    let others = ["once", "capital", "code"].map(prompt);
+    // The cancelled session has the long prompt, so its KV is far larger than the others'.
+    let victim = prompt("long");
+    for cuts in SPLITS {
+        let w = Workers::start(cuts, &["--kv-tokens", "65536"]);
+        let n = w.n();
+        let rt = runtime();
+        let opts = DriveOptions::default();
+        let route = rt.block_on(Route::discover(&w.addrs, Duration::from_secs(10))).expect("discovering the route");
+        // Bytes one KV position takes on each worker.
+        let per_position: Vec<f64> = (0..n).map(|i| w.metrics(i).get("dgr_worker_kv_bytes_capacity") / 65536.0).collect();
+
+        let solo: Vec<Completion> = others
+            .iter()
+            .map(|p| {
+                let req = gen_request(&p.tokens, OTHERS_TOKENS);
+                let fut = dgr_gateway::generate(&route, &req, &opts, |_| Flow::Continue);
+                rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), fut).await })
+                    .expect("a solo run took over 60 s")
+                    .unwrap_or_else(|e| panic!("solo {}: {e}", p.name))
+            })
+            .collect();
+
+        // Sessions 0..3 are the others, 3 is the victim.
+        let received: Arc<Vec<AtomicUsize>> = Arc::new((0..4).map(|_| AtomicUsize::new(0)).collect());
+        let started = Arc::new(AtomicUsize::new(0));
+        let (cancel_tx, cancel_rx) = mpsc::channel::<(Instant, Vec<Metrics>, Vec<usize>)>();
+        let observer = {
+            let addrs = w.addrs.clone();
+            let received = received.clone();
+            let per_position = per_position.clone();
+            let prompt_lens: Vec<usize> = others.iter().map(|p| p.tokens.len()).collect();
+            std::thread::spawn(move || -> Result<Vec<Freed>, String> {
+                let (t0, before, _) = cancel_rx.recv_timeout(Duration::from_secs(120)).map_err(|_| "the victim never cancelled".to_string())?;
+                let mut freed = Vec::new();
+                for (i, addr) in addrs.iter().enumerate() {
+                    let b = &before[i];
+                    if b.get("dgr_worker_sessions_open") != 4.0 {
+                        return Err(format!("worker {i}: {} sessions open when the victim cancelled, not 4", b.get("dgr_worker_sessions_open")));
+                    }
+                    loop {
+                        let r_before: Vec<usize> = (0..3).map(|k| received[k].load(SeqCst)).collect();
+                        let m = metrics(addr);
+                        let r_after: Vec<usize> = (0..3).map(|k| received[k].load(SeqCst)).collect();
+                        let open = m.get("dgr_worker_sessions_open");
+                        let kv = m.get("dgr_worker_kv_bytes_used");
+                        // The three live sessions hold between prompt + received − 1 and prompt +
+                        // received positions each on every stage; the victim holds none.
+                        let lo: usize = (0..3).map(|k| prompt_lens[k] + r_before[k] - 1).sum();
+                        let hi: usize = (0..3).map(|k| prompt_lens[k] + r_after[k]).sum();
+                        let positions = kv / per_position[i];
+                        if open == 3.0 && positions >= lo as f64 && positions <= hi as f64 {
+                            freed.push(Freed {
+                                after: t0.elapsed(),
+                                open_before: b.get("dgr_worker_sessions_open"),
+                                kv_before: b.get("dgr_worker_kv_bytes_used"),
+                                open_after: open,
+                                kv_after: kv,
+                                kv_positions_bounds: (lo, hi),
+                            });
+                            break;
+                        }
+                        if r_after.iter().any(|&r| r >= OTHERS_TOKENS) {
+                            return Err(format!("worker {i}: another session finished before the cancel showed (open {open}, kv {kv})"));
+                        }
+                        if t0.elapsed() > Duration::from_secs(1) {
+                            return Err(format!(
+                                "worker {i}: 1 s after the cancel, sessions_open {open} (want 3) and kv_bytes_used {kv} = {positions} positions \
+                                 (want the three live sessions' {lo}..={hi}; before the cancel: {} sessions, {} bytes)",
+                                b.get("dgr_worker_sessions_open"),
+                                b.get("dgr_worker_kv_bytes_used")
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                Ok(freed)
+            })
+        };
+
+        let on_token = |k: usize| {
+            let received = received.clone();
+            let started = started.clone();
+            move |_: &TokenOut| {
+                if received[k].fetch_add(1, SeqCst) == 0 {
+                    started.fetch_add(1, SeqCst);
+                }
+                Flow::Continue
+            }
+        };
+        let victim_cb = {
+            let received = received.clone();
+            let started = started.clone();
+            let addrs = w.addrs.clone();
+            let cancelled = AtomicBool::new(false);
+            move |_: &TokenOut| {
+                let got = received[3].fetch_add(1, SeqCst) + 1;
+                if got == 1 {
+                    started.fetch_add(1, SeqCst);
+                }
+                if got >= 3 && started.load(SeqCst) == 4 && !cancelled.swap(true, SeqCst) {
+                    let r: Vec<usize> = (0..3).map(|k| received[k].load(SeqCst)).collect();
+                    let before: Vec<Metrics> = addrs.iter().map(|a| metrics(a)).collect();
+                    let _ = cancel_tx.send((Instant::now(), before, r));
+                    return Flow::Cancel;
+                }
+                Flow::Continue
+            }
+        };
+        let reqs: Vec<GenRequest> = others.iter().map(|p| gen_request(&p.tokens, OTHERS_TOKENS)).collect();
+        let victim_req = gen_request(&victim.tokens, 400);
+        let (r0, r1, r2, rv) = rt
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(120), async {
+                    tokio::join!(
+                        dgr_gateway::generate(&route, &reqs[0], &opts, on_token(0)),
+                        dgr_gateway::generate(&route, &reqs[1], &opts, on_token(1)),
+                        dgr_gateway::generate(&route, &reqs[2], &opts, on_token(2)),
+                        dgr_gateway::generate(&route, &victim_req, &opts, victim_cb),
+                    )
+                })
+                .await
+            })
+            .expect("the four sessions took over 120 s");
+        let rv = rv.expect("the cancelled session");
+        assert_eq!(rv.finish_reason, "cancelled", "the victim's finish");
+        assert!(rv.tokens.len() >= 3 && rv.tokens.len() < 400, "the victim got {} tokens", rv.tokens.len());
+        let freed = observer.join().expect("observer thread").unwrap_or_else(|e| panic!("{}: {e}", layers_of(cuts)));
+        for (i, f) in freed.iter().enumerate() {
+            println!(
+                "{} worker {i}: cancel took effect within {:.0} ms: sessions_open {} -> {}, kv_bytes_used {} -> {} \
+                 ({} -> {} positions; the live sessions hold {}..={})",
+                layers_of(cuts),
+                f.after.as_secs_f64() * 1e3,
+                f.open_before,
+                f.open_after,
+                f.kv_before,
+                f.kv_after,
+                f.kv_before / per_position[i],
+                f.kv_after / per_position[i],
+                f.kv_positions_bounds.0,
+                f.kv_positions_bounds.1
+            );
+        }
+        for ((got, want), p) in [r0, r1, r2].into_iter().zip(&solo).zip(&others) {
+            let got = got.unwrap_or_else(|e| panic!("{} alongside the cancelled session: {e}", p.name));
+            assert_same_completion(&got, want, &format!("{} alongside a cancelled session over {}", p.name, layers_of(cuts)));
+        }
+        let took = w.wait_all_free(&(0..n).collect::<Vec<_>>(), Duration::from_secs(2), "after every session ended");
+        println!(
+            "{}: victim cancelled after {} tokens; the other three equal their solo runs; all workers free {:.0} ms after",
+            layers_of(cuts),
+            rv.tokens.len(),
+            took.as_secs_f64() * 1e3
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Cleanup
+
+#[test]
+fn workers_free_closed_abandoned_and_idle_sessions() {
+    let _serial = serial();
+    let p = prompt("capital");
+    for cuts in SPLITS {
+        let all: Vec<usize> = (0..cuts.len() - 1).collect();
+        let w = Workers::start(cuts, &["--idle-timeout", "60"]);
+
+        // Closed: after a normal generation, nothing is held anywhere.
+        let route = w.route();
+        generate_json(&["--prompt", &p.text, "--route", &route, "--max-tokens", "8", "--ignore-eos"]);
+        let took = w.wait_all_free(&all, Duration::from_secs(1), "after a completed generation");
+        println!("{}: closed session freed on every worker ({:.0} ms)", layers_of(cuts), took.as_secs_f64() * 1e3);
+
+        // Abandoned: a session opened and prefilled by hand, then the driver's connections drop.
+        let (_, raws) = open_by_hand(&w, Some(&p.tokens));
+        for i in 0..w.n() {
+            let m = w.metrics(i);
+            assert_eq!(m.get("dgr_worker_sessions_open"), 1.0, "worker {i} with the hand-opened session");
+            assert!(m.get("dgr_worker_kv_bytes_used") > 0.0, "worker {i} holds no KV for a prefilled session");
+        }
+        drop(raws);
+        let took = w.wait_all_free(&all, Duration::from_secs(3), "after the driver disappeared");
+        println!("{}: abandoned session freed on every worker {:.0} ms after its driver vanished", layers_of(cuts), took.as_secs_f64() * 1e3);
+        drop(w);
+
+        // Idle: a session opened by hand whose driver stays connected but sends nothing.
+        let w = Workers::start(cuts, &["--idle-timeout", "1"]);
+        let (id, mut raws) = open_by_hand(&w, None);
+        let opened = Instant::now();
+        for i in 0..w.n() {
+            assert_eq!(w.metrics(i).get("dgr_worker_sessions_open"), 1.0, "worker {i} with the hand-opened session");
+        }
+        w.wait_all_free(&all, Duration::from_secs(5), "an idle session (--idle-timeout 1)");
+        let took = opened.elapsed();
+        assert!(took >= Duration::from_millis(900), "the idle session was freed after {took:?}, before its 1 s timeout");
+        for (i, r) in raws.iter_mut().enumerate() {
+            let e = expect_error(r.recv(), ErrorKind::Cancelled, &format!("worker {i} tells the idle session's driver"));
+            assert_eq!(e.session_id, id);
+        }
+        println!("{}: idle session freed on every worker {:.2} s after it opened (--idle-timeout 1)", layers_of(cuts), took.as_secs_f64());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Failure
+
+/// An address on loopback where nothing listens.
+fn dead_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = l.local_addr().unwrap().to_string();
+    drop(l);
+    a
+}
+
+fn error_of(out: &Output, what: &str) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{what}: exit {:?}, want 2; stdout {stdout}; stderr {}", out.status, String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{what}: stdout is not one JSON error ({e}): {stdout}"));
+    let e = v["error"].clone();
+    assert!(e.is_object(), "{what}: no error object in {v}");
+    for k in ["kind", "message"] {
+        assert!(e[k].as_str().is_some_and(|s| !s.is_empty()), "{what}: error without {k}: {v}");
+    }
+    e
+}
+
+#[test]
+fn a_killed_worker_fails_the_request_cleanly_and_the_survivors_free_it() {
+    let _serial = serial();
+    let p = prompt("once");
+    for cuts in SPLITS {
+        let n = cuts.len() - 1;
+        let mut positions = vec![0, n / 2, n - 1];
+        positions.dedup();
+        for k in positions {
+            let mut w = Workers::start(cuts, &[]);
+            let route = w.route();
+            let started = Instant::now();
+            let mut driver = Proc::spawn(generate_cmd(&[
+                "--format",
+                "json",
+                "--prompt",
+                &p.text,
+                "--route",
+                &route,
+                "--max-tokens",
+                "2000",
+                "--ignore-eos",
+                "--step-timeout",
+                "5",
+            ]));
+            // Kill once decoding is under way, about half a second in.
+            loop {
+                assert!(driver.running(), "the driver exited before any worker was killed");
+                if w.metrics(n - 1).get("dgr_worker_tokens_decoded_total") > 0.0 && started.elapsed() >= Duration::from_millis(500) {
+                    break;
+                }
+                assert!(started.elapsed() < Duration::from_secs(30), "no decode under way after 30 s");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let decoded = w.metrics(n - 1).get("dgr_worker_tokens_decoded_total");
+            w.kill(k);
+            let killed = Instant::now();
+            let out = driver.wait_within(Duration::from_secs(30));
+            let took = killed.elapsed();
+            let what = format!("{}: worker {k} killed after {decoded} decoded tokens", layers_of(cuts));
+            let e = error_of(&out, &what);
+            println!("{what}: driver exited {:?} {:.0} ms later with {e}", out.status.code(), took.as_secs_f64() * 1e3);
+            assert!(took < Duration::from_secs(10), "{what}: the driver took {took:?} to fail");
+            let stage = e["stage"].as_u64().unwrap_or_else(|| panic!("{what}: the error names no stage: {e}")) as usize;
+            assert!(stage == k || stage + 1 == k, "{what}: the error names stage {stage}, not the killed {k} or its predecessor");
+            assert_eq!(e["addr"].as_str(), Some(w.addrs[stage].as_str()), "{what}: the error's address is not stage {stage}'s");
+            let survivors: Vec<usize> = (0..n).filter(|&i| i != k).collect();
+            let took = w.wait_all_free(&survivors, Duration::from_secs(3), &what);
+            println!("{what}: survivors {survivors:?} freed the session within {:.0} ms", took.as_secs_f64() * 1e3);
+        }
+
+        // A route through an address where nothing listens, at each position.
+        let w = Workers::start(cuts, &[]);
+        for k in 0..n {
+            let mut addrs = w.addrs.clone();
+            addrs[k] = dead_addr();
+            let route = addrs.join(",");
+            let out = Proc::spawn(generate_cmd(&["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "4"]))
+                .wait_within(Duration::from_secs(20));
+            let what = format!("{}: nothing listening at stage {k} ({})", layers_of(cuts), addrs[k]);
+            let e = error_of(&out, &what);
+            println!("{what}: {e}");
+            assert_eq!(e["kind"], "connect_failed", "{what}");
+            assert_eq!(e["stage"], k, "{what}");
+            assert_eq!(e["addr"].as_str(), Some(addrs[k].as_str()), "{what}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Bad input at a seam
+
+#[test]
+fn bad_input_at_a_seam_is_refused_and_the_route_keeps_serving() {
+    let _serial = serial();
+    let p = prompt("list");
+    for cuts in SPLITS {
+        let w = Workers::start(cuts, &[]);
+        let n = w.n() as u32;
+        let route = w.route();
+        let args = ["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "32", "--ignore-eos", "--top-logprobs", "5"];
+        let solo = generate_json(&args[2..]);
+        // A normal generation runs through the same workers while the bad input arrives.
+        let meanwhile = Proc::spawn(generate_cmd(&args));
+
+        let addr = &w.addrs[1];
+        let next = w.addrs.get(2).cloned().unwrap_or_default();
+        println!("{}: bad input at stage 1 ({addr})", layers_of(cuts));
+        let mut r = Raw::connect(addr);
+        let hidden = r.info.hidden as usize;
+        assert_eq!(hidden, 576);
+        let refused_open = |r: &mut Raw, open: OpenSession, kind: ErrorKind, what: &str| {
+            let id = open.session_id.clone();
+            r.send(Body::Open(open));
+            let e = expect_error(r.recv(), kind, what);
+            assert_eq!(e.session_id, id, "{what}: the error names another session");
+            assert_eq!(e.stage, 1, "{what}: the error names stage {}", e.stage);
+        };
+
+        // (a) wrong model identity
+        let mut o = r.open_msg(1, n, &next);
+        o.schema.as_mut().unwrap().model_id = "0".repeat(64);
+        refused_open(&mut r, o, ErrorKind::SchemaMismatch, "(a) Open with another model's id");
+        // (b) wrong hidden size
+        let mut o = r.open_msg(1, n, &next);
+        o.schema.as_mut().unwrap().hidden += 1;
+        refused_open(&mut r, o, ErrorKind::SchemaMismatch, "(b) Open with hidden size 577");
+        // (c) wrong layer range, and a seam dtype that does not exist
+        let mut o = r.open_msg(1, n, &next);
+        o.schema.as_mut().unwrap().layer_start -= 1;
+        refused_open(&mut r, o, ErrorKind::SchemaMismatch, "(c) Open with another layer range");
+        let mut o = r.open_msg(1, n, &next);
+        o.schema.as_mut().unwrap().seam_dtype = 77;
+        refused_open(&mut r, o, ErrorKind::SchemaMismatch, "(c') Open with seam dtype 77");
+
+        // (d) a correct Open, then hidden rows of the wrong byte count
+        let o = r.open_msg(1, n, &next);
+        let id = o.session_id.clone();
+        r.open_ok(o);
+        let rows = |id: &[u8], bytes: usize, dtype: SeamDtype| Forward {
+            session_id: id.to_vec(),
+            position: 0,
+            hidden: vec![0; bytes],
+            dtype: dtype as i32,
+            n_rows: 1,
+            sample: true,
+            ..Default::default()
+        };
+        r.send(Body::Forward(rows(&id, hidden * 4 - 4, SeamDtype::F32)));
+        let e = expect_error(r.recv(), ErrorKind::BadInput, "(d) Forward of 2300 bytes as one f32 row of 576");
+        assert_eq!(e.session_id, id);
+        // (e) a correct Open, then f16 rows on the f32 session
+        let o = r.open_msg(1, n, &next);
+        let id = o.session_id.clone();
+        r.open_ok(o);
+        r.send(Body::Forward(rows(&id, hidden * 2, SeamDtype::F16)));
+        let e = expect_error(r.recv(), ErrorKind::BadInput, "(e) Forward of f16 rows on an f32 session");
+        assert_eq!(e.session_id, id);
+        // (f) a session nobody opened
+        let id = random_id();
+        r.send(Body::Forward(rows(&id, hidden * 4, SeamDtype::F32)));
+        let e = expect_error(r.recv(), ErrorKind::UnknownSession, "(f) Forward for an unknown session");
+        assert_eq!(e.session_id, id);
+        // (g) garbage as a frame: refused, and this connection still answers
+        r.send_payload(&[0xff; 16]);
+        let e = expect_error(r.recv(), ErrorKind::BadFrame, "(g) a frame of 16 bytes of 0xff");
+        assert_eq!(e.stage, STAGE_UNKNOWN);
+        r.send(Body::Forward(rows(&random_id(), hidden * 4, SeamDtype::F32)));
+        expect_error(r.recv(), ErrorKind::UnknownSession, "(g) the same connection, after the garbage");
+        // (h) a frame over the size cap: refused, then the connection closes
+        let mut big = Raw::connect(addr);
+        big.s.write_all(&0x7fff_fff0u32.to_be_bytes()).unwrap();
+        expect_error(big.recv(), ErrorKind::BadFrame, "(h) a 2 GiB frame length");
+        assert!(big.try_recv().is_err(), "(h) the connection stays open after an oversized frame");
+        // (i) garbage instead of Hello on a fresh connection
+        let mut bare = Raw::connect_bare(addr);
+        bare.send_payload(b"abc");
+        expect_error(bare.recv(), ErrorKind::BadFrame, "(i) garbage instead of Hello");
+        // Other connections are still served: a fresh handshake works.
+        let again = Raw::connect(addr);
+        assert_eq!((again.info.layer_start, again.info.layer_end), (cuts[1] as u32, cuts[2] as u32));
+
+        let out = meanwhile.wait_within(Duration::from_secs(60));
+        assert!(out.status.success(), "the generation alongside the bad input failed: {}", String::from_utf8_lossy(&out.stdout));
+        let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_same_generation(&got, &solo, &format!("a generation alongside bad input over {}", layers_of(cuts)));
+        let after = generate_json(&args[2..]);
+        assert_same_generation(&after, &solo, &format!("a generation after bad input over {}", layers_of(cuts)));
+        drop((r, big, bare, again));
+        w.wait_all_free(&(0..w.n()).collect::<Vec<_>>(), Duration::from_secs(2), "after the bad input");
+        let m = w.metrics(1);
+        let failures: Vec<String> = m.0.iter().filter(|(k, _)| k.starts_with("dgr_worker_failures_total")).map(|(k, v)| format!("{k} {v}")).collect();
+        println!("{}: the route's output is unchanged alongside and after; stage 1 counts {failures:?}", layers_of(cuts));
+    }
+}
