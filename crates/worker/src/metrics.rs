@@ -1,6 +1,7 @@
 //! What a worker reports at /metrics, as Prometheus text.
 
-use dgr_proto::ErrorKind;
+use crate::compat::Phase;
+use dgr_proto::{ErrorKind, SeamDtype};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -20,6 +21,8 @@ pub struct Metrics {
     pub sessions_opened: AtomicU64,
     pub sessions_closed: AtomicU64,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
+    /// Per (phase, seam dtype): batches run and the most sessions one of them held.
+    batches: Mutex<Vec<((Phase, SeamDtype), u64, u64)>>,
 }
 
 impl Metrics {
@@ -28,6 +31,17 @@ impl Metrics {
         match f.iter_mut().find(|(k, _)| *k == kind) {
             Some((_, n)) => *n += 1,
             None => f.push((kind, 1)),
+        }
+    }
+
+    pub fn batch(&self, phase: Phase, dtype: SeamDtype, sessions: usize) {
+        let mut b = self.batches.lock().unwrap_or_else(|p| p.into_inner());
+        match b.iter_mut().find(|(k, _, _)| *k == (phase, dtype)) {
+            Some((_, n, max)) => {
+                *n += 1;
+                *max = (*max).max(sessions as u64);
+            }
+            None => b.push(((phase, dtype), 1, sessions as u64)),
         }
     }
 
@@ -51,6 +65,16 @@ impl Metrics {
         line("dgr_worker_batch_sessions", "Sessions in the most recent step.", "gauge", &get(&self.last_batch_sessions));
         line("dgr_worker_sessions_opened_total", "Sessions opened.", "counter", &get(&self.sessions_opened));
         line("dgr_worker_sessions_closed_total", "Sessions freed (closed, cancelled, failed or idle).", "counter", &get(&self.sessions_closed));
+        out.push_str("# HELP dgr_worker_batches_total Batched forwards by phase and seam dtype.\n# TYPE dgr_worker_batches_total counter\n");
+        let batches = self.batches.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let label = |p: &Phase, d: &SeamDtype| format!("phase=\"{}\",seam_dtype=\"{}\"", if *p == Phase::Decode { "decode" } else { "prefill" }, d.name());
+        for ((p, d), n, _) in &batches {
+            out.push_str(&format!("dgr_worker_batches_total{{{}}} {n}\n", label(p, d)));
+        }
+        out.push_str("# HELP dgr_worker_batch_sessions_max Most sessions in one batch, by phase and seam dtype.\n# TYPE dgr_worker_batch_sessions_max gauge\n");
+        for ((p, d), _, m) in &batches {
+            out.push_str(&format!("dgr_worker_batch_sessions_max{{{}}} {m}\n", label(p, d)));
+        }
         out.push_str("# HELP dgr_worker_failures_total Failures by kind.\n# TYPE dgr_worker_failures_total counter\n");
         for (k, n) in self.failures.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             out.push_str(&format!("dgr_worker_failures_total{{kind=\"{}\"}} {n}\n", k.name()));

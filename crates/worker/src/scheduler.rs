@@ -371,6 +371,7 @@ impl Scheduler {
         m.step_rows.fetch_add(rows as u64, Relaxed);
         m.step_micros.fetch_add(compute_us, Relaxed);
         m.last_batch_sessions.store((chosen.len() - bad.len()) as u64, Relaxed);
+        m.batch(batch.key.phase, batch.key.seam_dtype, chosen.len() - bad.len());
         let mut outputs = match result {
             Ok(o) => o.into_iter(),
             Err(e) => {
