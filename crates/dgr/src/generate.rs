@@ -93,6 +93,7 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
     } else {
+        crate::die_on_broken_pipe();
         let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads.get(), isa: None })?;
         let out = local::generate(&stage, |t| tok.is_eog(t), &req, &mut print)?;
         (out, serde_json::json!({ "threads": stage.threads(), "isa": stage.isa().name() }))

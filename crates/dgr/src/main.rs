@@ -41,11 +41,10 @@ enum Command {
 }
 
 fn main() {
-    // Die quietly when the reader of our output goes away (`dgr inspect m | head`), as CLI
-    // tools do, instead of failing a write.
-    // SAFETY: restoring the default disposition of a signal, before any thread starts.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Tokenize(_) | Command::Score(_) | Command::Inspect(_) | Command::Synth(_)) {
+        die_on_broken_pipe();
+    }
     let result = match cli.command {
         Command::Tokenize(a) => tokenize::run(a),
         Command::Generate(a) => generate::run(a),
@@ -59,6 +58,14 @@ fn main() {
         eprintln!("dgr: {}", describe(&e));
         std::process::exit(1);
     }
+}
+
+/// Makes a write to a closed pipe end the process quietly (`dgr inspect m | head`), as CLI tools
+/// do. Only for commands without sockets: there a peer that goes away must be an error to
+/// handle, not a signal that kills the process.
+pub fn die_on_broken_pipe() {
+    // SAFETY: restoring the default disposition of a signal, before any other thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }
 
 /// The error and its causes, leaving out a cause whose text its parent already includes.

@@ -2,7 +2,8 @@
 //! bitwise the whole model's output; concurrent sessions do not see each other; a cancelled,
 //! closed, abandoned or idle session is freed on every worker; a killed worker fails the request
 //! with a structured error naming the stage, in bounded time; and bad input at a seam is refused
-//! with the right error kind while the route keeps serving.
+//! with the right error kind while the route keeps serving; and a prompt prefilled in chunks
+//! gives the same output and a seam report that counts every row.
 //!
 //! Every check runs over both splits, [0,15)+[15,30) and [0,10)+[10,20)+[20,30). Every spawned
 //! process is killed when its guard drops (so a failing test leaves nothing running) and every
@@ -177,13 +178,29 @@ impl Workers {
         let _ = self.children[i].wait();
     }
 
-    fn metrics(&self, i: usize) -> Metrics {
-        metrics(&self.addrs[i])
+    /// Fails the test, saying how, if worker `i` is no longer running.
+    fn assert_alive(&mut self, i: usize, when: &str) {
+        if let Ok(Some(status)) = self.children[i].try_wait() {
+            panic!("worker {i} (layers {}..{}) died {when}: {status}", self.cuts[i], self.cuts[i + 1]);
+        }
+    }
+
+    /// Worker `i`'s /metrics; a worker that died fails the test with its exit status.
+    fn metrics(&mut self, i: usize) -> Metrics {
+        self.assert_alive(i, "before GET /metrics");
+        match try_metrics(&self.addrs[i]) {
+            Ok(m) => m,
+            Err(e) => {
+                std::thread::sleep(Duration::from_millis(100));
+                self.assert_alive(i, &format!("(GET /metrics: {e})"));
+                panic!("GET {}/metrics from worker {i}: {e}", self.addrs[i]);
+            }
+        }
     }
 
     /// Waits until every worker in `which` holds no session and no KV bytes; fails past
     /// `within`. Returns how long it took.
-    fn wait_all_free(&self, which: &[usize], within: Duration, what: &str) -> Duration {
+    fn wait_all_free(&mut self, which: &[usize], within: Duration, what: &str) -> Duration {
         let start = Instant::now();
         loop {
             let ms: Vec<Metrics> = which.iter().map(|&i| self.metrics(i)).collect();
@@ -219,7 +236,7 @@ impl Drop for Workers {
     }
 }
 
-/// Runs `dgr generate` with `args` (plus --model), within `limit`.
+/// `dgr generate` with `args`, on the default model.
 fn generate_cmd(args: &[&str]) -> Command {
     let mut c = dgr();
     c.arg("generate").args(args).arg("--model").arg(model());
@@ -262,11 +279,15 @@ impl Metrics {
 
 /// GET /metrics over a plain TcpStream, parsed into name (with labels) → value.
 fn metrics(addr: &str) -> Metrics {
-    let mut s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2)).unwrap_or_else(|e| panic!("GET {addr}/metrics: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    try_metrics(addr).unwrap_or_else(|e| panic!("GET {addr}/metrics: {e}"))
+}
+
+fn try_metrics(addr: &str) -> std::io::Result<Metrics> {
+    let mut s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")?;
     let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap_or_else(|e| panic!("GET {addr}/metrics: {e}"));
+    s.read_to_string(&mut resp)?;
     let (head, body) = resp.split_once("\r\n\r\n").unwrap_or_else(|| panic!("GET {addr}/metrics: no HTTP head in {resp:?}"));
     assert!(head.starts_with("HTTP/1.1 200"), "GET {addr}/metrics: {head}");
     let mut m = HashMap::new();
@@ -274,7 +295,7 @@ fn metrics(addr: &str) -> Metrics {
         let (name, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad metrics line {line:?}"));
         m.insert(name.to_string(), value.parse().unwrap_or_else(|_| panic!("bad metrics value in {line:?}")));
     }
-    Metrics(m)
+    Ok(Metrics(m))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -513,7 +534,7 @@ fn concurrent_sessions_on_the_same_workers_each_get_their_solo_output() {
     let _serial = serial();
     let names = ["once", "capital", "code", "list"];
     for cuts in SPLITS {
-        let w = Workers::start(cuts, &[]);
+        let mut w = Workers::start(cuts, &[]);
         let route = w.route();
         let ps: Vec<Prompt> = names.iter().map(|n| prompt(n)).collect();
         let args = |p: &Prompt| -> Vec<String> {
@@ -591,7 +612,7 @@ fn a_cancelled_session_is_freed_at_once_and_the_others_finish_unchanged() {
     // The cancelled session has the long prompt, so its KV is far larger than the others'.
     let victim = prompt("long");
     for cuts in SPLITS {
-        let w = Workers::start(cuts, &["--kv-tokens", "65536"]);
+        let mut w = Workers::start(cuts, &["--kv-tokens", "65536"]);
         let n = w.n();
         let rt = runtime();
         let opts = DriveOptions::default();
@@ -754,7 +775,7 @@ fn workers_free_closed_abandoned_and_idle_sessions() {
     let p = prompt("capital");
     for cuts in SPLITS {
         let all: Vec<usize> = (0..cuts.len() - 1).collect();
-        let w = Workers::start(cuts, &["--idle-timeout", "60"]);
+        let mut w = Workers::start(cuts, &["--idle-timeout", "60"]);
 
         // Closed: after a normal generation, nothing is held anywhere.
         let route = w.route();
@@ -765,17 +786,45 @@ fn workers_free_closed_abandoned_and_idle_sessions() {
         // Abandoned: a session opened and prefilled by hand, then the driver's connections drop.
         let (_, raws) = open_by_hand(&w, Some(&p.tokens));
         for i in 0..w.n() {
-            let m = w.metrics(i);
-            assert_eq!(m.get("dgr_worker_sessions_open"), 1.0, "worker {i} with the hand-opened session");
-            assert!(m.get("dgr_worker_kv_bytes_used") > 0.0, "worker {i} holds no KV for a prefilled session");
+            // The gauges are published once the scheduler's step is over, just after the token
+            // went out: allow them a moment.
+            let deadline = Instant::now() + Duration::from_secs(1);
+            loop {
+                let m = w.metrics(i);
+                let (open, kv) = (m.get("dgr_worker_sessions_open"), m.get("dgr_worker_kv_bytes_used"));
+                if open == 1.0 && kv > 0.0 {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "worker {i} with a hand-opened, prefilled session: sessions_open {open}, kv_bytes_used {kv}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
         drop(raws);
         let took = w.wait_all_free(&all, Duration::from_secs(3), "after the driver disappeared");
         println!("{}: abandoned session freed on every worker {:.0} ms after its driver vanished", layers_of(cuts), took.as_secs_f64() * 1e3);
+
+        // Abandoned mid-decode: a driver process killed while tokens are streaming. Every worker
+        // must stay up (a write to the vanished driver is an error to handle, not a reason to
+        // die) and free the session.
+        let mut driver = Proc::spawn(generate_cmd(&["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "2000", "--ignore-eos"]));
+        let started = Instant::now();
+        while w.metrics(w.n() - 1).get("dgr_worker_tokens_decoded_total") < 20.0 {
+            assert!(driver.running(), "the driver exited before it was killed");
+            assert!(started.elapsed() < Duration::from_secs(30), "no decode under way after 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        driver.child.kill().unwrap();
+        let _ = driver.child.wait();
+        std::thread::sleep(Duration::from_millis(300));
+        for i in 0..w.n() {
+            w.assert_alive(i, "after a driver was killed mid-decode");
+        }
+        let took = w.wait_all_free(&all, Duration::from_secs(3), "after the driver was killed mid-decode");
+        println!("{}: driver killed mid-decode: every worker up, session freed within {:.0} ms", layers_of(cuts), took.as_secs_f64() * 1e3);
         drop(w);
 
         // Idle: a session opened by hand whose driver stays connected but sends nothing.
-        let w = Workers::start(cuts, &["--idle-timeout", "1"]);
+        let mut w = Workers::start(cuts, &["--idle-timeout", "1"]);
         let (id, mut raws) = open_by_hand(&w, None);
         let opened = Instant::now();
         for i in 0..w.n() {
@@ -805,7 +854,7 @@ fn dead_addr() -> String {
 
 fn error_of(out: &Output, what: &str) -> Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(2), "{what}: exit {:?}, want 2; stdout {stdout}; stderr {}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{what}: the driver ended with {}, want exit 2; stdout {stdout:?}; stderr {:?}", out.status, String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{what}: stdout is not one JSON error ({e}): {stdout}"));
     let e = v["error"].clone();
     assert!(e.is_object(), "{what}: no error object in {v}");
@@ -819,51 +868,59 @@ fn error_of(out: &Output, what: &str) -> Value {
 fn a_killed_worker_fails_the_request_cleanly_and_the_survivors_free_it() {
     let _serial = serial();
     let p = prompt("once");
+    let mut failures = Vec::new();
     for cuts in SPLITS {
         let n = cuts.len() - 1;
         let mut positions = vec![0, n / 2, n - 1];
         positions.dedup();
         for k in positions {
-            let mut w = Workers::start(cuts, &[]);
-            let route = w.route();
-            let started = Instant::now();
-            let mut driver = Proc::spawn(generate_cmd(&[
-                "--format",
-                "json",
-                "--prompt",
-                &p.text,
-                "--route",
-                &route,
-                "--max-tokens",
-                "2000",
-                "--ignore-eos",
-                "--step-timeout",
-                "5",
-            ]));
-            // Kill once decoding is under way, about half a second in.
-            loop {
-                assert!(driver.running(), "the driver exited before any worker was killed");
-                if w.metrics(n - 1).get("dgr_worker_tokens_decoded_total") > 0.0 && started.elapsed() >= Duration::from_millis(500) {
-                    break;
+            // Each position runs on its own workers; all are tried, and every failure reported.
+            let r = std::panic::catch_unwind(|| {
+                let mut w = Workers::start(cuts, &[]);
+                let route = w.route();
+                let started = Instant::now();
+                let mut driver = Proc::spawn(generate_cmd(&[
+                    "--format",
+                    "json",
+                    "--prompt",
+                    &p.text,
+                    "--route",
+                    &route,
+                    "--max-tokens",
+                    "2000",
+                    "--ignore-eos",
+                    "--step-timeout",
+                    "5",
+                ]));
+                // Kill once decoding is under way, about half a second in.
+                loop {
+                    assert!(driver.running(), "the driver exited before any worker was killed");
+                    if w.metrics(n - 1).get("dgr_worker_tokens_decoded_total") > 0.0 && started.elapsed() >= Duration::from_millis(500) {
+                        break;
+                    }
+                    assert!(started.elapsed() < Duration::from_secs(30), "no decode under way after 30 s");
+                    std::thread::sleep(Duration::from_millis(20));
                 }
-                assert!(started.elapsed() < Duration::from_secs(30), "no decode under way after 30 s");
-                std::thread::sleep(Duration::from_millis(20));
+                let decoded = w.metrics(n - 1).get("dgr_worker_tokens_decoded_total");
+                w.kill(k);
+                let killed = Instant::now();
+                let out = driver.wait_within(Duration::from_secs(30));
+                let took = killed.elapsed();
+                let what = format!("{}: worker {k} killed after {decoded} decoded tokens", layers_of(cuts));
+                let e = error_of(&out, &what);
+                println!("{what}: driver exited {:?} {:.0} ms later with {e}", out.status.code(), took.as_secs_f64() * 1e3);
+                assert!(took < Duration::from_secs(10), "{what}: the driver took {took:?} to fail");
+                let stage = e["stage"].as_u64().unwrap_or_else(|| panic!("{what}: the error names no stage: {e}")) as usize;
+                assert!(stage == k || stage + 1 == k, "{what}: the error names stage {stage}, not the killed {k} or its predecessor");
+                assert_eq!(e["addr"].as_str(), Some(w.addrs[stage].as_str()), "{what}: the error's address is not stage {stage}'s");
+                let survivors: Vec<usize> = (0..n).filter(|&i| i != k).collect();
+                let took = w.wait_all_free(&survivors, Duration::from_secs(3), &what);
+                println!("{what}: survivors {survivors:?} freed the session within {:.0} ms", took.as_secs_f64() * 1e3);
+            });
+            if let Err(e) = r {
+                let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                failures.push(format!("{}, worker {k} killed: {msg}", layers_of(cuts)));
             }
-            let decoded = w.metrics(n - 1).get("dgr_worker_tokens_decoded_total");
-            w.kill(k);
-            let killed = Instant::now();
-            let out = driver.wait_within(Duration::from_secs(30));
-            let took = killed.elapsed();
-            let what = format!("{}: worker {k} killed after {decoded} decoded tokens", layers_of(cuts));
-            let e = error_of(&out, &what);
-            println!("{what}: driver exited {:?} {:.0} ms later with {e}", out.status.code(), took.as_secs_f64() * 1e3);
-            assert!(took < Duration::from_secs(10), "{what}: the driver took {took:?} to fail");
-            let stage = e["stage"].as_u64().unwrap_or_else(|| panic!("{what}: the error names no stage: {e}")) as usize;
-            assert!(stage == k || stage + 1 == k, "{what}: the error names stage {stage}, not the killed {k} or its predecessor");
-            assert_eq!(e["addr"].as_str(), Some(w.addrs[stage].as_str()), "{what}: the error's address is not stage {stage}'s");
-            let survivors: Vec<usize> = (0..n).filter(|&i| i != k).collect();
-            let took = w.wait_all_free(&survivors, Duration::from_secs(3), &what);
-            println!("{what}: survivors {survivors:?} freed the session within {:.0} ms", took.as_secs_f64() * 1e3);
         }
 
         // A route through an address where nothing listens, at each position.
@@ -882,6 +939,7 @@ fn a_killed_worker_fails_the_request_cleanly_and_the_survivors_free_it() {
             assert_eq!(e["addr"].as_str(), Some(addrs[k].as_str()), "{what}");
         }
     }
+    assert!(failures.is_empty(), "{} of the kill checks failed:\n{}", failures.len(), failures.join("\n"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -892,7 +950,7 @@ fn bad_input_at_a_seam_is_refused_and_the_route_keeps_serving() {
     let _serial = serial();
     let p = prompt("list");
     for cuts in SPLITS {
-        let w = Workers::start(cuts, &[]);
+        let mut w = Workers::start(cuts, &[]);
         let n = w.n() as u32;
         let route = w.route();
         let args = ["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "32", "--ignore-eos", "--top-logprobs", "5"];
@@ -989,4 +1047,42 @@ fn bad_input_at_a_seam_is_refused_and_the_route_keeps_serving() {
         let failures: Vec<String> = m.0.iter().filter(|(k, _)| k.starts_with("dgr_worker_failures_total")).map(|(k, v)| format!("{k} {v}")).collect();
         println!("{}: the route's output is unchanged alongside and after; stage 1 counts {failures:?}", layers_of(cuts));
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. A prompt prefilled in chunks
+
+#[test]
+fn a_prompt_prefilled_in_chunks_gives_the_same_output_and_a_full_seam_report() {
+    let _serial = serial();
+    let long = prompt("long");
+    let args = ["--prompt", long.text.as_str(), "--max-tokens", "4", "--ignore-eos", "--top-logprobs", "5"];
+    let mut a = args.to_vec();
+    a.extend(["--threads", "1"]);
+    let whole = generate_json(&a);
+    let mut wrong = Vec::new();
+    for cuts in SPLITS {
+        // Workers that prefill at most 64 prompt rows per step: the 292-row prompt crosses each
+        // seam in five frames.
+        let w = Workers::start(cuts, &["--prefill-chunk", "64"]);
+        let route = w.route();
+        let mut a = args.to_vec();
+        a.extend(["--route", &route]);
+        let got = generate_json(&a);
+        assert_same_generation(&got, &whole, &format!("the long prompt prefilled in chunks of 64 over {}", layers_of(cuts)));
+        // Every prompt row and each decoded row but the last crossed every seam, as f32 rows of 576.
+        let want = ((long.tokens.len() + 4 - 1) * 576 * 4) as u64;
+        let bytes: Vec<u64> = got["seams"].as_array().expect("seams").iter().map(|s| s["bytes"].as_u64().unwrap()).collect();
+        println!(
+            "{}: {} prompt rows in chunks of 64 + 3 decoded rows: output identical to the whole model; seam bytes reported {bytes:?}, \
+             {want} crossed each seam; usage {}",
+            layers_of(cuts),
+            long.tokens.len(),
+            got["usage"]
+        );
+        if bytes != vec![want; w.n() - 1] {
+            wrong.push(format!("{}: seam bytes reported {bytes:?}, but {want} crossed each seam", layers_of(cuts)));
+        }
+    }
+    assert!(wrong.is_empty(), "the seam report misses rows that crossed the seams:\n{}", wrong.join("\n"));
 }

@@ -253,29 +253,32 @@ async fn drive(
     Ok(out)
 }
 
-/// Per seam bytes and latency, per stage queue wait and compute, from the steps' traces.
+/// Per seam bytes and latency, per stage queue wait and compute, from the steps' traces. A step
+/// whose prompt ran in chunks holds several hops per stage: all count for bytes and compute;
+/// latency pairs a stage's hop with the next stage's only where each stage has exactly one.
 fn report(route: &Route, traces: &[Vec<Hop>], out: &mut Completion) {
-    let n = route.stages.len();
+    let n = route.stages.len() as u32;
+    let of = |t: &[Hop], i: u32| t.iter().filter(|h| h.stage == i).copied().collect::<Vec<Hop>>();
     for i in 0..n {
-        let hops: Vec<&Hop> = traces.iter().filter_map(|t| t.iter().find(|h| h.stage == i as u32)).collect();
+        let hops: Vec<Hop> = traces.iter().flat_map(|t| of(t, i)).collect();
         let queue: Vec<f64> = hops.iter().map(|h| h.queue_us as f64 / 1e3).collect();
         out.stages.push(StageReport {
-            stage: i as u32,
-            addr: route.stages[i].addr.clone(),
+            stage: i,
+            addr: route.stages[i as usize].addr.clone(),
             queue_wait_ms_p50: quantile(&queue, 0.5),
             queue_wait_ms_max: queue.iter().cloned().fold(0.0, f64::max),
             compute_ms_total: hops.iter().map(|h| h.compute_us as f64 / 1e3).sum(),
         });
         if i + 1 < n {
-            let mut lat = Vec::new();
-            let mut bytes = 0;
-            for t in traces {
-                if let (Some(a), Some(b)) = (t.iter().find(|h| h.stage == i as u32), t.iter().find(|h| h.stage == i as u32 + 1)) {
-                    bytes += a.bytes_out;
-                    lat.push(b.recv_unix_us.saturating_sub(a.sent_unix_us) as f64 / 1e3);
-                }
-            }
-            out.seams.push(SeamReport { from: i as u32, bytes, latency_ms_p50: quantile(&lat, 0.5), latency_ms_p99: quantile(&lat, 0.99) });
+            let bytes = hops.iter().map(|h| h.bytes_out).sum();
+            let lat: Vec<f64> = traces
+                .iter()
+                .filter_map(|t| match (of(t, i).as_slice(), of(t, i + 1).as_slice()) {
+                    ([a], [b]) => Some(b.recv_unix_us.saturating_sub(a.sent_unix_us) as f64 / 1e3),
+                    _ => None,
+                })
+                .collect();
+            out.seams.push(SeamReport { from: i, bytes, latency_ms_p50: quantile(&lat, 0.5), latency_ms_p99: quantile(&lat, 0.99) });
         }
     }
 }

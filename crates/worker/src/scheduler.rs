@@ -71,6 +71,8 @@ struct Session {
     pending: VecDeque<Pending>,
     last_active: Instant,
     usage: Usage,
+    /// On the last stage: hops of prompt chunks run since the last token, sent with the next one.
+    carry: Vec<Hop>,
 }
 
 pub(crate) struct Scheduler {
@@ -245,6 +247,7 @@ impl Scheduler {
             pending: VecDeque::new(),
             last_active: Instant::now(),
             usage: Usage { session_id: id.to_vec(), stage: stage_index, ..Default::default() },
+            carry: Vec::new(),
         };
         self.reserved += want;
         self.sessions.insert(id, session);
@@ -400,6 +403,8 @@ impl Scheduler {
             s.usage.layer_tokens += n as u64 * n_layers;
             let p = &mut s.pending[0];
             let chunk_start = p.f.position + p.done as u64;
+            // The frame's trace travels on with its first chunk only, so no hop is counted twice.
+            let mut trace = if p.done == 0 { std::mem::take(&mut p.f.trace) } else { Vec::new() };
             p.done += n;
             let finished = p.done == p.rows;
             let hop = Hop {
@@ -413,7 +418,6 @@ impl Scheduler {
             let delivered = match &s.next {
                 Some((_, next)) => {
                     let bytes = dgr_proto::encode_rows(&out.hidden, s.dtype);
-                    let mut trace = p.f.trace.clone();
                     trace.push(Hop { bytes_out: bytes.len() as u64, sent_unix_us: unix_us(), ..hop });
                     let f = Forward {
                         session_id: s.id.to_vec(),
@@ -431,8 +435,9 @@ impl Scheduler {
                     let position = s.kv.len() as u64;
                     let token = dgr_engine::sample(&out.logits, &s.sampling, position);
                     let (logprob, top) = dgr_engine::logprobs(&out.logits, token, s.top_logprobs);
-                    let mut trace = p.f.trace.clone();
-                    trace.push(Hop { sent_unix_us: unix_us(), ..hop });
+                    s.carry.append(&mut trace);
+                    s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
+                    let trace = std::mem::take(&mut s.carry);
                     let t = TokenOut {
                         session_id: s.id.to_vec(),
                         position,
@@ -443,7 +448,11 @@ impl Scheduler {
                     };
                     send(&s.reply, Body::Token(t))
                 }
-                None => true,
+                None => {
+                    s.carry.append(&mut trace);
+                    s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
+                    true
+                }
             };
             if finished {
                 s.pending.pop_front();
