@@ -40,10 +40,7 @@ pub fn generate(stage: &Stage, is_eog: impl Fn(u32) -> bool, req: &Request, mut 
         let token = dgr_engine::sample(logits, &req.sampling, kv.len() as u64);
         let (lp, top) = dgr_engine::logprobs(logits, token, req.top_logprobs);
         if out.tokens.is_empty() {
-            let t = start.elapsed().as_secs_f64();
-            out.timings.ttft_ms = t * 1e3;
-            out.timings.prefill_ms = t * 1e3;
-            out.timings.prefill_tok_per_s = req.prompt_tokens.len() as f64 / t;
+            out.timings.first_token(start, req.prompt_tokens.len());
             decode_start = Instant::now();
         }
         out.tokens.push(token);
@@ -56,11 +53,6 @@ pub fn generate(stage: &Stage, is_eog: impl Fn(u32) -> bool, req: &Request, mut 
         }
         input = vec![token];
     }
-    let decoded = out.tokens.len().saturating_sub(1);
-    if decoded > 0 {
-        let t = decode_start.elapsed().as_secs_f64();
-        out.timings.decode_ms = t * 1e3;
-        out.timings.decode_tok_per_s = decoded as f64 / t;
-    }
+    out.timings.decoded(decode_start, out.tokens.len().saturating_sub(1));
     Ok(out)
 }

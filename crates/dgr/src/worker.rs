@@ -40,6 +40,9 @@ pub struct Args {
     /// route compute different micro-batches at the same time
     #[arg(long, default_value_t = 1)]
     micro_batches: usize,
+    /// Milliseconds a step may wait for more decoding sessions to arrive and join its batch
+    #[arg(long, default_value_t = 2.0)]
+    batch_wait_ms: f64,
 }
 
 /// Parses "A..B".
@@ -68,6 +71,7 @@ pub fn run(a: Args) -> Result<()> {
         prefill_chunk: a.prefill_chunk.max(1),
         busy_chunk: a.busy_chunk.max(1),
         micro_batches: a.micro_batches.max(1),
+        batch_wait: secs(a.batch_wait_ms / 1e3, "batch-wait-ms")?,
     };
     let layers = cfg.layers.clone();
     let worker = Worker::open(cfg)?;

@@ -1,7 +1,7 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
 use crate::kernels::{self, FastType, Isa, Rows};
-use crate::pool::{share, ThreadPool};
+use crate::pool::ThreadPool;
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
 
@@ -78,51 +78,60 @@ fn tile_cols(k: usize) -> usize {
 }
 
 /// Computes every product for the `n` columns of `x` (each `k` floats, contiguous) in one pool
-/// job. Each participant owns a contiguous share of every matrix's rows and computes each of its
-/// rows completely, so a result depends on neither the thread count nor the other columns.
+/// job over the products' rows, handed out in chunks. Each row is computed completely by one
+/// thread, so a result depends on neither the thread count nor the other columns.
 pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, file: &[u8], x: &[f32], n: usize, products: &mut [Product]) {
     for p in products.iter() {
         assert!(x.len() >= n * p.w.k && p.out.len() >= n * p.w.rows);
     }
     let outs: Vec<SendPtr> = products.iter_mut().map(|p| SendPtr(p.out.as_mut_ptr())).collect();
     let ws: Vec<&Matrix> = products.iter().map(|p| p.w).collect();
-    pool.run(&|i, threads| {
-        let mut scratch = Vec::new();
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    // Several chunks per thread, so a late or descheduled thread's share is picked up by others.
+    let grain = (total / (pool.threads() * 8)).clamp(16, 256);
+    pool.run(total, grain, &|items| {
+        let mut base = 0;
         for (w, out) in ws.iter().zip(&outs) {
-            let (k, rows) = (w.k, share(w.rows, i, threads));
-            if rows.is_empty() {
-                continue;
+            let (lo, hi) = (items.start.max(base), items.end.min(base + w.rows));
+            if lo < hi {
+                rows(isa, file, x, n, w, out, lo - base..hi - base);
             }
-            let tile = tile_cols(k);
-            let mut c0 = 0;
-            while c0 < n {
-                let g = kernels::group((n - c0).min(tile));
-                let xs: [&[f32]; kernels::MAX_COLS] =
-                    std::array::from_fn(|j| if j < g { &x[(c0 + j) * k..(c0 + j + 1) * k] } else { &[] });
-                // SAFETY (both calls below): this participant alone writes rows `rows` of
-                // columns c0..c0 + g of `out`, which the assert above keeps in bounds.
-                let dst = unsafe { out.0.add(c0 * w.rows + rows.start) };
-                match w.fast {
-                    Some(ty) => {
-                        let bytes = &file[w.offset + rows.start * w.row_bytes..w.offset + rows.end * w.row_bytes];
-                        unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes }, k, &xs[..g], dst, w.rows) };
-                    }
-                    None => {
-                        // Types without a SIMD dequantizer: one row at a time through f32.
-                        scratch.resize(k, 0f32);
-                        for r in rows.clone() {
-                            if dgr_gguf::quant::dequantize_row(w.ty, w.row(file, r), &mut scratch).is_err() {
-                                scratch.iter_mut().for_each(|v| *v = f32::NAN); // unreachable: checked at load
-                            }
-                            let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k };
-                            unsafe { kernels::gemv(isa, &f, k, &xs[..g], dst.add(r - rows.start), w.rows) };
-                        }
-                    }
-                }
-                c0 += g;
-            }
+            base += w.rows;
         }
     });
+}
+
+/// Rows `rows` of `w` for every column: the unit of work one thread does without a break.
+fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &SendPtr, rows: std::ops::Range<usize>) {
+    let k = w.k;
+    let tile = tile_cols(k);
+    let mut scratch = Vec::new();
+    let mut c0 = 0;
+    while c0 < n {
+        let g = kernels::group((n - c0).min(tile));
+        let xs: [&[f32]; kernels::MAX_COLS] = std::array::from_fn(|j| if j < g { &x[(c0 + j) * k..(c0 + j + 1) * k] } else { &[] });
+        // SAFETY (both calls below): the caller alone writes rows `rows` of columns c0..c0 + g
+        // of `out`, which `matmul`'s assert keeps in bounds.
+        let dst = unsafe { out.0.add(c0 * w.rows + rows.start) };
+        match w.fast {
+            Some(ty) => {
+                let bytes = &file[w.offset + rows.start * w.row_bytes..w.offset + rows.end * w.row_bytes];
+                unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes }, k, &xs[..g], dst, w.rows) };
+            }
+            None => {
+                // Types without a SIMD dequantizer: one row at a time through f32.
+                scratch.resize(k, 0f32);
+                for r in rows.clone() {
+                    if dgr_gguf::quant::dequantize_row(w.ty, w.row(file, r), &mut scratch).is_err() {
+                        scratch.iter_mut().for_each(|v| *v = f32::NAN); // unreachable: checked at load
+                    }
+                    let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k };
+                    unsafe { kernels::gemv(isa, &f, k, &xs[..g], dst.add(r - rows.start), w.rows) };
+                }
+            }
+        }
+        c0 += g;
+    }
 }
 
 fn as_bytes(v: &[f32]) -> &[u8] {

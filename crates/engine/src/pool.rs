@@ -1,28 +1,42 @@
-//! A persistent thread pool: one job at a time, split by the job itself over `n` participants.
+//! A persistent thread pool that hands out a job's items in chunks.
 //!
 //! Decode runs a few hundred short parallel steps per token, so workers spin briefly between
-//! jobs instead of sleeping (a futex wake per step would cost more than the step). The spin is
-//! short and then yields the core, so that other processes on the host (the other stages of a
-//! route) get it; after a while without work, workers sleep.
+//! jobs instead of sleeping (a futex wake per step would cost more than the step); the spin is
+//! short and then yields the core, so other processes on the host (the other stages of a route)
+//! get it, and after a while without work workers sleep.
+//!
+//! Items are claimed from a shared counter, not split in fixed shares: when the host has more
+//! busy threads than cores and a worker is descheduled, the others (the caller at least) take
+//! its part instead of waiting a whole time slice for it. Which thread computes an item never
+//! changes its result, since every item is computed whole by one thread.
 
 use std::cell::UnsafeCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-type Job = dyn Fn(usize, usize) + Sync;
+type Job = dyn Fn(Range<usize>) + Sync;
 
 struct Shared {
     epoch: AtomicU64,
-    pending: AtomicUsize,
+    /// The next item to claim, the items in the job, and the chunk size.
+    next: AtomicUsize,
+    items: AtomicUsize,
+    grain: AtomicUsize,
+    done: AtomicUsize,
+    /// Workers inside the current job; `run` returns only when none is.
+    active: AtomicUsize,
     sleeping: AtomicUsize,
     stop: AtomicBool,
-    /// The current job; written only by `run` before it bumps `epoch`, read by workers after.
+    /// The current job. Written by `run` while `next` is past the end of the last job (so no
+    /// claim can succeed) and before `next` is reset; read by a worker only after a successful
+    /// claim, and `run` neither changes it nor returns while a claimed chunk is unfinished.
     job: UnsafeCell<Option<&'static Job>>,
     bell: (Mutex<()>, Condvar),
 }
 
-// SAFETY: `job` is only written while no worker reads it (between jobs, under `caller`).
+// SAFETY: `job` is written and read under the claim protocol described on the field.
 unsafe impl Sync for Shared {}
 
 pub struct ThreadPool {
@@ -39,20 +53,20 @@ impl ThreadPool {
     pub fn new(n: usize) -> ThreadPool {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
-            pending: AtomicUsize::new(0),
+            next: AtomicUsize::new(0),
+            items: AtomicUsize::new(0),
+            grain: AtomicUsize::new(1),
+            done: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
             sleeping: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             job: UnsafeCell::new(None),
             bell: (Mutex::new(()), Condvar::new()),
         });
-        let n = n.max(1);
-        let workers = (1..n)
+        let workers = (1..n.max(1))
             .map(|i| {
                 let s = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("dgr-compute-{i}"))
-                    .spawn(move || worker(&s, i, n))
-                    .expect("spawning a compute thread")
+                std::thread::Builder::new().name(format!("dgr-compute-{i}")).spawn(move || worker(&s)).expect("spawning a compute thread")
             })
             .collect();
         ThreadPool { shared, workers, caller: Mutex::new(()) }
@@ -62,37 +76,66 @@ impl ThreadPool {
         self.workers.len() + 1
     }
 
-    /// Runs `f(i, n)` for every participant `i` in `0..n` and returns when all have finished.
-    pub fn run(&self, f: &(dyn Fn(usize, usize) + Sync)) {
-        let n = self.threads();
-        if n == 1 {
-            return f(0, 1);
+    /// Calls `f` on chunks of `0..items` (at most `grain` items each) until every item is done,
+    /// spreading the chunks over the pool; returns when all have finished.
+    pub fn run(&self, items: usize, grain: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        let grain = grain.max(1);
+        if self.workers.is_empty() || items <= grain {
+            return f(0..items);
         }
         let _one_job_at_a_time = self.caller.lock().unwrap_or_else(|p| p.into_inner());
         let s = &*self.shared;
-        // SAFETY: no worker reads `job` until `epoch` moves, and we wait for all of them below
-        // before `f` goes out of scope, so extending its lifetime is never observed.
-        unsafe { *s.job.get() = Some(std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(f)) };
-        s.pending.store(n - 1, SeqCst);
+        // Every claim fails until `next` is reset below, so nothing reads the job meanwhile.
+        // SAFETY: `f` outlives every use: we return only after `active` is back to 0.
+        unsafe { *s.job.get() = Some(std::mem::transmute::<&(dyn Fn(Range<usize>) + Sync + '_), &'static Job>(f)) };
+        s.items.store(items, SeqCst);
+        s.grain.store(grain, SeqCst);
+        s.done.store(0, SeqCst);
+        s.next.store(0, SeqCst);
         s.epoch.fetch_add(1, SeqCst);
         if s.sleeping.load(SeqCst) > 0 {
             let _g = s.bell.0.lock().unwrap_or_else(|p| p.into_inner());
             s.bell.1.notify_all();
         }
-        f(0, n);
-        let mut spins = 0u32;
-        while s.pending.load(Acquire) != 0 {
-            spins += 1;
-            if spins < SPINS {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+        claim_all(s, || Some(f));
+        wait(|| s.done.load(Acquire) >= items);
+        // Close the job: later claims fail until the next job resets the counter.
+        s.next.store(usize::MAX / 2, SeqCst);
+        wait(|| s.active.load(Acquire) == 0);
+    }
+}
+
+/// Claims and runs chunks until none is left; `job` is looked up after each successful claim.
+fn claim_all<'a>(s: &Shared, job: impl Fn() -> Option<&'a (dyn Fn(Range<usize>) + Sync + 'a)>) {
+    loop {
+        let g = s.grain.load(Acquire);
+        let start = s.next.fetch_add(g, SeqCst);
+        let items = s.items.load(Acquire);
+        if start >= items {
+            return;
+        }
+        let end = (start + g).min(items);
+        if let Some(f) = job() {
+            f(start..end);
+        }
+        s.done.fetch_add(end - start, Release);
+    }
+}
+
+/// Spins briefly, then yields, until `ready`.
+fn wait(ready: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !ready() {
+        spins += 1;
+        if spins < SPINS {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
         }
     }
 }
 
-fn worker(s: &Shared, i: usize, n: usize) {
+fn worker(s: &Shared) {
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;
@@ -120,11 +163,10 @@ fn worker(s: &Shared, i: usize, n: usize) {
                 spins = 0;
             }
         }
-        // SAFETY: `run` set the job before moving `epoch` and keeps it alive until `pending` is 0.
-        if let Some(job) = unsafe { *s.job.get() } {
-            job(i, n);
-        }
-        s.pending.fetch_sub(1, Release);
+        s.active.fetch_add(1, SeqCst);
+        // SAFETY: read only after a successful claim (see `Shared::job`).
+        claim_all(s, || unsafe { *s.job.get() });
+        s.active.fetch_sub(1, Release);
     }
 }
 
@@ -141,26 +183,23 @@ impl Drop for ThreadPool {
     }
 }
 
-/// The part of `0..len` that participant `i` of `n` owns: contiguous, in order, balanced.
-pub fn share(len: usize, i: usize, n: usize) -> std::ops::Range<usize> {
-    (len * i / n)..(len * (i + 1) / n)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn every_index_is_visited_once_across_many_jobs() {
+    fn every_item_is_visited_once_across_many_jobs() {
         let pool = ThreadPool::new(3);
-        for len in [0usize, 1, 2, 7, 1000] {
-            let hits: Vec<AtomicUsize> = (0..len).map(|_| AtomicUsize::new(0)).collect();
-            pool.run(&|i, n| {
-                for j in share(len, i, n) {
-                    hits[j].fetch_add(1, Relaxed);
-                }
-            });
-            assert!(hits.iter().all(|h| h.load(Relaxed) == 1));
+        for round in 0..200 {
+            for (len, grain) in [(0usize, 1usize), (1, 1), (2, 1), (7, 2), (1000, 16), (1000, 1)] {
+                let hits: Vec<AtomicUsize> = (0..len).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(len, grain, &|r| {
+                    for j in r {
+                        hits[j].fetch_add(1, Relaxed);
+                    }
+                });
+                assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "round {round} len {len}");
+            }
         }
     }
 
@@ -169,9 +208,9 @@ mod tests {
         let pool = ThreadPool::new(2);
         std::thread::sleep(std::time::Duration::from_millis(200));
         let count = AtomicUsize::new(0);
-        pool.run(&|_, _| {
-            count.fetch_add(1, Relaxed);
+        pool.run(64, 1, &|r| {
+            count.fetch_add(r.len(), Relaxed);
         });
-        assert_eq!(count.load(Relaxed), 2);
+        assert_eq!(count.load(Relaxed), 64);
     }
 }

@@ -6,7 +6,7 @@ use crate::kernels::Isa;
 use crate::kv::KvCache;
 use crate::matrix::{matmul, Matrix, Product};
 use crate::ops;
-use crate::pool::{share, ThreadPool};
+use crate::pool::ThreadPool;
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
 use std::ops::Range;
@@ -383,9 +383,9 @@ impl Stage {
         let jobs = seq_of.len() * cfg.n_head;
         let out = SyncPtr(att.as_mut_ptr());
         let caches: Vec<(&[f32], &[f32])> = batch.iter().map(|s| (&s.kv.k[li][..], &s.kv.v[li][..])).collect();
-        self.pool.run(&|i, n| {
+        self.pool.run(jobs, 1, &|chunk| {
             let mut scores = Vec::new();
-            for job in share(jobs, i, n) {
+            for job in chunk {
                 let (t, head) = (job / cfg.n_head, job % cfg.n_head);
                 let (kc, vc) = caches[seq_of[t]];
                 // SAFETY: job (t, head) alone writes att[t*h + head*hd ..][..hd].

@@ -217,10 +217,7 @@ async fn drive(
         };
         position += input.len() as u64;
         if out.tokens.is_empty() {
-            let el = start.elapsed().as_secs_f64();
-            out.timings.ttft_ms = el * 1e3;
-            out.timings.prefill_ms = el * 1e3;
-            out.timings.prefill_tok_per_s = req.prompt_tokens.len() as f64 / el;
+            out.timings.first_token(start, req.prompt_tokens.len());
             decode_start = Instant::now();
         }
         out.tokens.push(t.token);
@@ -243,12 +240,7 @@ async fn drive(
         }
         input = vec![t.token];
     }
-    let decoded = out.tokens.len().saturating_sub(1);
-    if decoded > 0 {
-        let el = decode_start.elapsed().as_secs_f64();
-        out.timings.decode_ms = el * 1e3;
-        out.timings.decode_tok_per_s = decoded as f64 / el;
-    }
+    out.timings.decoded(decode_start, out.tokens.len().saturating_sub(1));
     report(s.route, &traces, &mut out);
     Ok(out)
 }

@@ -11,6 +11,25 @@ pub struct Timings {
     pub decode_tok_per_s: f64,
 }
 
+impl Timings {
+    /// Records the first token, `start` being when the request began with `prompt` tokens.
+    pub fn first_token(&mut self, start: std::time::Instant, prompt: usize) {
+        let el = start.elapsed().as_secs_f64();
+        self.ttft_ms = el * 1e3;
+        self.prefill_ms = el * 1e3;
+        self.prefill_tok_per_s = prompt as f64 / el;
+    }
+
+    /// Records the decode phase: `tokens` generated after the first since `since`.
+    pub fn decoded(&mut self, since: std::time::Instant, tokens: usize) {
+        if tokens > 0 {
+            let el = since.elapsed().as_secs_f64();
+            self.decode_ms = el * 1e3;
+            self.decode_tok_per_s = tokens as f64 / el;
+        }
+    }
+}
+
 /// The seam from stage `from` to stage `from + 1`.
 #[derive(Serialize, Default, Debug, Clone)]
 pub struct SeamReport {

@@ -19,11 +19,21 @@ pub struct Policy {
     /// Decode sessions are spread over this many consecutive steps, so that on a multi-stage
     /// route the next stage computes one micro-batch while this one computes the next.
     pub micro_batches: usize,
+    /// How long a step may wait for more of the decoding sessions to arrive, so that sessions
+    /// driven independently still meet in one batch instead of trickling in one by one.
+    pub batch_wait: std::time::Duration,
+}
+
+impl Policy {
+    /// Decode rows one step aims at when `decoding` sessions are past their prompts.
+    pub fn decode_target(&self, decoding: usize) -> usize {
+        decoding.div_ceil(self.micro_batches.max(1)).max(1)
+    }
 }
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { step_tokens: 8192, prefill_chunk: 512, busy_chunk: 4, micro_batches: 1 }
+        Policy { step_tokens: 8192, prefill_chunk: 512, busy_chunk: 4, micro_batches: 1, batch_wait: std::time::Duration::from_millis(2) }
     }
 }
 
@@ -43,12 +53,14 @@ pub struct Batch {
     pub items: Vec<(SessionId, usize)>,
 }
 
-pub fn plan(mut ready: Vec<Ready>, p: &Policy) -> Vec<Batch> {
+/// Plans a step over the sessions with rows waiting; `decoding` counts every session past its
+/// prompt, waiting or not (it sets the micro-batch size).
+pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
     ready.sort_by_key(|r| r.since);
     let (decode, prefill): (Vec<Ready>, Vec<Ready>) = ready.into_iter().partition(|r| r.key.phase == Phase::Decode);
     let mut budget = p.step_tokens.max(1);
     let mut take: Vec<(Ready, usize)> = Vec::new();
-    let per_step = decode.len().div_ceil(p.micro_batches.max(1));
+    let per_step = p.decode_target(decoding.max(decode.len()));
     for r in decode.into_iter().take(per_step) {
         if budget == 0 {
             break;
@@ -100,7 +112,7 @@ mod tests {
             ready(4, Phase::Prefill, SeamDtype::F32, 100, 2),
             ready(5, Phase::Decode, SeamDtype::Bf16, 1, 1),
         ];
-        let b = plan(r, &Policy::default());
+        let b = plan(r, 4, &Policy::default());
         assert_eq!(b.len(), 4);
         for batch in &b {
             let keys: Vec<_> = batch.items.iter().map(|(id, _)| (id[0] == 2, id[0] == 5, id[0] == 4)).collect();
@@ -111,17 +123,17 @@ mod tests {
 
     #[test]
     fn decode_first_then_capped_prompt_chunks_within_the_budget() {
-        let p = Policy { step_tokens: 16, prefill_chunk: 512, busy_chunk: 4, micro_batches: 1 };
+        let p = Policy { step_tokens: 16, prefill_chunk: 512, busy_chunk: 4, ..Policy::default() };
         let mut r: Vec<Ready> = (0..8).map(|i| ready(i, Phase::Decode, SeamDtype::F32, 1, 10)).collect();
         r.push(ready(100, Phase::Prefill, SeamDtype::F32, 1500, 20));
         r.push(ready(101, Phase::Prefill, SeamDtype::F32, 1500, 5));
-        let b = plan(r, &p);
+        let b = plan(r, 8, &p);
         let rows: usize = b.iter().flat_map(|b| &b.items).map(|i| i.1).sum();
         assert!(rows <= 16);
         assert_eq!(b[0].items.len(), 8, "every decode row runs");
         assert_eq!(b[1].items, vec![([100; 16], 4), ([101; 16], 4)], "older prompt first, each chunk capped");
         // Alone, a prompt gets the large chunk, still within the budget.
-        let b = plan(vec![ready(9, Phase::Prefill, SeamDtype::F32, 1500, 1)], &p);
+        let b = plan(vec![ready(9, Phase::Prefill, SeamDtype::F32, 1500, 1)], 0, &p);
         assert_eq!(b[0].items, vec![([9; 16], 16)]);
     }
 
@@ -129,7 +141,10 @@ mod tests {
     fn micro_batches_spread_decode_over_steps() {
         let p = Policy { micro_batches: 2, ..Policy::default() };
         let r: Vec<Ready> = (0..8).map(|i| ready(i, Phase::Decode, SeamDtype::F32, 1, 10 - i as u64)).collect();
-        let b = plan(r, &p);
+        let b = plan(r, 8, &p);
         assert_eq!(b[0].items.iter().map(|i| i.0[0]).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        // A micro-batch's size follows the sessions decoding, not how many happen to be waiting.
+        let r: Vec<Ready> = (0..4).map(|i| ready(i, Phase::Decode, SeamDtype::F32, 1, 10 - i as u64)).collect();
+        assert_eq!(plan(r, 8, &p)[0].items.len(), 4);
     }
 }

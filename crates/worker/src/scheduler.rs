@@ -85,6 +85,8 @@ pub(crate) struct Scheduler {
     drain: Option<Instant>,
     policy: Policy,
     model_id: Arc<str>,
+    /// When the last frame arrived: a burst of arrivals still coming is worth waiting for.
+    last_arrival: Instant,
 }
 
 fn unix_us() -> u64 {
@@ -102,7 +104,18 @@ impl Scheduler {
         metrics.weight_bytes.store(stage.weight_bytes() as u64, Relaxed);
         let policy = cfg.policy.clone();
         let model_id = schema.model_id.as_str().into();
-        Scheduler { stage, cfg, schema, metrics, sessions: HashMap::new(), reserved: 0, drain: None, policy, model_id }
+        Scheduler {
+            stage,
+            cfg,
+            schema,
+            metrics,
+            sessions: HashMap::new(),
+            reserved: 0,
+            drain: None,
+            policy,
+            model_id,
+            last_arrival: Instant::now(),
+        }
     }
 
     /// Runs until every command sender is gone or a drain completes.
@@ -110,8 +123,9 @@ impl Scheduler {
         let tick = Duration::from_millis(100);
         loop {
             let busy = self.sessions.values().any(|s| !s.pending.is_empty());
-            if !busy {
-                match rx.recv_timeout(tick) {
+            let hold = self.hold();
+            if !busy || hold.is_some() {
+                match rx.recv_timeout(hold.unwrap_or(tick)) {
                     Ok(c) => self.handle(c),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => return,
@@ -120,7 +134,9 @@ impl Scheduler {
             while let Ok(c) = rx.try_recv() {
                 self.handle(c);
             }
-            self.step();
+            if self.hold().is_none() {
+                self.step();
+            }
             self.sweep();
             if let Some(deadline) = self.drain {
                 if self.sessions.is_empty() || Instant::now() >= deadline {
@@ -166,7 +182,10 @@ impl Scheduler {
     fn handle(&mut self, c: Cmd) {
         match c {
             Cmd::Open { conn, open, reply, next } => self.open(conn, open, reply, next),
-            Cmd::Forward { f, recv_us, at, reply } => self.forward(f, recv_us, at, reply),
+            Cmd::Forward { f, recv_us, at, reply } => {
+                self.last_arrival = at;
+                self.forward(f, recv_us, at, reply)
+            }
             Cmd::Cancel { id } | Cmd::Close { id } => {
                 if let Some(s) = session_id(&id).ok().and_then(|id| self.remove(&id)) {
                     send(&s.reply, Body::Usage(s.usage));
@@ -307,6 +326,30 @@ impl Scheduler {
         }
     }
 
+    /// Sessions past their prompts (decoding, or about to).
+    fn decoding(&self) -> usize {
+        self.sessions.values().filter(|s| !s.kv.is_empty()).count()
+    }
+
+    /// How much longer to wait before stepping: while fewer decode rows wait than a micro-batch
+    /// should hold, frames are still arriving (the last came less than `ARRIVAL_GAP` ago), and
+    /// the oldest has waited less than `batch_wait`. None: step now. Sessions that are busy on
+    /// another stage are not waited for: their frames do not arrive in the gap.
+    fn hold(&self) -> Option<Duration> {
+        const ARRIVAL_GAP: Duration = Duration::from_micros(300);
+        let waiting = self.sessions.values().filter_map(|s| s.pending.front());
+        if waiting.clone().any(|p| p.phase() == Phase::Prefill) {
+            return None;
+        }
+        let oldest = waiting.clone().map(|p| p.at).min()?;
+        if waiting.count() >= self.policy.decode_target(self.decoding()) {
+            return None;
+        }
+        let budget = self.policy.batch_wait.checked_sub(oldest.elapsed())?;
+        let gap = ARRIVAL_GAP.checked_sub(self.last_arrival.elapsed())?;
+        Some(budget.min(gap)).filter(|d| !d.is_zero())
+    }
+
     /// One scheduler step: plan it, then one forward per batch.
     fn step(&mut self) {
         let ready: Vec<Ready> = self
@@ -320,7 +363,7 @@ impl Scheduler {
         if ready.is_empty() {
             return;
         }
-        for batch in plan(ready, &self.policy) {
+        for batch in plan(ready, self.decoding(), &self.policy) {
             self.run_batch(batch);
         }
     }

@@ -24,9 +24,12 @@ pub struct Args {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
-    /// Stages of the route
+    /// Stages of the local route started for the run
     #[arg(long, default_value_t = 2)]
     split: usize,
+    /// Measure through these running workers instead of starting a local route
+    #[arg(long)]
+    route: Option<String>,
     /// Repetitions (each measures every contender at every session count)
     #[arg(long, short = 'r', default_value_t = 3)]
     reps: usize,
@@ -62,8 +65,10 @@ fn one_process(stage: &Stage, b: usize, p: usize, gen: usize) -> Result<f64> {
     Ok((b * (gen - 1)) as f64 / t.elapsed().as_secs_f64())
 }
 
-/// Aggregate decode tok/s of `b` concurrent sessions driven through `route`: generated tokens
-/// after each session's first, over the span from the first first-token to the last token.
+/// Aggregate decode tok/s of `b` concurrent sessions driven through `route`, in steady state:
+/// the tokens produced while every session is decoding (from the last session's first token to
+/// the first session's last), over that window — as llama-batched-bench times generation only
+/// after every prompt is in.
 fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: usize, gen: usize) -> Result<f64> {
     let reqs: Vec<GenRequest> = (0..b)
         .map(|i| GenRequest {
@@ -75,25 +80,25 @@ fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: 
         })
         .collect();
     let opts = DriveOptions { step_timeout: Duration::from_secs(60), ..DriveOptions::default() };
-    let spans: Vec<(Instant, Instant, usize)> = rt.block_on(async {
+    let times: Vec<Vec<Instant>> = rt.block_on(async {
         let runs = reqs.iter().map(|r| async {
-            let (mut first, mut last, mut n) = (None, Instant::now(), 0usize);
+            let mut at = Vec::new();
             dgr_gateway::generate(route, r, &opts, |_| {
-                let now = Instant::now();
-                first.get_or_insert(now);
-                last = now;
-                n += 1;
+                at.push(Instant::now());
                 Flow::Continue
             })
             .await
-            .map(|_| (first.unwrap_or(last), last, n))
+            .map(|_| at)
         });
         futures_join(runs).await
     })?;
-    let start = spans.iter().map(|s| s.0).min().context("no sessions")?;
-    let end = spans.iter().map(|s| s.1).max().context("no sessions")?;
-    let tokens: usize = spans.iter().map(|s| s.2.saturating_sub(1)).sum();
-    Ok(tokens as f64 / end.duration_since(start).as_secs_f64())
+    let start = times.iter().filter_map(|t| t.first()).max().context("no tokens")?;
+    let end = times.iter().filter_map(|t| t.last()).min().context("no tokens")?;
+    let inside = times.iter().flatten().filter(|t| *t > start && *t <= end).count();
+    if inside == 0 || end <= start {
+        bail!("the sessions never decoded at the same time; use more --gen-tokens");
+    }
+    Ok(inside as f64 / end.duration_since(*start).as_secs_f64())
 }
 
 async fn futures_join<F, T, E>(runs: impl Iterator<Item = F>) -> std::result::Result<Vec<T>, E>
@@ -138,9 +143,17 @@ pub fn run(a: Args) -> Result<()> {
     let g = a.model.open()?;
     let cfg = dgr_engine::ModelConfig::from_gguf(&g)?;
     let stage = Stage::open(g, 0..cfg.n_layers, StageOptions { threads: a.threads, isa: None })?;
-    let swarm = LocalSwarm::start(&model, cfg.n_layers, a.split, a.threads)?;
+    let swarm;
+    let addrs = match &a.route {
+        Some(r) => r.split(',').map(|s| s.trim().to_string()).collect(),
+        None => {
+            swarm = LocalSwarm::start(&model, cfg.n_layers, a.split, a.threads)?;
+            swarm.addrs.clone()
+        }
+    };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let route = rt.block_on(Route::discover(&swarm.addrs, Duration::from_secs(5)))?;
+    let route = rt.block_on(Route::discover(&addrs, Duration::from_secs(5)))?;
+    let ranges: Vec<String> = route.stages.iter().map(|s| format!("{}..{}", s.info.layer_start, s.info.layer_end)).collect();
     let vocab = cfg.vocab as u32;
     one_process(&stage, 1, a.prompt_tokens, 4)?; // warm-up
     routed(&rt, &route, vocab, 1, a.prompt_tokens, 4)?;
@@ -169,7 +182,7 @@ pub fn run(a: Args) -> Result<()> {
         println!("{b:>3} {o:>12.1} {s:>14.1} {l:>12.1} {r1:>14.3} {r2:>16.3}");
         rows.push(json!({ "sessions": b, "dgr_one_process": o, "dgr_route": s, "llama": l, "one_process_vs_llama": r1, "route_vs_one_process": r2 }));
     }
-    let series = [("dgr one process", &one), (&*format!("dgr {}-process route", a.split), &split), ("llama.cpp batched", &peer_s)];
+    let series = [("dgr one process", &one), (&*format!("dgr route {}", ranges.join(" + ")), &split), ("llama.cpp batched", &peer_s)];
     let svg_path = a.out.join("batch.svg");
     std::fs::create_dir_all(&a.out)?;
     std::fs::write(&svg_path, plot(&sessions, &series))?;
@@ -178,7 +191,7 @@ pub fn run(a: Args) -> Result<()> {
         "batch",
         &model,
         json!({
-            "split": format!("{} stages, even layer ranges", a.split),
+            "split": ranges,
             "peer": { "tool": bin.display().to_string(), "version": version },
             "threads": a.threads,
             "prompt_tokens": a.prompt_tokens,
