@@ -28,6 +28,9 @@ pub struct Args {
     seed: u64,
     #[arg(long, default_value_t = 2048)]
     context: usize,
+    /// Write a qwen2-style model (half-split RoPE, q/k/v biases) instead of a llama one
+    #[arg(long)]
+    qwen2: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -63,6 +66,7 @@ pub fn run(a: Args) -> Result<()> {
         ty,
         seed: a.seed,
         context: a.context,
+        arch: if a.qwen2 { "qwen2" } else { "llama" },
     };
     let bytes = spec.to_gguf()?;
     std::fs::write(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;

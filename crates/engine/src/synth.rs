@@ -17,11 +17,13 @@ pub struct SynthSpec {
     pub ty: GgmlType,
     pub seed: u64,
     pub context: usize,
+    /// "llama" (adjacent-pair RoPE, no biases) or "qwen2" (half-split RoPE, q/k/v biases).
+    pub arch: &'static str,
 }
 
 impl Default for SynthSpec {
     fn default() -> Self {
-        SynthSpec { layers: 4, hidden: 64, ffn: 128, heads: 4, kv_heads: 2, vocab: 320, ty: GgmlType::Q4_1, seed: 1, context: 512 }
+        SynthSpec { layers: 4, hidden: 64, ffn: 128, heads: 4, kv_heads: 2, vocab: 320, ty: GgmlType::Q4_1, seed: 1, context: 512, arch: "llama" }
     }
 }
 
@@ -53,16 +55,17 @@ impl SynthSpec {
         let mut rng = Rng(self.seed);
         let mut w = GgufWriter::new();
         let u32v = |v: usize| Value::U32(v as u32);
-        w.add_metadata("general.architecture", Value::String("llama".into()));
+        let a = self.arch;
+        w.add_metadata("general.architecture", Value::String(a.into()));
         w.add_metadata("general.name", Value::String(format!("dgr-synth-{}", self.seed)));
-        w.add_metadata("llama.block_count", u32v(self.layers));
-        w.add_metadata("llama.context_length", u32v(self.context));
-        w.add_metadata("llama.embedding_length", u32v(self.hidden));
-        w.add_metadata("llama.feed_forward_length", u32v(self.ffn));
-        w.add_metadata("llama.attention.head_count", u32v(self.heads));
-        w.add_metadata("llama.attention.head_count_kv", u32v(self.kv_heads));
-        w.add_metadata("llama.rope.freq_base", Value::F32(10000.0));
-        w.add_metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
+        w.add_metadata(&format!("{a}.block_count"), u32v(self.layers));
+        w.add_metadata(&format!("{a}.context_length"), u32v(self.context));
+        w.add_metadata(&format!("{a}.embedding_length"), u32v(self.hidden));
+        w.add_metadata(&format!("{a}.feed_forward_length"), u32v(self.ffn));
+        w.add_metadata(&format!("{a}.attention.head_count"), u32v(self.heads));
+        w.add_metadata(&format!("{a}.attention.head_count_kv"), u32v(self.kv_heads));
+        w.add_metadata(&format!("{a}.rope.freq_base"), Value::F32(10000.0));
+        w.add_metadata(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
         let vocab = self.vocab.max(258);
         let tokens: Vec<Value> = (0..vocab)
             .map(|i| match i {
@@ -93,10 +96,11 @@ impl SynthSpec {
             }
             w.add_tensor(name, ty, &[k as u64, rows as u64], data)
         };
-        let norm = |w: &mut GgufWriter, name: &str| -> Result<(), GgufError> {
-            let data: Vec<u8> = (0..h).flat_map(|i| (1.0f32 + 0.01 * (i % 7) as f32).to_le_bytes()).collect();
-            w.add_tensor(name, GgmlType::F32, &[h as u64], data)
+        let vector = |w: &mut GgufWriter, name: &str, len: usize, base: f32| -> Result<(), GgufError> {
+            let data: Vec<u8> = (0..len).flat_map(|i| (base + 0.01 * (i % 7) as f32).to_le_bytes()).collect();
+            w.add_tensor(name, GgmlType::F32, &[len as u64], data)
         };
+        let norm = |w: &mut GgufWriter, name: &str| vector(w, name, h, 1.0);
         matrix(&mut w, "token_embd.weight", h, vocab, GgmlType::Q8_0)?;
         for i in 0..self.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
@@ -104,6 +108,11 @@ impl SynthSpec {
             matrix(&mut w, &n("attn_q.weight"), h, h, self.ty)?;
             matrix(&mut w, &n("attn_k.weight"), h, kvd, self.ty)?;
             matrix(&mut w, &n("attn_v.weight"), h, kvd, self.ty)?;
+            if a == "qwen2" {
+                vector(&mut w, &n("attn_q.bias"), h, -0.02)?;
+                vector(&mut w, &n("attn_k.bias"), kvd, 0.03)?;
+                vector(&mut w, &n("attn_v.bias"), kvd, -0.01)?;
+            }
             matrix(&mut w, &n("attn_output.weight"), h, h, self.ty)?;
             norm(&mut w, &n("ffn_norm.weight"))?;
             matrix(&mut w, &n("ffn_gate.weight"), h, f, self.ty)?;

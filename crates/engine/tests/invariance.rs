@@ -7,10 +7,10 @@ use dgr_engine::{Input, Isa, LogitRows, SeqInput, Stage, StageOptions};
 use dgr_gguf::{GgmlType, Gguf};
 use std::sync::Arc;
 
-fn model(ty: GgmlType) -> Arc<Gguf> {
+fn model(ty: GgmlType, arch: &'static str) -> Arc<Gguf> {
     // K-quant rows are whole blocks of 256.
     let (hidden, ffn) = if ty.block_size() == 256 { (256, 512) } else { (64, 128) };
-    let spec = SynthSpec { ty, layers: 6, hidden, ffn, ..SynthSpec::default() };
+    let spec = SynthSpec { ty, layers: 6, hidden, ffn, arch, ..SynthSpec::default() };
     Arc::new(Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap())
 }
 
@@ -61,8 +61,17 @@ fn bits(v: &[Vec<Vec<f32>>]) -> Vec<Vec<Vec<u32>>> {
 
 #[test]
 fn logits_do_not_depend_on_split_batch_threads_or_isa() {
-    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16, GgmlType::Q4_K] {
-        let g = model(ty);
+    let shapes = [
+        (GgmlType::Q4_1, "llama"),
+        (GgmlType::Q8_0, "qwen2"),
+        (GgmlType::Q4_0, "llama"),
+        (GgmlType::F16, "llama"),
+        (GgmlType::BF16, "qwen2"),
+        (GgmlType::Q4_K, "llama"),
+        (GgmlType::Q6_K, "qwen2"),
+    ];
+    for (ty, arch) in shapes {
+        let g = model(ty, arch);
         let ps = prompts(300);
         // Reference: each sequence alone, unsplit, one thread, scalar kernels.
         let solo: Vec<_> = ps.iter().map(|p| run(&g, &[], 1, Isa::Scalar, std::slice::from_ref(p), 3).remove(0)).collect();
@@ -72,7 +81,7 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
                 for isa in Isa::available() {
                     let threads = 1 + batch % 3;
                     let got = run(&g, cuts, threads, isa, &ps[..batch], 3);
-                    assert_eq!(bits(&got), bits(&solo[..batch]), "{ty:?} cuts={cuts:?} batch={batch} {isa:?} threads={threads}");
+                    assert_eq!(bits(&got), bits(&solo[..batch]), "{ty:?} {arch} cuts={cuts:?} batch={batch} {isa:?} threads={threads}");
                 }
             }
         }
@@ -81,7 +90,7 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
 
 #[test]
 fn bad_inputs_are_typed_errors_and_leave_state_untouched() {
-    let g = model(GgmlType::Q4_1);
+    let g = model(GgmlType::Q4_1, "llama");
     let first = Stage::open(g.clone(), 0..3, StageOptions { threads: 1, isa: None }).unwrap();
     let second = Stage::open(g.clone(), 3..6, StageOptions { threads: 1, isa: None }).unwrap();
     assert!(Stage::open(g.clone(), 4..4, StageOptions::default()).is_err());
