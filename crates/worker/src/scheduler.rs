@@ -47,15 +47,7 @@ struct Pending {
     at: Instant,
 }
 
-impl Pending {
-    fn phase(&self) -> Phase {
-        if self.rows > 1 {
-            Phase::Prefill
-        } else {
-            Phase::Decode
-        }
-    }
-}
+
 
 struct Session {
     id: SessionId,
@@ -73,6 +65,19 @@ struct Session {
     usage: Usage,
     /// On the last stage: hops of prompt chunks run since the last token, sent with the next one.
     carry: Vec<Hop>,
+    /// Past the prompt: a frame that asked for a token has run. Before, every row is prefill
+    /// (however the previous stage chunked the prompt); after, every row is decode.
+    decoding: bool,
+}
+
+impl Session {
+    fn phase(&self) -> Phase {
+        if self.decoding {
+            Phase::Decode
+        } else {
+            Phase::Prefill
+        }
+    }
 }
 
 pub(crate) struct Scheduler {
@@ -87,6 +92,8 @@ pub(crate) struct Scheduler {
     model_id: Arc<str>,
     /// When the last frame arrived: a burst of arrivals still coming is worth waiting for.
     last_arrival: Instant,
+    /// When the last step ended: rows that arrived during it count as arriving then.
+    last_step_end: Instant,
 }
 
 fn unix_us() -> u64 {
@@ -115,6 +122,7 @@ impl Scheduler {
             policy,
             model_id,
             last_arrival: Instant::now(),
+            last_step_end: Instant::now(),
         }
     }
 
@@ -267,6 +275,7 @@ impl Scheduler {
             last_active: Instant::now(),
             usage: Usage { session_id: id.to_vec(), stage: stage_index, ..Default::default() },
             carry: Vec::new(),
+            decoding: false,
         };
         self.reserved += want;
         self.sessions.insert(id, session);
@@ -326,27 +335,30 @@ impl Scheduler {
         }
     }
 
-    /// Sessions past their prompts (decoding, or about to).
+    /// Sessions past their prompts.
     fn decoding(&self) -> usize {
-        self.sessions.values().filter(|s| !s.kv.is_empty()).count()
+        self.sessions.values().filter(|s| s.decoding).count()
     }
 
     /// How much longer to wait before stepping: while fewer decode rows wait than a micro-batch
     /// should hold, frames are still arriving (the last came less than `ARRIVAL_GAP` ago), and
     /// the oldest has waited less than `batch_wait`. None: step now. Sessions that are busy on
-    /// another stage are not waited for: their frames do not arrive in the gap.
+    /// another stage are not waited for: their frames do not arrive in the gap. Times count
+    /// from the end of the last step at the earliest: rows that arrived during a step could not
+    /// have joined it.
     fn hold(&self) -> Option<Duration> {
         const ARRIVAL_GAP: Duration = Duration::from_micros(300);
-        let waiting = self.sessions.values().filter_map(|s| s.pending.front());
-        if waiting.clone().any(|p| p.phase() == Phase::Prefill) {
+        let waiting: Vec<&Session> = self.sessions.values().filter(|s| !s.pending.is_empty()).collect();
+        if waiting.iter().any(|s| s.phase() == Phase::Prefill) {
             return None;
         }
-        let oldest = waiting.clone().map(|p| p.at).min()?;
-        if waiting.count() >= self.policy.decode_target(self.decoding()) {
+        let since = |t: Instant| t.max(self.last_step_end).elapsed();
+        let oldest = waiting.iter().filter_map(|s| s.pending.front()).map(|p| p.at).min()?;
+        if waiting.len() >= self.policy.decode_target(self.decoding()) {
             return None;
         }
-        let budget = self.policy.batch_wait.checked_sub(oldest.elapsed())?;
-        let gap = ARRIVAL_GAP.checked_sub(self.last_arrival.elapsed())?;
+        let budget = self.policy.batch_wait.checked_sub(since(oldest))?;
+        let gap = ARRIVAL_GAP.checked_sub(since(self.last_arrival))?;
         Some(budget.min(gap)).filter(|d| !d.is_zero())
     }
 
@@ -357,7 +369,7 @@ impl Scheduler {
             .values()
             .filter_map(|s| {
                 let p = s.pending.front()?;
-                Some(Ready { id: s.id, key: self.key(s, p.phase()), rows_left: p.rows - p.done, since: p.at })
+                Some(Ready { id: s.id, key: self.key(s, s.phase()), rows_left: p.rows - p.done, since: p.at })
             })
             .collect();
         if ready.is_empty() {
@@ -366,6 +378,7 @@ impl Scheduler {
         for batch in plan(ready, self.decoding(), &self.policy) {
             self.run_batch(batch);
         }
+        self.last_step_end = Instant::now();
     }
 
     /// Runs `rows` of the first waiting frame of each session in `batch` as one forward, and
@@ -450,6 +463,7 @@ impl Scheduler {
             let mut trace = if p.done == 0 { std::mem::take(&mut p.f.trace) } else { Vec::new() };
             p.done += n;
             let finished = p.done == p.rows;
+            let prompt_done = finished && p.f.sample;
             let hop = Hop {
                 stage: s.stage_index,
                 queue_us: started.duration_since(p.at).as_micros() as u64,
@@ -498,6 +512,7 @@ impl Scheduler {
                 }
             };
             if finished {
+                s.decoding |= prompt_done;
                 s.pending.pop_front();
             }
             if delivered {

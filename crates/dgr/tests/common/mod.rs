@@ -1,9 +1,16 @@
-//! Shared by the acceptance tests: the real model, the reference files and running `dgr`.
+//! Shared by the acceptance tests: the real model, the reference files and running `dgr`;
+//! `dgr worker` processes with guards, their /metrics, and the reference prompts.
 #![allow(dead_code)]
 
+use dgr_gateway::Completion;
 use serde_json::Value;
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// The default model. Missing is a failure, never a skip: fetch it with scripts/fetch-model.sh.
 pub fn model() -> PathBuf {
@@ -32,4 +39,293 @@ pub fn dgr_json(args: &[&str]) -> Value {
 
 pub fn ids(v: &Value) -> Vec<u64> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routes: one test at a time
+
+/// Held by every test: one route at a time. Several checks time what workers do (a freed
+/// session within a second, a failed request within ten), which other tests' compute on the
+/// same few cores would only blur.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub fn layers_of(cuts: &[usize]) -> String {
+    cuts.windows(2).map(|w| format!("[{},{})", w[0], w[1])).collect::<Vec<_>>().join("+")
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+
+/// Reads a child's pipe to the end on a thread, so the child never blocks on a full pipe.
+pub fn drain(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = r.read_to_end(&mut buf);
+        buf
+    })
+}
+
+/// A running dgr process (not a worker), killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub what: String,
+    out: Option<std::thread::JoinHandle<Vec<u8>>>,
+    err: Option<std::thread::JoinHandle<Vec<u8>>>,
+}
+
+impl Proc {
+    pub fn spawn(mut cmd: Command) -> Proc {
+        let what = format!("{cmd:?}");
+        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning dgr");
+        let out = Some(drain(child.stdout.take().unwrap()));
+        let err = Some(drain(child.stderr.take().unwrap()));
+        Proc { child, what, out, err }
+    }
+
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits for the exit, failing the test (and killing the process) past `limit`.
+    pub fn wait_within(mut self, limit: Duration) -> Output {
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > limit {
+                panic!("{} still running after {limit:?}", self.what);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        Output { status, stdout: self.out.take().unwrap().join().unwrap(), stderr: self.err.take().unwrap().join().unwrap() }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One `dgr worker` process per stage of a split, each on its own loopback port; all killed
+/// (SIGKILL) when dropped. Their stderr is kept and shown if the test fails.
+pub struct Workers {
+    pub children: Vec<Child>,
+    pub addrs: Vec<String>,
+    pub cuts: Vec<usize>,
+    logs: Vec<Arc<Mutex<Vec<u8>>>>,
+}
+
+impl Workers {
+    /// Starts the workers for `cuts` with `--threads 1` and `extra` options, and waits (with a
+    /// deadline) for each one's ready line.
+    pub fn start(cuts: &[usize], extra: &[&str]) -> Workers {
+        Workers::start_threads(cuts, 1, extra)
+    }
+
+    /// As `start`, with `--threads threads` on each worker.
+    pub fn start_threads(cuts: &[usize], threads: usize, extra: &[&str]) -> Workers {
+        let model = model();
+        let threads = threads.to_string();
+        let mut w = Workers { children: Vec::new(), addrs: Vec::new(), cuts: cuts.to_vec(), logs: Vec::new() };
+        let mut ready = Vec::new();
+        for r in cuts.windows(2) {
+            let mut child = dgr()
+                .args(["worker", "--listen", "127.0.0.1:0", "--threads", &threads, "--layers", &format!("{}..{}", r[0], r[1])])
+                .args(extra)
+                .arg("--model")
+                .arg(&model)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawning dgr worker");
+            let stdout = child.stdout.take().unwrap();
+            let mut stderr = child.stderr.take().unwrap();
+            w.children.push(child);
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(stdout);
+                let mut line = String::new();
+                let _ = r.read_line(&mut line);
+                let _ = tx.send(line);
+                let _ = std::io::copy(&mut r, &mut std::io::sink());
+            });
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let l = log.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = stderr.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    l.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+            w.logs.push(log);
+            ready.push(rx);
+        }
+        for (i, rx) in ready.into_iter().enumerate() {
+            let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("worker {i} of {cuts:?} not ready within 60 s"));
+            let v: Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("worker {i} of {cuts:?}: no ready line ({e}): {line:?}; stderr: {}", w.log(i)));
+            assert_eq!(v["layers"], serde_json::json!([cuts[i], cuts[i + 1]]), "worker {i}: {v}");
+            w.addrs.push(v["listening"].as_str().expect("listening").to_string());
+        }
+        w
+    }
+
+    pub fn n(&self) -> usize {
+        self.addrs.len()
+    }
+
+    pub fn route(&self) -> String {
+        self.addrs.join(",")
+    }
+
+    pub fn log(&self, i: usize) -> String {
+        String::from_utf8_lossy(&self.logs[i].lock().unwrap()).into_owned()
+    }
+
+    /// SIGKILL worker `i`, waiting for it to be gone.
+    pub fn kill(&mut self, i: usize) {
+        self.children[i].kill().expect("killing a worker");
+        let _ = self.children[i].wait();
+    }
+
+    /// Fails the test, saying how, if worker `i` is no longer running.
+    pub fn assert_alive(&mut self, i: usize, when: &str) {
+        if let Ok(Some(status)) = self.children[i].try_wait() {
+            panic!("worker {i} (layers {}..{}) died {when}: {status}", self.cuts[i], self.cuts[i + 1]);
+        }
+    }
+
+    /// Worker `i`'s /metrics; a worker that died fails the test with its exit status.
+    pub fn metrics(&mut self, i: usize) -> Metrics {
+        self.assert_alive(i, "before GET /metrics");
+        match try_metrics(&self.addrs[i]) {
+            Ok(m) => m,
+            Err(e) => {
+                std::thread::sleep(Duration::from_millis(100));
+                self.assert_alive(i, &format!("(GET /metrics: {e})"));
+                panic!("GET {}/metrics from worker {i}: {e}", self.addrs[i]);
+            }
+        }
+    }
+
+    /// Waits until every worker in `which` holds no session and no KV bytes; fails past
+    /// `within`. Returns how long it took.
+    pub fn wait_all_free(&mut self, which: &[usize], within: Duration, what: &str) -> Duration {
+        let start = Instant::now();
+        loop {
+            let ms: Vec<Metrics> = which.iter().map(|&i| self.metrics(i)).collect();
+            if ms.iter().all(|m| m.get("dgr_worker_sessions_open") == 0.0 && m.get("dgr_worker_kv_bytes_used") == 0.0) {
+                return start.elapsed();
+            }
+            if start.elapsed() > within {
+                let seen: Vec<String> = which
+                    .iter()
+                    .zip(&ms)
+                    .map(|(i, m)| format!("worker {i}: sessions_open {} kv_bytes_used {}", m.get("dgr_worker_sessions_open"), m.get("dgr_worker_kv_bytes_used")))
+                    .collect();
+                panic!("{what}: sessions not freed within {within:?}: {seen:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            for i in 0..self.children.len() {
+                let log = self.log(i);
+                let tail: String = log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                eprintln!("--- worker {i} of {:?} stderr (tail):\n{tail}", self.cuts);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// /metrics
+
+pub struct Metrics(pub HashMap<String, f64>);
+
+impl Metrics {
+    pub fn get(&self, name: &str) -> f64 {
+        *self.0.get(name).unwrap_or_else(|| panic!("/metrics has no {name}: {:?}", self.0.keys().collect::<Vec<_>>()))
+    }
+}
+
+/// GET /metrics over a plain TcpStream, parsed into name (with labels) → value.
+pub fn metrics(addr: &str) -> Metrics {
+    try_metrics(addr).unwrap_or_else(|e| panic!("GET {addr}/metrics: {e}"))
+}
+
+pub fn try_metrics(addr: &str) -> std::io::Result<Metrics> {
+    let mut s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or_else(|| panic!("GET {addr}/metrics: no HTTP head in {resp:?}"));
+    assert!(head.starts_with("HTTP/1.1 200"), "GET {addr}/metrics: {head}");
+    let mut m = HashMap::new();
+    for line in body.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
+        let (name, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad metrics line {line:?}"));
+        m.insert(name.to_string(), value.parse().unwrap_or_else(|_| panic!("bad metrics value in {line:?}")));
+    }
+    Ok(Metrics(m))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference prompts
+
+pub struct Prompt {
+    pub name: String,
+    pub text: String,
+    pub tokens: Vec<u32>,
+}
+
+pub fn prompts() -> Vec<Prompt> {
+    let r = reference("smollm2-q4_1-llamacpp.json");
+    let c = r["completions"].as_array().expect("completions");
+    assert_eq!(c.len(), 6, "the reference has six completion prompts");
+    c.iter()
+        .map(|c| Prompt {
+            name: c["name"].as_str().unwrap().into(),
+            text: c["prompt"].as_str().unwrap().into(),
+            tokens: ids(&c["prompt_tokens"]).into_iter().map(|t| t as u32).collect(),
+        })
+        .collect()
+}
+
+pub fn prompt(name: &str) -> Prompt {
+    prompts().into_iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no prompt {name:?} in the reference"))
+}
+
+/// A runtime for driving sessions with the `dgr_gateway` library.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// `got` has `want`'s tokens, logprobs and top logprobs bit for bit, and its finish reason.
+pub fn assert_same_completion(got: &Completion, want: &Completion, what: &str) {
+    assert_eq!(got.tokens, want.tokens, "{what}: tokens");
+    let bits = |c: &Completion| c.logprobs.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(got), bits(want), "{what}: logprobs");
+    let top = |c: &Completion| c.top_logprobs.iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
+    assert_eq!(top(got), top(want), "{what}: top_logprobs");
+    assert_eq!(got.finish_reason, want.finish_reason, "{what}: finish_reason");
 }
