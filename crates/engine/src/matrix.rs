@@ -116,7 +116,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &SendPtr, r
         match w.fast {
             Some(ty) => {
                 let bytes = &file[w.offset + rows.start * w.row_bytes..w.offset + rows.end * w.row_bytes];
-                unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes }, k, &xs[..g], dst, w.rows) };
+                unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes, n_rows: rows.len() }, k, &xs[..g], dst, w.rows) };
             }
             None => {
                 // Types without a SIMD dequantizer: one row at a time through f32.
@@ -125,7 +125,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &SendPtr, r
                     if dgr_gguf::quant::dequantize_row(w.ty, w.row(file, r), &mut scratch).is_err() {
                         scratch.iter_mut().for_each(|v| *v = f32::NAN); // unreachable: checked at load
                     }
-                    let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k };
+                    let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k, n_rows: 1 };
                     unsafe { kernels::gemv(isa, &f, k, &xs[..g], dst.add(r - rows.start), w.rows) };
                 }
             }
@@ -134,7 +134,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &SendPtr, r
     }
 }
 
-fn as_bytes(v: &[f32]) -> &[u8] {
+pub(crate) fn as_bytes(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding or invalid bit patterns, and u8 has alignment 1.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }

@@ -2,6 +2,8 @@
 //! row's result depends only on that row.
 
 use crate::config::RopeStyle;
+use crate::kernels::{self, FastType, Isa, Rows};
+use crate::matrix::as_bytes;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -58,7 +60,7 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
 
 /// A dot product in sixteen fixed lanes. Plain multiply-adds, not `mul_add`: without FMA in the
 /// compile target that would be a libm call, and the order is fixed either way.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 16];
     let n = a.len().min(b.len());
@@ -77,17 +79,25 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// Causal attention of one query head over `n_ctx` cached positions of one KV head.
 /// `k` and `v` hold rows of `stride` floats; this head's slice starts at `offset` in each row.
+/// The scores are one matrix–vector product over the key rows (the kernels' canonical order);
+/// the softmax sums in f64; the weighted sum of values runs position by position.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(q: &[f32], k: &[f32], v: &[f32], n_ctx: usize, stride: usize, offset: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend(isa: Isa, q: &[f32], k: &[f32], v: &[f32], n_ctx: usize, stride: usize, offset: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
     let hd = q.len();
-    let scale = 1.0 / (hd as f32).sqrt();
     scores.clear();
+    scores.resize(n_ctx, 0.0);
+    if n_ctx == 0 {
+        return;
+    }
+    assert!(k.len() >= (n_ctx - 1) * stride + offset + hd && v.len() >= (n_ctx - 1) * stride + offset + hd);
+    let keys = Rows { ty: FastType::F32, bytes: as_bytes(&k[offset..]), row_bytes: 4 * stride, n_rows: n_ctx };
+    // SAFETY: `scores` holds n_ctx floats, one per row, and nothing else writes it.
+    unsafe { kernels::gemv(isa, &keys, hd, &[q], scores.as_mut_ptr(), n_ctx) };
+    let scale = 1.0 / (hd as f32).sqrt();
     let mut max = f32::NEG_INFINITY;
-    for j in 0..n_ctx {
-        let kr = &k[j * stride + offset..j * stride + offset + hd];
-        let s = dot(q, kr) * scale;
-        max = max.max(s);
-        scores.push(s);
+    for s in scores.iter_mut() {
+        *s *= scale;
+        max = max.max(*s);
     }
     let mut sum = 0f64;
     for s in scores.iter_mut() {
@@ -95,14 +105,42 @@ pub fn attend(q: &[f32], k: &[f32], v: &[f32], n_ctx: usize, stride: usize, offs
         sum += *s as f64;
     }
     let inv = (1.0 / sum) as f32;
+    match isa {
+        // SAFETY: `isa` was detected on this CPU.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { weigh_values_avx512(scores, inv, v, stride, offset, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { weigh_values_avx2(scores, inv, v, stride, offset, out) },
+        _ => weigh_values(scores, inv, v, stride, offset, out),
+    }
+}
+
+/// `out = Σ_j p_j · inv · v_j`, position by position. Compiled once per instruction set for the
+/// wider vectors; plain multiplies and adds, element by element, so every version gives the same
+/// bits.
+#[inline(always)]
+fn weigh_values(p: &[f32], inv: f32, v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    let hd = out.len();
     out.iter_mut().for_each(|o| *o = 0.0);
-    for (j, p) in scores.iter().enumerate() {
+    for (j, p) in p.iter().enumerate() {
         let vr = &v[j * stride + offset..j * stride + offset + hd];
         let w = p * inv;
         for (o, x) in out.iter_mut().zip(vr) {
             *o += w * x;
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+unsafe fn weigh_values_avx512(p: &[f32], inv: f32, v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    weigh_values(p, inv, v, stride, offset, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weigh_values_avx2(p: &[f32], inv: f32, v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    weigh_values(p, inv, v, stride, offset, out)
 }
 
 #[cfg(test)]
@@ -143,7 +181,7 @@ mod tests {
         let k = [0.5f32, 0.5, 9.0, 9.0];
         let v = [7.0f32, -1.0, 3.0, 4.0];
         let mut out = [0f32; 2];
-        attend(&q, &k, &v, 1, 4, 2, &mut Vec::new(), &mut out);
+        attend(Isa::Scalar, &q, &k, &v, 1, 4, 2, &mut Vec::new(), &mut out);
         assert_eq!(out, [3.0, 4.0]);
     }
 }

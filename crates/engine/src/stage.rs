@@ -391,7 +391,7 @@ impl Stage {
                 // SAFETY: job (t, head) alone writes att[t*h + head*hd ..][..hd].
                 let dst = unsafe { std::slice::from_raw_parts_mut(out.at(t * h + head * hd), hd) };
                 let qh = &q[t * h + head * hd..t * h + (head + 1) * hd];
-                ops::attend(qh, kc, vc, pos_of[t] + 1, kvd, (head / group) * hd, &mut scores, dst);
+                ops::attend(self.isa, qh, kc, vc, pos_of[t] + 1, kvd, (head / group) * hd, &mut scores, dst);
             }
         });
     }

@@ -55,11 +55,13 @@ impl FastType {
 /// The widest column group a kernel call handles.
 pub(crate) const MAX_COLS: usize = 8;
 
-/// Rows of a weight matrix, all in `ty`'s layout: `bytes` holds `n_rows` rows of `row_bytes`.
+/// `n_rows` rows in `ty`'s layout, each starting `row_bytes` after the previous one in `bytes`
+/// (a row may be shorter than the stride, as a head's slice of a KV row is).
 pub(crate) struct Rows<'a> {
     pub ty: FastType,
     pub bytes: &'a [u8],
     pub row_bytes: usize,
+    pub n_rows: usize,
 }
 
 /// `out[c * stride + r] = row r · xs[c]` for every row of `w` and every column, where each row
@@ -96,8 +98,10 @@ pub(crate) fn group(n: usize) -> usize {
 /// As for `gemv`.
 unsafe fn dispatch<const N: usize>(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
     let nb = k / 32;
-    let n_rows = w.bytes.len() / w.row_bytes.max(1);
-    assert!(xs.len() == N && w.row_bytes >= nb * w.ty.chunk_bytes() && xs.iter().all(|x| x.len() >= k));
+    let n_rows = w.n_rows;
+    let row_len = nb * w.ty.chunk_bytes() + (k - nb * 32) * w.ty.chunk_bytes() / 32;
+    assert!(xs.len() == N && xs.iter().all(|x| x.len() >= k));
+    assert!(n_rows == 0 || w.bytes.len() >= (n_rows - 1) * w.row_bytes + row_len);
     let xp: [*const f32; N] = std::array::from_fn(|i| xs[i].as_ptr());
     let (p, rb) = (w.bytes.as_ptr(), w.row_bytes);
     // The asserts above bound every read, the caller every write; `isa` was detected on this CPU.
@@ -108,7 +112,7 @@ unsafe fn dispatch<const N: usize>(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], 
     }
     // Plain rows whose length is not a multiple of 32 finish sequentially.
     for r in 0..n_rows {
-        let row = &w.bytes[r * rb..(r + 1) * rb];
+        let row = &w.bytes[r * rb..r * rb + row_len];
         for (c, x) in xs.iter().enumerate() {
             for j in nb * 32..k {
                 let o = out.add(c * stride + r);

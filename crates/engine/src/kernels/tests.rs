@@ -53,7 +53,7 @@ fn every_isa_and_every_batch_width_gives_identical_bits_close_to_exact() {
             dgr_gguf::quant::dequantize_row(ty, &row, &mut w).unwrap();
             let cols: Vec<Vec<f32>> = (0..11).map(|_| (0..k).map(|_| rng.f32()).collect()).collect();
             let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
-            let rows = |n: usize| Rows { ty: fast, bytes: &all_rows[..n * row.len()], row_bytes: row.len() };
+            let rows = |n: usize| Rows { ty: fast, bytes: &all_rows[..n * row.len()], row_bytes: row.len(), n_rows: n };
             let mut alone = vec![0f32; xs.len()];
             for (c, x) in xs.iter().enumerate() {
                 unsafe { gemv(Isa::Scalar, &rows(1), k, &[x], alone[c..].as_mut_ptr(), 1) };
