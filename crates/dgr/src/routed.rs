@@ -41,7 +41,8 @@ pub fn generate(
     let addrs: Vec<String> = match (&a.route, a.split) {
         (Some(r), _) => r.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
         (None, Some(n)) => {
-            swarm = LocalSwarm::start(model, n_layers, n, threads)?;
+            crate::swarm::check_split(n_layers, n)?;
+            swarm = LocalSwarm::start(model, &crate::swarm::even_split(n_layers, n), threads, &[])?;
             swarm.addrs.clone()
         }
         (None, None) => bail!("neither --route nor --split"),

@@ -1,6 +1,14 @@
 //! A quick local route: N worker processes on loopback with even layer ranges.
 
 use anyhow::{bail, Context, Result};
+
+/// Checks a stage count against the model's layers.
+pub fn check_split(layers: usize, n: usize) -> Result<()> {
+    if n == 0 || n > layers {
+        bail!("--split {n}: the model has {layers} layers");
+    }
+    Ok(())
+}
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -18,15 +26,44 @@ pub fn even_split(layers: usize, n: usize) -> Vec<std::ops::Range<usize>> {
     (0..n).map(|i| layers * i / n..layers * (i + 1) / n).collect()
 }
 
-impl LocalSwarm {
-    /// Starts one `dgr worker` per stage and waits until each is listening.
-    pub fn start(model: &Path, layers: usize, n: usize, threads: usize) -> Result<LocalSwarm> {
-        if n == 0 || n > layers {
-            bail!("--split {n}: the model has {layers} layers");
+/// Layer ranges of `n` stages with about equal compute each: a layer costs its weights'
+/// element count, and the last stage also carries the head (as large as several layers in a
+/// small model), so it gets fewer layers.
+pub fn balanced_split(g: &dgr_gguf::Gguf, layers: usize, n: usize) -> Vec<std::ops::Range<usize>> {
+    let mut cost = vec![0u64; layers];
+    for t in g.tensors() {
+        let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+        if let Some(c) = layer.and_then(|i| cost.get_mut(i)) {
+            *c += t.n_elements();
         }
+    }
+    let head = g.tensor("output.weight").or_else(|| g.tensor("token_embd.weight")).map_or(0, |t| t.n_elements());
+    let total: u64 = cost.iter().sum::<u64>() + head;
+    let mut ranges = Vec::new();
+    let (mut start, mut acc) = (0, 0u64);
+    for (i, c) in cost.iter().enumerate() {
+        let stage = ranges.len() as u64 + 1;
+        let share = total * stage / n as u64;
+        // Close the stage before layer i when that lands closer to its share than after it,
+        // or when every later stage needs one of the layers left.
+        let closer = acc.abs_diff(share) <= (acc + c).abs_diff(share);
+        if (stage as usize) < n && i > start && (closer || layers - i == n - stage as usize) {
+            ranges.push(start..i);
+            start = i;
+        }
+        acc += c;
+    }
+    ranges.push(start..layers);
+    ranges
+}
+
+impl LocalSwarm {
+    /// Starts one `dgr worker` per range (each with `threads` threads and `extra` flags) and
+    /// waits until each is listening.
+    pub fn start(model: &Path, ranges: &[std::ops::Range<usize>], threads: usize, extra: &[String]) -> Result<LocalSwarm> {
         let exe = std::env::current_exe().context("locating the dgr executable")?;
         let mut swarm = LocalSwarm { children: Vec::new(), logs: Vec::new(), addrs: Vec::new() };
-        for (i, r) in even_split(layers, n).into_iter().enumerate() {
+        for (i, r) in ranges.iter().enumerate() {
             let log = std::env::temp_dir().join(format!("dgr-worker-{}-{i}.log", std::process::id()));
             let stderr = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
             swarm.logs.push(log);
@@ -36,6 +73,7 @@ impl LocalSwarm {
                 .arg(threads.to_string())
                 .arg("--model")
                 .arg(model)
+                .args(extra)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(stderr)

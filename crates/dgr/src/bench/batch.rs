@@ -1,6 +1,6 @@
 use super::{median, peer, record};
 use crate::model::ModelArg;
-use crate::swarm::LocalSwarm;
+use crate::swarm::{balanced_split, LocalSwarm};
 use anyhow::{bail, Context, Result};
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
 use dgr_gateway::{DriveOptions, Flow, GenRequest, Route};
@@ -24,9 +24,18 @@ pub struct Args {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
-    /// Stages of the local route started for the run
+    /// Stages of the local route started for the run (layer ranges balanced by compute, the
+    /// head counted on the last stage)
     #[arg(long, default_value_t = 2)]
     split: usize,
+    /// Compute threads of each worker of the local route [default: --threads / --split, at
+    /// least 1: the stages then run side by side on separate cores]
+    #[arg(long)]
+    worker_threads: Option<usize>,
+    /// Micro-batches each worker of the local route spreads its decoding sessions over, so the
+    /// stages compute different ones at the same time
+    #[arg(long, default_value_t = 2)]
+    micro_batches: usize,
     /// Measure through these running workers instead of starting a local route
     #[arg(long)]
     route: Option<String>,
@@ -147,7 +156,10 @@ pub fn run(a: Args) -> Result<()> {
     let addrs = match &a.route {
         Some(r) => r.split(',').map(|s| s.trim().to_string()).collect(),
         None => {
-            swarm = LocalSwarm::start(&model, cfg.n_layers, a.split, a.threads)?;
+            crate::swarm::check_split(cfg.n_layers, a.split)?;
+            let ranges = balanced_split(stage.gguf(), cfg.n_layers, a.split);
+            let threads = a.worker_threads.unwrap_or(a.threads / a.split).max(1);
+            swarm = LocalSwarm::start(&model, &ranges, threads, &["--micro-batches".into(), a.micro_batches.to_string()])?;
             swarm.addrs.clone()
         }
     };
@@ -194,6 +206,9 @@ pub fn run(a: Args) -> Result<()> {
             "split": ranges,
             "peer": { "tool": bin.display().to_string(), "version": version },
             "threads": a.threads,
+            "route_workers": if a.route.is_some() { json!("given by --route") } else {
+                json!({ "threads": a.worker_threads.unwrap_or(a.threads / a.split).max(1), "micro_batches": a.micro_batches })
+            },
             "prompt_tokens": a.prompt_tokens,
             "gen_tokens": a.gen_tokens,
             "samples": { "sessions": sessions, "dgr_one_process": one, "dgr_route": split, "llama_batched": peer_s },

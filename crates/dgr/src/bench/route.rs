@@ -56,7 +56,8 @@ pub fn run(a: Args) -> Result<()> {
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
-    let swarm = LocalSwarm::start(&model, n_layers, a.split, a.threads)?;
+    crate::swarm::check_split(n_layers, a.split)?;
+    let swarm = LocalSwarm::start(&model, &even_split(n_layers, a.split), a.threads, &[])?;
     let ports: Vec<u16> = (0..a.split as u16).map(|i| 50100 + i).collect();
     let servers = RpcServers(
         ports
