@@ -173,18 +173,22 @@ impl Scheduler {
 
     /// Frees a session (already out of the map) and tells its driver why, if it failed.
     fn end(&mut self, s: Session, err: Option<(ErrorKind, String)>) {
-        self.reserved -= s.reserved;
-        self.metrics.sessions_closed.fetch_add(1, Relaxed);
+        self.release(&s);
         if let Some((kind, msg)) = err {
             self.error_to(&s.reply, &s.id, kind, s.stage_index, msg);
         }
     }
 
+    /// Takes a session out of the map and frees it.
     fn remove(&mut self, id: &SessionId) -> Option<Session> {
         let s = self.sessions.remove(id)?;
+        self.release(&s);
+        Some(s)
+    }
+
+    fn release(&mut self, s: &Session) {
         self.reserved -= s.reserved;
         self.metrics.sessions_closed.fetch_add(1, Relaxed);
-        Some(s)
     }
 
     fn handle(&mut self, c: Cmd) {
