@@ -4,8 +4,11 @@
 /// reachable through that sequence's handle, never shared.
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per layer of the stage: keys and values, `len` rows of `kv_dim` floats each.
+    /// Per layer of the stage: keys transposed, `kv_dim` rows of `capacity` positions, so that a
+    /// head's scores are sums of contiguous runs. Sized at creation; the zeroed pages become
+    /// resident only as positions are written.
     pub(crate) k: Vec<Vec<f32>>,
+    /// Per layer: values, `len` rows of `kv_dim` floats.
     pub(crate) v: Vec<Vec<f32>>,
     pub(crate) len: usize,
     pub(crate) capacity: usize,
@@ -36,9 +39,23 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
             self.len = len;
-            for l in self.k.iter_mut().chain(self.v.iter_mut()) {
+            for l in self.v.iter_mut() {
                 l.truncate(len * self.kv_dim);
             }
         }
+    }
+
+    /// Stores layer `layer`'s keys and values of `rows` new positions, from `len` on (the caller
+    /// advances `len` once every layer has its rows).
+    pub(crate) fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
+        let (d, cap) = (self.kv_dim, self.capacity);
+        let kt = &mut self.k[layer];
+        for (r, row) in keys.chunks_exact(d).enumerate() {
+            let p = self.len + r;
+            for (c, x) in row.iter().enumerate() {
+                kt[c * cap + p] = *x;
+            }
+        }
+        self.v[layer].extend_from_slice(values);
     }
 }

@@ -134,7 +134,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &SendPtr, r
     }
 }
 
-pub(crate) fn as_bytes(v: &[f32]) -> &[u8] {
+fn as_bytes(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding or invalid bit patterns, and u8 has alignment 1.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }

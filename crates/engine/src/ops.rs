@@ -2,8 +2,7 @@
 //! row's result depends only on that row.
 
 use crate::config::RopeStyle;
-use crate::kernels::{self, FastType, Isa, Rows};
-use crate::matrix::as_bytes;
+use crate::kernels::Isa;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -77,53 +76,67 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// Causal attention of one query head over `n_ctx` cached positions of one KV head.
-/// `k` and `v` hold rows of `stride` floats; this head's slice starts at `offset` in each row.
-/// The scores are one matrix–vector product over the key rows (the kernels' canonical order);
-/// the softmax sums in f64; the weighted sum of values runs position by position.
+/// Causal attention of one query head over the first `n_ctx` cached positions of one KV head,
+/// whose slice starts at `offset` of each key and value row: keys transposed (`kt`, rows of
+/// `cap` positions), values row-major (rows of `stride` floats).
+///
+/// Compiled once per instruction set for the wider vectors. Every reduction runs element by
+/// element in a fixed order (scores over the head's dimensions in turn, values over positions in
+/// turn) with plain multiplies and adds, so every version gives the same bits.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(isa: Isa, q: &[f32], k: &[f32], v: &[f32], n_ctx: usize, stride: usize, offset: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend(isa: Isa, q: &[f32], kt: &[f32], cap: usize, v: &[f32], n_ctx: usize, stride: usize, offset: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
     let hd = q.len();
+    assert!(n_ctx >= 1 && n_ctx <= cap && kt.len() >= (offset + hd) * cap && v.len() >= (n_ctx - 1) * stride + offset + hd);
     scores.clear();
     scores.resize(n_ctx, 0.0);
-    if n_ctx == 0 {
-        return;
-    }
-    assert!(k.len() >= (n_ctx - 1) * stride + offset + hd && v.len() >= (n_ctx - 1) * stride + offset + hd);
-    let keys = Rows { ty: FastType::F32, bytes: as_bytes(&k[offset..]), row_bytes: 4 * stride, n_rows: n_ctx };
-    // SAFETY: `scores` holds n_ctx floats, one per row, and nothing else writes it.
-    unsafe { kernels::gemv(isa, &keys, hd, &[q], scores.as_mut_ptr(), n_ctx) };
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut max = f32::NEG_INFINITY;
-    for s in scores.iter_mut() {
-        *s *= scale;
-        max = max.max(*s);
-    }
-    let mut sum = 0f64;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s as f64;
-    }
-    let inv = (1.0 / sum) as f32;
     match isa {
         // SAFETY: `isa` was detected on this CPU.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { weigh_values_avx512(scores, inv, v, stride, offset, out) },
+        Isa::Avx512 => unsafe { attend_avx512(q, kt, cap, v, stride, offset, scores, out) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { weigh_values_avx2(scores, inv, v, stride, offset, out) },
-        _ => weigh_values(scores, inv, v, stride, offset, out),
+        Isa::Avx2 => unsafe { attend_avx2(q, kt, cap, v, stride, offset, scores, out) },
+        _ => attend_body(q, kt, cap, v, stride, offset, scores, out),
     }
 }
 
-/// `out = Σ_j p_j · inv · v_j`, position by position. Compiled once per instruction set for the
-/// wider vectors; plain multiplies and adds, element by element, so every version gives the same
-/// bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_avx512(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, s: &mut [f32], out: &mut [f32]) {
+    attend_body(q, kt, cap, v, stride, offset, s, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_avx2(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, s: &mut [f32], out: &mut [f32]) {
+    attend_body(q, kt, cap, v, stride, offset, s, out)
+}
+
 #[inline(always)]
-fn weigh_values(p: &[f32], inv: f32, v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
-    let hd = out.len();
+#[allow(clippy::too_many_arguments)]
+fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, s: &mut [f32], out: &mut [f32]) {
+    let n = s.len();
+    for (d, qd) in q.iter().enumerate() {
+        let row = &kt[(offset + d) * cap..(offset + d) * cap + n];
+        for (x, k) in s.iter_mut().zip(row) {
+            *x += qd * k;
+        }
+    }
+    let scale = 1.0 / (q.len() as f32).sqrt();
+    let mut max = f32::NEG_INFINITY;
+    for x in s.iter_mut() {
+        *x *= scale;
+        max = max.max(*x);
+    }
+    for x in s.iter_mut() {
+        *x = exp(*x - max);
+    }
+    let sum: f64 = s.iter().map(|&x| x as f64).sum();
+    let inv = (1.0 / sum) as f32;
     out.iter_mut().for_each(|o| *o = 0.0);
-    for (j, p) in p.iter().enumerate() {
-        let vr = &v[j * stride + offset..j * stride + offset + hd];
+    for (j, p) in s.iter().enumerate() {
+        let vr = &v[j * stride + offset..j * stride + offset + out.len()];
         let w = p * inv;
         for (o, x) in out.iter_mut().zip(vr) {
             *o += w * x;
@@ -131,16 +144,23 @@ fn weigh_values(p: &[f32], inv: f32, v: &[f32], stride: usize, offset: usize, ou
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-unsafe fn weigh_values_avx512(p: &[f32], inv: f32, v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
-    weigh_values(p, inv, v, stride, offset, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weigh_values_avx2(p: &[f32], inv: f32, v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
-    weigh_values(p, inv, v, stride, offset, out)
+/// e^x for x ≤ 0 (softmax's shifted scores), within about 2 ulp: Cephes' range reduction and
+/// polynomial in plain multiplies and adds, so it vectorizes and gives the same bits everywhere.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    let xc = x.max(-87.0);
+    let n = (xc * LOG2E + 0.5).floor();
+    let r = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let z = r * r;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
+    let y = p * z + r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else {
+        y * scale
+    }
 }
 
 #[cfg(test)]
@@ -177,11 +197,54 @@ mod tests {
 
     #[test]
     fn attention_over_one_position_returns_its_value() {
+        // One position, kv_dim 4 (two heads of 2); keys transposed with capacity 1.
         let q = [1.0f32, 2.0];
-        let k = [0.5f32, 0.5, 9.0, 9.0];
+        let kt = [0.5f32, 0.5, 9.0, 9.0];
         let v = [7.0f32, -1.0, 3.0, 4.0];
         let mut out = [0f32; 2];
-        attend(Isa::Scalar, &q, &k, &v, 1, 4, 2, &mut Vec::new(), &mut out);
+        attend(Isa::Scalar, &q, &kt, 1, &v, 1, 4, 2, &mut Vec::new(), &mut out);
         assert_eq!(out, [3.0, 4.0]);
+    }
+
+    #[test]
+    fn attention_matches_a_float64_softmax_on_every_isa() {
+        let (hd, n, cap, stride) = (8usize, 37usize, 40usize, 16usize);
+        let f = |i: usize| ((i * 7919 % 101) as f32 / 50.0) - 1.0;
+        let q: Vec<f32> = (0..hd).map(|i| f(i + 3)).collect();
+        let kt: Vec<f32> = (0..stride * cap).map(f).collect();
+        let v: Vec<f32> = (0..stride * n).map(|i| f(i + 11)).collect();
+        let off = 8;
+        let scores: Vec<f64> = (0..n).map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() / (hd as f64).sqrt()).collect();
+        let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let exact: Vec<f64> = (0..hd).map(|d| (0..n).map(|p| w[p] / total * v[p * stride + off + d] as f64).sum()).collect();
+        let mut first: Option<Vec<f32>> = None;
+        for isa in Isa::available() {
+            let mut out = vec![0f32; hd];
+            attend(isa, &q, &kt, cap, &v, n, stride, off, &mut Vec::new(), &mut out);
+            for (o, e) in out.iter().zip(&exact) {
+                assert!((*o as f64 - e).abs() < 1e-5, "{isa:?}: {o} vs {e}");
+            }
+            match &first {
+                None => first = Some(out),
+                Some(f) => assert_eq!(f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+            }
+        }
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_of_f64_for_softmax_inputs() {
+        let mut x = 0.0f32;
+        while x > -100.0 {
+            let e = (x as f64).exp();
+            let got = exp(x) as f64;
+            if e > 1e-37 {
+                assert!((got - e).abs() <= 2.5e-7 * e, "exp({x}) = {got}, want {e}");
+            } else {
+                assert!(got < 1e-36);
+            }
+            x -= 0.0137;
+        }
     }
 }

@@ -194,13 +194,13 @@ impl Stage {
     /// A fresh, empty KV cache for one sequence on this stage, holding at most `capacity`
     /// positions (and never more than the model's context length).
     pub fn new_kv(&self, capacity: usize) -> KvCache {
-        let n = self.layers.len();
+        let (n, capacity, kv_dim) = (self.layers.len(), capacity.min(self.cfg.context), self.cfg.kv_dim());
         KvCache {
-            k: vec![Vec::new(); n],
+            k: (0..n).map(|_| vec![0f32; kv_dim * capacity]).collect(),
             v: vec![Vec::new(); n],
             len: 0,
-            capacity: capacity.min(self.cfg.context),
-            kv_dim: self.cfg.kv_dim(),
+            capacity,
+            kv_dim,
             stage_id: self.id,
         }
     }
@@ -311,8 +311,7 @@ impl Stage {
             let mut t0 = 0;
             for (si, s) in batch.iter_mut().enumerate() {
                 let n = rows_of[si];
-                s.kv.k[li].extend_from_slice(&k[t0 * kvd..(t0 + n) * kvd]);
-                s.kv.v[li].extend_from_slice(&v[t0 * kvd..(t0 + n) * kvd]);
+                s.kv.append(li, &k[t0 * kvd..(t0 + n) * kvd], &v[t0 * kvd..(t0 + n) * kvd]);
                 t0 += n;
             }
             self.attention(batch, li, &seq_of, &pos_of, &q, &mut att);
@@ -382,16 +381,16 @@ impl Stage {
         let group = cfg.n_head / cfg.n_head_kv;
         let jobs = seq_of.len() * cfg.n_head;
         let out = SyncPtr(att.as_mut_ptr());
-        let caches: Vec<(&[f32], &[f32])> = batch.iter().map(|s| (&s.kv.k[li][..], &s.kv.v[li][..])).collect();
+        let caches: Vec<(&[f32], usize, &[f32])> = batch.iter().map(|s| (&s.kv.k[li][..], s.kv.capacity, &s.kv.v[li][..])).collect();
         self.pool.run(jobs, 1, &|chunk| {
             let mut scores = Vec::new();
             for job in chunk {
                 let (t, head) = (job / cfg.n_head, job % cfg.n_head);
-                let (kc, vc) = caches[seq_of[t]];
+                let (kt, cap, vc) = caches[seq_of[t]];
                 // SAFETY: job (t, head) alone writes att[t*h + head*hd ..][..hd].
                 let dst = unsafe { std::slice::from_raw_parts_mut(out.at(t * h + head * hd), hd) };
                 let qh = &q[t * h + head * hd..t * h + (head + 1) * hd];
-                ops::attend(self.isa, qh, kc, vc, pos_of[t] + 1, kvd, (head / group) * hd, &mut scores, dst);
+                ops::attend(self.isa, qh, kt, cap, vc, pos_of[t] + 1, kvd, (head / group) * hd, &mut scores, dst);
             }
         });
     }
