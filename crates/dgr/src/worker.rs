@@ -77,6 +77,8 @@ pub fn run(a: Args) -> Result<()> {
     let worker = Worker::open(cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
+        // Handlers first: a SIGTERM that arrives right after the ready line must drain, not kill.
+        let shutdown = shutdown_signal()?;
         let (listener, addr) = dgr_worker::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let m = worker.metrics();
         println!(
@@ -90,19 +92,18 @@ pub fn run(a: Args) -> Result<()> {
             })
         );
         eprintln!("dgr worker: serving layers {}..{} on {addr} (GET http://{addr}/metrics)", layers.start, layers.end);
-        worker.serve(listener, shutdown_signal()).await?;
+        worker.serve(listener, shutdown).await?;
         eprintln!("dgr worker: stopped");
         Ok(())
     })
 }
 
-/// Completes on SIGTERM or SIGINT.
-async fn shutdown_signal() {
+/// Installs handlers for SIGTERM and SIGINT; the future completes on either.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(mut t), Ok(mut i)) => {
-            tokio::select! { _ = t.recv() => {}, _ = i.recv() => {} }
-        }
-        _ => std::future::pending().await,
-    }
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    })
 }

@@ -112,10 +112,20 @@ impl Worker {
             next_conn: AtomicU64::new(1),
             peers: tokio::sync::Mutex::new(HashMap::new()),
         });
-        tokio::pin!(shutdown);
+        // The scheduler returns once a drain completes; waiting for it runs on a blocking thread.
+        let handle = self.scheduler;
+        let stopped = tokio::task::spawn_blocking(move || handle.join());
+        tokio::pin!(shutdown, stopped);
+        let mut draining = false;
         loop {
             tokio::select! {
-                _ = &mut shutdown => break,
+                _ = &mut shutdown, if !draining => {
+                    // Keep accepting: drivers of open sessions may reconnect, and new ones
+                    // should hear "shutting down" rather than wait on a silent port.
+                    draining = true;
+                    let _ = self.cmds.send(Cmd::Drain { deadline: Instant::now() + self.cfg.drain_timeout });
+                }
+                _ = &mut stopped => break,
                 accepted = listener.accept() => {
                     if let Ok((stream, _)) = accepted {
                         let _ = stream.set_nodelay(true);
@@ -124,12 +134,6 @@ impl Worker {
                 }
             }
         }
-        let _ = self.cmds.send(Cmd::Drain { deadline: Instant::now() + self.cfg.drain_timeout });
-        drop(self.cmds);
-        drop(shared);
-        // Connections keep running while the scheduler drains; it returns once done.
-        let handle = self.scheduler;
-        tokio::task::spawn_blocking(move || handle.join()).await.ok();
         Ok(())
     }
 }
