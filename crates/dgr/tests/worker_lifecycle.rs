@@ -152,3 +152,39 @@ fn sigterm_past_the_drain_timeout_cancels_what_is_left_and_exits_zero() {
     println!("the session past the drain timeout ended with: {e}");
     assert!(e.kind == "shutting_down" || e.kind == "connection_lost", "{e}");
 }
+
+#[test]
+fn sessions_past_the_kv_budget_or_session_cap_are_refused_with_a_clear_error() {
+    let _serial = serial();
+    let rt = runtime();
+    let p = prompt("once");
+    // 64 KV positions in all: a session reserving prompt + 100 tokens does not fit.
+    let w = Workers::start(&[0, 30], &["--kv-tokens", "64", "--max-sessions", "1"]);
+    let e = rt
+        .block_on(async {
+            let route = Route::discover(&w.addrs, Duration::from_secs(5)).await?;
+            dgr_gateway::generate(&route, &request(&p.tokens, 100), &DriveOptions::default(), |_| Flow::Continue).await
+        })
+        .expect_err("a session larger than the KV budget");
+    println!("over the KV budget: {e}");
+    assert_eq!(e.kind, "overloaded", "{e}");
+    assert!(e.message.contains("KV positions"), "{e}");
+    // One session fits; a second one at the same time is refused, and the first is unharmed.
+    let route = rt.block_on(Route::discover(&w.addrs, Duration::from_secs(5))).expect("route");
+    let (first, second) = rt.block_on(async {
+        let (slow, opts) = (request(&p.tokens, 24), DriveOptions::default());
+        let one = dgr_gateway::generate(&route, &slow, &opts, |_| {
+            std::thread::sleep(Duration::from_millis(5));
+            Flow::Continue
+        });
+        let two = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            dgr_gateway::generate(&route, &request(&p.tokens, 4), &DriveOptions::default(), |_| Flow::Continue).await
+        };
+        tokio::join!(one, two)
+    });
+    let e = second.expect_err("a second session past --max-sessions 1");
+    println!("past the session cap: {e}");
+    assert_eq!(e.kind, "overloaded", "{e}");
+    assert_eq!(first.expect("the first session").tokens.len(), 24);
+}

@@ -252,11 +252,14 @@ impl Scheduler {
             return refuse(self, ErrorKind::BadInput, format!("{want} positions (the model holds 1..={})", self.stage.config().context));
         }
         if self.sessions.len() >= self.cfg.max_sessions || self.reserved + want > self.cfg.kv_budget_tokens {
-            return refuse(
-                self,
-                ErrorKind::Overloaded,
-                format!("no room: {} sessions open, {} of {} KV positions reserved", self.sessions.len(), self.reserved, self.cfg.kv_budget_tokens),
+            let msg = format!(
+                "no room: the session needs {want} KV positions; {} of {} are reserved by {} open sessions (at most {})",
+                self.reserved,
+                self.cfg.kv_budget_tokens,
+                self.sessions.len(),
+                self.cfg.max_sessions
             );
+            return refuse(self, ErrorKind::Overloaded, msg);
         }
         let sampling = open.sampling.unwrap_or_default();
         let session = Session {

@@ -138,8 +138,7 @@ fn llama(bin: &Path, model: &Path, threads: usize, b: &[usize], p: usize, gen: u
             }
         }
     }
-    let version = String::from_utf8_lossy(&out.stderr).lines().find(|l| l.contains("build")).unwrap_or("").trim().to_string();
-    Ok((speeds, version))
+    Ok((speeds, peer::source()))
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -204,7 +203,7 @@ pub fn run(a: Args) -> Result<()> {
         &model,
         json!({
             "split": ranges,
-            "peer": { "tool": bin.display().to_string(), "version": version },
+            "peer": { "tool": "llama-batched-bench", "version": version },
             "threads": a.threads,
             "route_workers": if a.route.is_some() { json!("given by --route") } else {
                 json!({ "threads": a.worker_threads.unwrap_or(a.threads / a.split).max(1), "micro_batches": a.micro_batches })

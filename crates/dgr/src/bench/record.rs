@@ -16,7 +16,10 @@ fn cpu() -> Value {
 pub fn write(dir: &Path, name: &str, model: &Path, extra: Value) -> Result<PathBuf> {
     let mut rec = json!({
         "bench": name,
-        "model": { "path": model.display().to_string(), "sha256": dgr_gguf::model_id(model).with_context(|| format!("hashing {}", model.display()))? },
+        "model": {
+            "file": model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+            "sha256": dgr_gguf::model_id(model).with_context(|| format!("hashing {}", model.display()))?,
+        },
         "dgr": { "version": env!("CARGO_PKG_VERSION"), "commit": env!("DGR_COMMIT") },
         "cpu": cpu(),
         "command": std::env::args().collect::<Vec<_>>(),

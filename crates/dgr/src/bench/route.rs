@@ -132,7 +132,7 @@ pub fn run(a: Args) -> Result<()> {
         &model,
         json!({
             "split": ranges,
-            "peer": { "tool": format!("{} with {} x {}", bench.display(), a.split, rpc.display()), "version": version },
+            "peer": { "tool": format!("llama-bench --rpc with {} ggml-rpc-server processes", a.split), "version": version },
             "threads": a.threads,
             "samples": { "dgr_one_process_decode_tok_s": one, "dgr_route_decode_tok_s": split, "llama_rpc_decode_tok_s": llama,
                          "seam_latency_ms_p50": seam_p50, "seam_latency_ms_p99": seam_p99 },
