@@ -1,6 +1,6 @@
 use crate::local::{self, Request};
-use crate::routed;
 use crate::model::{ModelArg, ThreadsArg};
+use crate::routed;
 use anyhow::{bail, Result};
 use dgr_engine::{SamplingParams, Stage, StageOptions};
 use dgr_tokenizer::{ChatMessage, Tokenizer};
@@ -53,7 +53,7 @@ pub enum Format {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    if !(a.temperature >= 0.0 && a.temperature.is_finite()) || !(a.top_p > 0.0 && a.top_p <= 1.0) {
+    if !(a.temperature >= 0.0 && a.temperature.is_finite() && a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--temperature must be ≥ 0 and --top-p in (0, 1]");
     }
     if a.max_tokens == 0 {

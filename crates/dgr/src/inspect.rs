@@ -39,7 +39,11 @@ pub fn run(a: Args) -> Result<()> {
         let e = by_type.entry(t.ty.name()).or_default();
         e.0 += 1;
         e.1 += t.n_bytes;
-        let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).map_or("(outside layers)".to_string(), |n| format!("blk.{n:>0width$}", width = 3));
+        let layer = t
+            .name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .map_or("(outside layers)".to_string(), |n| format!("blk.{n:>0width$}", width = 3));
         let e = by_layer.entry(layer).or_default();
         e.0 += 1;
         e.1 += t.n_bytes;

@@ -36,7 +36,8 @@ pub fn generate(
     on_token: &mut dyn FnMut(u32),
 ) -> Result<std::result::Result<(Completion, serde_json::Value), DriveError>> {
     let seam_dtype = SeamDtype::parse(&a.seam_dtype).with_context(|| format!("--seam-dtype {:?}: use f32, f16 or bf16", a.seam_dtype))?;
-    let step_timeout = Duration::try_from_secs_f64(a.step_timeout).ok().filter(|d| !d.is_zero()).context("--step-timeout must be positive")?;
+    let step_timeout =
+        Duration::try_from_secs_f64(a.step_timeout).ok().filter(|d| !d.is_zero()).context("--step-timeout must be positive")?;
     let swarm;
     let addrs: Vec<String> = match (&a.route, a.split) {
         (Some(r), _) => r.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
@@ -59,7 +60,12 @@ pub fn generate(
         let g = GenRequest {
             prompt_tokens: req.prompt_tokens.clone(),
             max_tokens: req.max_tokens,
-            sampling: Sampling { temperature: req.sampling.temperature, top_k: req.sampling.top_k as u32, top_p: req.sampling.top_p, seed: req.sampling.seed },
+            sampling: Sampling {
+                temperature: req.sampling.temperature,
+                top_k: req.sampling.top_k as u32,
+                top_p: req.sampling.top_p,
+                seed: req.sampling.seed,
+            },
             top_logprobs: req.top_logprobs as u32,
             seam_dtype,
         };

@@ -47,10 +47,10 @@ pub fn run(a: Args) -> Result<()> {
         other => bail!("unknown tensor type {other:?}"),
     };
     let block = ty.block_size();
-    if a.heads == 0 || a.kv_heads == 0 || a.hidden % a.heads != 0 || a.heads % a.kv_heads != 0 {
+    if a.heads == 0 || a.kv_heads == 0 || !a.hidden.is_multiple_of(a.heads) || !a.heads.is_multiple_of(a.kv_heads) {
         bail!("heads ({}) and kv heads ({}) must divide the hidden size ({})", a.heads, a.kv_heads, a.hidden);
     }
-    if a.hidden % block != 0 || a.ffn % block != 0 {
+    if !a.hidden.is_multiple_of(block) || !a.ffn.is_multiple_of(block) {
         bail!("hidden ({}) and ffn ({}) must be multiples of {}'s block of {block}", a.hidden, a.ffn, ty.name());
     }
     if a.layers == 0 || a.vocab < 258 {

@@ -38,7 +38,17 @@ fn teacher_forced_logprobs_are_at_least_as_accurate_as_llama_cpp() {
     for (e, l) in exact["completions"].as_array().unwrap().iter().zip(llama["completions"].as_array().unwrap()) {
         let name = e["name"].as_str().unwrap();
         let cont: Vec<String> = ids(&e["continuation"]).iter().map(|t| t.to_string()).collect();
-        let out = dgr_json(&["score", "--prompt", e["prompt"].as_str().unwrap(), "--continuation", &cont.join(","), "--top-logprobs", "5", "--threads", "2"]);
+        let out = dgr_json(&[
+            "score",
+            "--prompt",
+            e["prompt"].as_str().unwrap(),
+            "--continuation",
+            &cont.join(","),
+            "--top-logprobs",
+            "5",
+            "--threads",
+            "2",
+        ]);
         assert_eq!(ids(&out["prompt_tokens"]), ids(&l["prompt_tokens"]), "{name}: prompt tokenization differs from llama.cpp");
         let steps = out["steps"].as_array().unwrap();
         let vs_exact = compare(steps, e["steps"].as_array().unwrap());

@@ -141,7 +141,11 @@ fn run(rt: &tokio::runtime::Runtime, route: &Route, specs: &[Spec], limit: Durat
             let waiting = Instant::now();
             while total.load(SeqCst) < s.start_after {
                 if waiting.elapsed() > limit {
-                    return Outcome { completion: Err(format!("never started: {} tokens seen", total.load(SeqCst))), started: waiting, arrivals: vec![] };
+                    return Outcome {
+                        completion: Err(format!("never started: {} tokens seen", total.load(SeqCst))),
+                        started: waiting,
+                        arrivals: vec![],
+                    };
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
@@ -186,7 +190,9 @@ fn compare(got: &Completion, want: &Completion, prefix: bool) -> Result<(), Stri
     if prefix && n > want.tokens.len() || !prefix && n != want.tokens.len() {
         return Err(format!("{n} tokens, solo {}", want.tokens.len()));
     }
-    let top = |c: &Completion| c.top_logprobs[..n].iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
+    let top = |c: &Completion| {
+        c.top_logprobs[..n].iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>()
+    };
     let bits = |c: &Completion| c.logprobs[..n].iter().map(|l| l.to_bits()).collect::<Vec<_>>();
     if got.tokens[..] != want.tokens[..n] {
         let at = (0..n).find(|&i| got.tokens[i] != want.tokens[i]).unwrap();
@@ -273,7 +279,8 @@ fn concurrent_sessions_equal_their_solo_runs_bitwise_on_every_route() {
                 let mut per_batch = Vec::new();
                 for (b, a) in before.iter().zip(&after) {
                     let rows = a.get("dgr_worker_tokens_decoded_total") - b.get("dgr_worker_tokens_decoded_total");
-                    let batches = series(a, "dgr_worker_batches_total", "decode", "f32") - series(b, "dgr_worker_batches_total", "decode", "f32");
+                    let batches =
+                        series(a, "dgr_worker_batches_total", "decode", "f32") - series(b, "dgr_worker_batches_total", "decode", "f32");
                     per_batch.push(rows / batches);
                 }
                 let must_batch = if w.n() == 1 { n >= 2 } else { n > w.n() };
@@ -342,12 +349,21 @@ fn sessions_joining_finishing_and_cancelling_mid_decode_do_not_disturb_each_othe
         match s.cancel_after {
             Some(k) => {
                 if c.finish_reason != "cancelled" || c.tokens.len() != k {
-                    failures.push(format!("session {}: finished {:?} with {} tokens, want cancelled after {k}", s.name, c.finish_reason, c.tokens.len()));
+                    failures.push(format!(
+                        "session {}: finished {:?} with {} tokens, want cancelled after {k}",
+                        s.name,
+                        c.finish_reason,
+                        c.tokens.len()
+                    ));
                 }
                 if let Err(e) = compare(c, want, true) {
                     failures.push(format!("session {} (cancelled after {k}): not a prefix of its solo run: {e}", s.name));
                 }
-                println!("{}: joined at {joined:.0} ms, cancelled after {} tokens at {ended:.0} ms: a prefix of its solo run", s.name, c.tokens.len());
+                println!(
+                    "{}: joined at {joined:.0} ms, cancelled after {} tokens at {ended:.0} ms: a prefix of its solo run",
+                    s.name,
+                    c.tokens.len()
+                );
             }
             None => {
                 if let Err(e) = compare(c, want, false) {
@@ -359,7 +375,8 @@ fn sessions_joining_finishing_and_cancelling_mid_decode_do_not_disturb_each_othe
     }
     // Staggered means staggered: the late sessions joined while earlier ones were decoding.
     for (o, s) in outs.iter().zip(&specs).filter(|(_, s)| s.start_after > 0) {
-        let busy = outs.iter().any(|x| x.arrivals.first().is_some_and(|&f| f < o.started) && x.arrivals.last().is_some_and(|&l| l > o.started));
+        let busy =
+            outs.iter().any(|x| x.arrivals.first().is_some_and(|&f| f < o.started) && x.arrivals.last().is_some_and(|&l| l > o.started));
         if !busy {
             failures.push(format!("session {} joined when no other session was decoding", s.name));
         }
@@ -403,7 +420,8 @@ fn sessions_with_different_seam_dtypes_never_share_a_batch() {
             Err(e) => failures.push(format!("session {} vs its solo {} run: {e}", s.name, s.seam_dtype.name())),
         }
     }
-    let lossy = specs.chunks(2).zip(solo.chunks(2)).filter(|(_, c)| c[0].tokens != c[1].tokens).map(|(s, _)| s[0].name.clone()).collect::<Vec<_>>();
+    let lossy =
+        specs.chunks(2).zip(solo.chunks(2)).filter(|(_, c)| c[0].tokens != c[1].tokens).map(|(s, _)| s[0].name.clone()).collect::<Vec<_>>();
     println!("{}: prompts whose f16-seam tokens differ from their f32-seam tokens: {lossy:?}", layers_of(cuts));
     for (i, (b, a)) in before.iter().zip(&after).enumerate() {
         let mut seen = Vec::new();
@@ -417,7 +435,8 @@ fn sessions_with_different_seam_dtypes_never_share_a_batch() {
                 }
                 // Four sessions of each dtype: a batch of more held both dtypes.
                 if max > 4.0 {
-                    failures.push(format!("worker {i}: a {phase} batch with {dtype} seams held {max} sessions, more than the 4 of that dtype"));
+                    failures
+                        .push(format!("worker {i}: a {phase} batch with {dtype} seams held {max} sessions, more than the 4 of that dtype"));
                 }
             }
         }
@@ -473,10 +492,13 @@ fn measure_service(rt: &tokio::runtime::Runtime, extra: &[&str]) -> Service {
 
     let baseline = run(rt, &route, &decoders, Duration::from_secs(120));
     let itl = |outs: &[Outcome]| -> Vec<Duration> {
-        outs.iter().zip(&decoders).flat_map(|(o, s)| {
-            assert_eq!(o.ok(&s.name).tokens.len(), 80, "{}", s.name);
-            o.itls()
-        }).collect()
+        outs.iter()
+            .zip(&decoders)
+            .flat_map(|(o, s)| {
+                assert_eq!(o.ok(&s.name).tokens.len(), 80, "{}", s.name);
+                o.itls()
+            })
+            .collect()
     };
     let base = itl(&baseline);
 
@@ -488,7 +510,10 @@ fn measure_service(rt: &tokio::runtime::Runtime, extra: &[&str]) -> Service {
     let load = itl(&loaded);
     // The intervals that ended while the long prompt was waiting for its first token.
     let (from, to) = (long_out.started, long_out.arrivals[0]);
-    let window: Vec<Duration> = loaded.iter().flat_map(|o| o.arrivals.windows(2).filter(|w| w[1] > from && w[1] <= to).map(|w| w[1] - w[0]).collect::<Vec<_>>()).collect();
+    let window: Vec<Duration> = loaded
+        .iter()
+        .flat_map(|o| o.arrivals.windows(2).filter(|w| w[1] > from && w[1] <= to).map(|w| w[1] - w[0]).collect::<Vec<_>>())
+        .collect();
     let s = Service {
         baseline_p99: quantile(&base, 0.99),
         loaded_p99: quantile(&load, 0.99),
@@ -521,7 +546,8 @@ fn a_long_prompt_arriving_mid_decode_bounds_the_inter_token_latency() {
     let ok = s.ratio() <= ITL_RATIO_BOUND && s.ttft <= TTFT_BOUND;
     if !ok {
         // Not met with the default --busy-chunk (4): say what other chunk sizes give.
-        let others: Vec<String> = ["2", "8"].iter().map(|c| format!("--busy-chunk {c}: {}", measure_service(&rt, &["--busy-chunk", c]).describe())).collect();
+        let others: Vec<String> =
+            ["2", "8"].iter().map(|c| format!("--busy-chunk {c}: {}", measure_service(&rt, &["--busy-chunk", c]).describe())).collect();
         panic!(
             "default --busy-chunk 4: {} — want ratio ≤ {ITL_RATIO_BOUND} and TTFT ≤ {TTFT_BOUND:?}\nfor comparison:\n{}",
             s.describe(),

@@ -180,7 +180,17 @@ fn greedy_generation_follows_llama_cpp_up_to_a_near_tie() {
     let exact = reference("smollm2-q4_1-exact.json");
     for c in llama["completions"].as_array().unwrap() {
         let name = c["name"].as_str().unwrap();
-        let out = generate(&["--prompt", c["prompt"].as_str().unwrap(), "--temperature", "0", "--ignore-eos", "--max-tokens", "32", "--threads", "1"]);
+        let out = generate(&[
+            "--prompt",
+            c["prompt"].as_str().unwrap(),
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--max-tokens",
+            "32",
+            "--threads",
+            "1",
+        ]);
         assert_eq!(ids(&out["prompt_tokens"]), ids(&c["prompt_tokens"]), "{name}: prompt tokens differ from llama.cpp's");
         let ours = ids(&out["tokens"]);
         let theirs = ids(&c["greedy_tokens"]);
@@ -205,7 +215,17 @@ fn greedy_generation_follows_llama_cpp_up_to_a_near_tie() {
 fn thread_count_does_not_change_the_output() {
     let _serial = serial();
     let run = |threads: &str| {
-        let out = generate(&["--prompt", "def fibonacci(n):\n    ", "--max-tokens", "8", "--ignore-eos", "--top-logprobs", "5", "--threads", threads]);
+        let out = generate(&[
+            "--prompt",
+            "def fibonacci(n):\n    ",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--top-logprobs",
+            "5",
+            "--threads",
+            threads,
+        ]);
         (out["tokens"].to_string(), out["top_logprobs"].to_string(), out["logprobs"].to_string())
     };
     let one = run("1");
@@ -219,7 +239,19 @@ fn thread_count_does_not_change_the_output() {
 fn seeded_sampling_is_reproducible() {
     let _serial = serial();
     let run = |seed: &str| {
-        ids(&generate(&["--prompt", "Once upon a time", "--temperature", "0.8", "--seed", seed, "--max-tokens", "32", "--ignore-eos", "--threads", "1"])["tokens"])
+        ids(&generate(&[
+            "--prompt",
+            "Once upon a time",
+            "--temperature",
+            "0.8",
+            "--seed",
+            seed,
+            "--max-tokens",
+            "32",
+            "--ignore-eos",
+            "--threads",
+            "1",
+        ])["tokens"])
     };
     let a = run("7");
     let b = run("7");
@@ -253,7 +285,19 @@ fn chat_renders_the_template() {
 fn score_reports_one_step_per_continuation_token() {
     let _serial = serial();
     let cont = [28u64, 260, 2240];
-    let out = dgr_json(&["score", "--prompt", "Once upon a time", "--continuation", &tokens_str(&cont), "--format", "json", "--top-logprobs", "4", "--threads", "1"]);
+    let out = dgr_json(&[
+        "score",
+        "--prompt",
+        "Once upon a time",
+        "--continuation",
+        &tokens_str(&cont),
+        "--format",
+        "json",
+        "--top-logprobs",
+        "4",
+        "--threads",
+        "1",
+    ]);
     assert_eq!(ids(&out["prompt_tokens"]), vec![6403, 1980, 253, 655]);
     let steps = out["steps"].as_array().unwrap();
     assert_eq!(steps.len(), cont.len());
@@ -272,7 +316,9 @@ fn score_rejects_bad_continuations_cleanly() {
     let _serial = serial();
     for bad in ["1,x", "", "-1", "49152", "5,99999999"] {
         let mut cmd = dgr();
-        cmd.args(["score", "--prompt", "Once upon a time", "--format", "json", "--model"]).arg(model()).arg(format!("--continuation={bad}"));
+        cmd.args(["score", "--prompt", "Once upon a time", "--format", "json", "--model"])
+            .arg(model())
+            .arg(format!("--continuation={bad}"));
         let err = expect_clean_failure(cmd);
         println!("--continuation {bad:?}: {}", err.trim());
     }
@@ -306,7 +352,11 @@ fn synth_writes_a_model_the_cli_accepts() {
     let out = dgr().arg("inspect").arg(&path).output().unwrap();
     assert!(out.status.success(), "inspect of a synth model: {}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("architecture: llama"));
-    let out = dgr().args(["generate", "--prompt", "abc", "--max-tokens", "4", "--threads", "1", "--format", "json", "--model"]).arg(&path).output().unwrap();
+    let out = dgr()
+        .args(["generate", "--prompt", "abc", "--max-tokens", "4", "--threads", "1", "--format", "json", "--model"])
+        .arg(&path)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "generate on a synth model: {}", String::from_utf8_lossy(&out.stderr));
     let json: Value = serde_json::from_slice(&out.stdout).expect("generate printed JSON");
     let n = ids(&json["tokens"]).len();

@@ -9,6 +9,8 @@
 //! process is killed when its guard drops (so a failing test leaves nothing running) and every
 //! wait has a deadline (so no test can hang). Run with --nocapture to see the figures.
 
+#![allow(clippy::needless_range_loop)] // workers, their metrics and their logs share one index
+
 mod common;
 use common::*;
 
@@ -81,7 +83,8 @@ fn random_id() -> Vec<u8> {
 impl Raw {
     /// Connects to a worker without saying Hello.
     fn connect_bare(addr: &str) -> Raw {
-        let s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(5)).unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+        let s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         s.set_nodelay(true).unwrap();
         Raw { s, info: StageInfo::default() }
@@ -280,7 +283,8 @@ fn concurrent_sessions_on_the_same_workers_each_get_their_solo_output() {
         };
         let solo: Vec<Value> = ps.iter().map(|p| generate_json(&args(p)[2..].iter().map(String::as_str).collect::<Vec<_>>())).collect();
         let before: Vec<Metrics> = (0..w.n()).map(|i| w.metrics(i)).collect();
-        let procs: Vec<Proc> = ps.iter().map(|p| Proc::spawn(generate_cmd(&args(p).iter().map(String::as_str).collect::<Vec<_>>()))).collect();
+        let procs: Vec<Proc> =
+            ps.iter().map(|p| Proc::spawn(generate_cmd(&args(p).iter().map(String::as_str).collect::<Vec<_>>()))).collect();
         for ((proc, p), want) in procs.into_iter().zip(&ps).zip(&solo) {
             let out = proc.wait_within(Duration::from_secs(60));
             let stdout = String::from_utf8_lossy(&out.stdout);
@@ -363,12 +367,16 @@ fn a_cancelled_session_is_freed_at_once_and_the_others_finish_unchanged() {
             let per_position = per_position.clone();
             let prompt_lens: Vec<usize> = others.iter().map(|p| p.tokens.len()).collect();
             std::thread::spawn(move || -> Result<Vec<Freed>, String> {
-                let (t0, before, _) = cancel_rx.recv_timeout(Duration::from_secs(120)).map_err(|_| "the victim never cancelled".to_string())?;
+                let (t0, before, _) =
+                    cancel_rx.recv_timeout(Duration::from_secs(120)).map_err(|_| "the victim never cancelled".to_string())?;
                 let mut freed = Vec::new();
                 for (i, addr) in addrs.iter().enumerate() {
                     let b = &before[i];
                     if b.get("dgr_worker_sessions_open") != 4.0 {
-                        return Err(format!("worker {i}: {} sessions open when the victim cancelled, not 4", b.get("dgr_worker_sessions_open")));
+                        return Err(format!(
+                            "worker {i}: {} sessions open when the victim cancelled, not 4",
+                            b.get("dgr_worker_sessions_open")
+                        ));
                     }
                     loop {
                         let r_before: Vec<usize> = (0..3).map(|k| received[k].load(SeqCst)).collect();
@@ -517,18 +525,35 @@ fn workers_free_closed_abandoned_and_idle_sessions() {
                 if open == 1.0 && kv > 0.0 {
                     break;
                 }
-                assert!(Instant::now() < deadline, "worker {i} with a hand-opened, prefilled session: sessions_open {open}, kv_bytes_used {kv}");
+                assert!(
+                    Instant::now() < deadline,
+                    "worker {i} with a hand-opened, prefilled session: sessions_open {open}, kv_bytes_used {kv}"
+                );
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
         drop(raws);
         let took = w.wait_all_free(&all, Duration::from_secs(3), "after the driver disappeared");
-        println!("{}: abandoned session freed on every worker {:.0} ms after its driver vanished", layers_of(cuts), took.as_secs_f64() * 1e3);
+        println!(
+            "{}: abandoned session freed on every worker {:.0} ms after its driver vanished",
+            layers_of(cuts),
+            took.as_secs_f64() * 1e3
+        );
 
         // Abandoned mid-decode: a driver process killed while tokens are streaming. Every worker
         // must stay up (a write to the vanished driver is an error to handle, not a reason to
         // die) and free the session.
-        let mut driver = Proc::spawn(generate_cmd(&["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "2000", "--ignore-eos"]));
+        let mut driver = Proc::spawn(generate_cmd(&[
+            "--format",
+            "json",
+            "--prompt",
+            &p.text,
+            "--route",
+            &route,
+            "--max-tokens",
+            "2000",
+            "--ignore-eos",
+        ]));
         let started = Instant::now();
         while w.metrics(w.n() - 1).get("dgr_worker_tokens_decoded_total") < 20.0 {
             assert!(driver.running(), "the driver exited before it was killed");
@@ -576,7 +601,13 @@ fn dead_addr() -> String {
 
 fn error_of(out: &Output, what: &str) -> Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(2), "{what}: the driver ended with {}, want exit 2; stdout {stdout:?}; stderr {:?}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{what}: the driver ended with {}, want exit 2; stdout {stdout:?}; stderr {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{what}: stdout is not one JSON error ({e}): {stdout}"));
     let e = v["error"].clone();
     assert!(e.is_object(), "{what}: no error object in {v}");
@@ -640,7 +671,8 @@ fn a_killed_worker_fails_the_request_cleanly_and_the_survivors_free_it() {
                 println!("{what}: survivors {survivors:?} freed the session within {:.0} ms", took.as_secs_f64() * 1e3);
             });
             if let Err(e) = r {
-                let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                let msg =
+                    e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                 failures.push(format!("{}, worker {k} killed: {msg}", layers_of(cuts)));
             }
         }
@@ -675,7 +707,8 @@ fn bad_input_at_a_seam_is_refused_and_the_route_keeps_serving() {
         let mut w = Workers::start(cuts, &[]);
         let n = w.n() as u32;
         let route = w.route();
-        let args = ["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "32", "--ignore-eos", "--top-logprobs", "5"];
+        let args =
+            ["--format", "json", "--prompt", &p.text, "--route", &route, "--max-tokens", "32", "--ignore-eos", "--top-logprobs", "5"];
         let solo = generate_json(&args[2..]);
         // A normal generation runs through the same workers while the bad input arrives.
         let meanwhile = Proc::spawn(generate_cmd(&args));
@@ -766,7 +799,8 @@ fn bad_input_at_a_seam_is_refused_and_the_route_keeps_serving() {
         drop((r, big, bare, again));
         w.wait_all_free(&(0..w.n()).collect::<Vec<_>>(), Duration::from_secs(2), "after the bad input");
         let m = w.metrics(1);
-        let failures: Vec<String> = m.0.iter().filter(|(k, _)| k.starts_with("dgr_worker_failures_total")).map(|(k, v)| format!("{k} {v}")).collect();
+        let failures: Vec<String> =
+            m.0.iter().filter(|(k, _)| k.starts_with("dgr_worker_failures_total")).map(|(k, v)| format!("{k} {v}")).collect();
         println!("{}: the route's output is unchanged alongside and after; stage 1 counts {failures:?}", layers_of(cuts));
     }
 }

@@ -42,7 +42,9 @@ fn each_worker_is_resident_for_its_own_layers_only() {
     let (first, first_w) = rss(&mut halves, 0);
     let (last, last_w) = rss(&mut halves, 1);
     let (all, all_w) = rss(&mut whole, 0);
-    println!("RSS MB (weights MB): layers 0..15 {first:.1} ({first_w:.1}), 15..30 + head {last:.1} ({last_w:.1}), 0..30 {all:.1} ({all_w:.1})");
+    println!(
+        "RSS MB (weights MB): layers 0..15 {first:.1} ({first_w:.1}), 15..30 + head {last:.1} ({last_w:.1}), 0..30 {all:.1} ({all_w:.1})"
+    );
     // A worker holds its own tensors (the embedding table only where rows were looked up), its
     // KV and a constant: the binary, the runtime and the parsed metadata.
     const CONSTANT_MB: f64 = 60.0;

@@ -84,7 +84,18 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// element in a fixed order (scores over the head's dimensions in turn, values over positions in
 /// turn) with plain multiplies and adds, so every version gives the same bits.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(isa: Isa, q: &[f32], kt: &[f32], cap: usize, v: &[f32], n_ctx: usize, stride: usize, offset: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend(
+    isa: Isa,
+    q: &[f32],
+    kt: &[f32],
+    cap: usize,
+    v: &[f32],
+    n_ctx: usize,
+    stride: usize,
+    offset: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let hd = q.len();
     assert!(n_ctx >= 1 && n_ctx <= cap && kt.len() >= (offset + hd) * cap && v.len() >= (n_ctx - 1) * stride + offset + hd);
     scores.clear();
@@ -153,7 +164,7 @@ pub fn exp(x: f32) -> f32 {
     let n = (xc * LOG2E + 0.5).floor();
     let r = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
     let z = r * r;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 0.5;
     let y = p * z + r + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     if x < -87.0 {
@@ -214,7 +225,8 @@ mod tests {
         let kt: Vec<f32> = (0..stride * cap).map(f).collect();
         let v: Vec<f32> = (0..stride * n).map(|i| f(i + 11)).collect();
         let off = 8;
-        let scores: Vec<f64> = (0..n).map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() / (hd as f64).sqrt()).collect();
+        let scores: Vec<f64> =
+            (0..n).map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() / (hd as f64).sqrt()).collect();
         let max = scores.iter().cloned().fold(f64::MIN, f64::max);
         let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
         let total: f64 = w.iter().sum();
@@ -228,7 +240,9 @@ mod tests {
             }
             match &first {
                 None => first = Some(out),
-                Some(f) => assert_eq!(f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+                Some(f) => {
+                    assert_eq!(f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), out.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                }
             }
         }
     }

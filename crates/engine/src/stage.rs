@@ -220,11 +220,7 @@ impl Stage {
             }
             (Input::Hidden(x), false) => {
                 if x.len() % self.cfg.hidden != 0 {
-                    return Err(EngineError::BadInput(format!(
-                        "{} hidden floats are not whole rows of {}",
-                        x.len(),
-                        self.cfg.hidden
-                    )));
+                    return Err(EngineError::BadInput(format!("{} hidden floats are not whole rows of {}", x.len(), self.cfg.hidden)));
                 }
                 x.len() / self.cfg.hidden
             }

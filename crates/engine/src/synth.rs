@@ -23,7 +23,18 @@ pub struct SynthSpec {
 
 impl Default for SynthSpec {
     fn default() -> Self {
-        SynthSpec { layers: 4, hidden: 64, ffn: 128, heads: 4, kv_heads: 2, vocab: 320, ty: GgmlType::Q4_1, seed: 1, context: 512, arch: "llama" }
+        SynthSpec {
+            layers: 4,
+            hidden: 64,
+            ffn: 128,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 320,
+            ty: GgmlType::Q4_1,
+            seed: 1,
+            context: 512,
+            arch: "llama",
+        }
     }
 }
 

@@ -28,7 +28,11 @@ pub struct DriveOptions {
 
 impl Default for DriveOptions {
     fn default() -> Self {
-        DriveOptions { step_timeout: Duration::from_secs(5), connect_timeout: Duration::from_secs(5), max_frame: dgr_proto::DEFAULT_MAX_FRAME }
+        DriveOptions {
+            step_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            max_frame: dgr_proto::DEFAULT_MAX_FRAME,
+        }
     }
 }
 
@@ -149,7 +153,12 @@ pub async fn generate(
         let (sink, source, info) = r?;
         let want = &route.stages[i].info;
         if info.model_id != want.model_id || (info.layer_start, info.layer_end) != (want.layer_start, want.layer_end) {
-            return Err(DriveError::new("route", Some(i as u32), Some(&route.stages[i].addr), "the worker changed since the route was planned"));
+            return Err(DriveError::new(
+                "route",
+                Some(i as u32),
+                Some(&route.stages[i].addr),
+                "the worker changed since the route was planned",
+            ));
         }
         spawn_reader(i as u32, source, tx.clone());
         sinks.push(sink);
@@ -209,11 +218,9 @@ async fn drive(
     loop {
         let f = Forward { session_id: s.id.to_vec(), position, tokens: input.clone(), sample: true, ..Default::default() };
         s.send(0, Body::Forward(f)).await?;
-        let t = loop {
-            match s.next(opts.step_timeout).await? {
-                (_, Body::Token(t)) if t.session_id == s.id => break t,
-                (stage, _) => return Err(s.err("protocol", stage, "unexpected frame while waiting for a token")),
-            }
+        let t = match s.next(opts.step_timeout).await? {
+            (_, Body::Token(t)) if t.session_id == s.id => t,
+            (stage, _) => return Err(s.err("protocol", stage, "unexpected frame while waiting for a token")),
         };
         position += input.len() as u64;
         if out.tokens.is_empty() {

@@ -31,10 +31,7 @@ pub struct Gguf {
 impl Gguf {
     /// Maps `path` read-only and validates it.
     pub fn open(path: &Path) -> Result<Gguf, GgufError> {
-        let io = |source| GgufError::Io {
-            path: path.to_owned(),
-            source,
-        };
+        let io = |source| GgufError::Io { path: path.to_owned(), source };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the mapping is read-only; as with any mmap, another process truncating or
         // rewriting the file while it is mapped is outside what this crate can guard against.
@@ -76,24 +73,17 @@ impl Gguf {
     }
 
     fn require(&self, key: &str) -> Result<&Value, GgufError> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey {
-            key: key.to_owned(),
-        })
+        self.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_owned() })
     }
 
     fn wrong_type(key: &str, expected: &'static str, found: &Value) -> GgufError {
-        GgufError::WrongType {
-            key: key.to_owned(),
-            expected,
-            found: found.type_name(),
-        }
+        GgufError::WrongType { key: key.to_owned(), expected, found: found.type_name() }
     }
 
     /// A non-negative integer of any width.
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self.require(key)?;
-        v.as_u64()
-            .ok_or_else(|| Self::wrong_type(key, "non-negative integer", v))
+        v.as_u64().ok_or_else(|| Self::wrong_type(key, "non-negative integer", v))
     }
 
     /// A float or integer, converted to f32.
@@ -113,9 +103,7 @@ impl Gguf {
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.header
-            .tensors
-            .get(*self.header.tensor_index.get(name)?)
+        self.header.tensors.get(*self.header.tensor_index.get(name)?)
     }
 
     /// The tensor's bytes. Ranges of this file's tensors were checked at open; an info from
@@ -125,16 +113,9 @@ impl Gguf {
             .header
             .data_offset
             .checked_add(t.offset)
-            .and_then(|start| {
-                Some((
-                    usize::try_from(start).ok()?,
-                    usize::try_from(t.n_bytes).ok()?,
-                ))
-            })
+            .and_then(|start| Some((usize::try_from(start).ok()?, usize::try_from(t.n_bytes).ok()?)))
             .and_then(|(start, len)| Some(start..start.checked_add(len)?));
-        range
-            .and_then(|r| self.bytes.as_slice().get(r))
-            .unwrap_or(&[])
+        range.and_then(|r| self.bytes.as_slice().get(r)).unwrap_or(&[])
     }
 
     pub fn file_bytes(&self) -> &[u8] {

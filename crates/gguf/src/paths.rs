@@ -10,9 +10,8 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub fn default_model_path() -> PathBuf {
     let var = |name| std::env::var_os(name).filter(|v: &OsString| !v.is_empty());
     let dir = var("DGR_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        let cache = var("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(var("HOME").unwrap_or_default()).join(".cache"));
+        let cache =
+            var("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(var("HOME").unwrap_or_default()).join(".cache"));
         cache.join("dgr").join("models")
     });
     dir.join(DEFAULT_MODEL_FILE)

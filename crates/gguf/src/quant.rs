@@ -11,11 +11,7 @@ use half::{bf16, f16};
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), GgufError> {
     let expected = row_bytes(ty, dst.len())?;
     if src.len() as u64 != expected {
-        return Err(GgufError::LengthMismatch {
-            what: "dequantize source",
-            expected,
-            found: src.len() as u64,
-        });
+        return Err(GgufError::LengthMismatch { what: "dequantize source", expected, found: src.len() as u64 });
     }
     let block: fn(&[u8], &mut [f32]) = match ty {
         GgmlType::F32 => |b, y| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
@@ -32,17 +28,9 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), G
         GgmlType::Q5_K => dequant_q5_k,
         GgmlType::Q6_K => dequant_q6_k,
         GgmlType::Q8_K => dequant_q8_k,
-        _ => {
-            return Err(GgufError::UnsupportedType {
-                ty,
-                op: "dequantize_row",
-            })
-        }
+        _ => return Err(GgufError::UnsupportedType { ty, op: "dequantize_row" }),
     };
-    for (b, y) in src
-        .chunks_exact(ty.type_size())
-        .zip(dst.chunks_exact_mut(ty.block_size()))
-    {
+    for (b, y) in src.chunks_exact(ty.type_size()).zip(dst.chunks_exact_mut(ty.block_size())) {
         block(b, y);
     }
     Ok(())
@@ -61,12 +49,7 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut Vec<u8>) -> Result<(), 
         GgmlType::Q4_K => |x, out| quant_q45_k(x, out, false),
         GgmlType::Q5_K => |x, out| quant_q45_k(x, out, true),
         GgmlType::Q6_K => quant_q6_k,
-        _ => {
-            return Err(GgufError::UnsupportedType {
-                ty,
-                op: "quantize_row",
-            })
-        }
+        _ => return Err(GgufError::UnsupportedType { ty, op: "quantize_row" }),
     };
     dst.reserve(usize::try_from(n_bytes).unwrap_or(0));
     for x in src.chunks_exact(ty.block_size()) {
@@ -76,11 +59,7 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut Vec<u8>) -> Result<(), 
 }
 
 fn row_bytes(ty: GgmlType, n_elems: usize) -> Result<u64, GgufError> {
-    ty.row_bytes(n_elems as u64).ok_or(GgufError::PartialBlock {
-        ty,
-        n_elems: n_elems as u64,
-        block_size: ty.block_size(),
-    })
+    ty.row_bytes(n_elems as u64).ok_or(GgufError::PartialBlock { ty, n_elems: n_elems as u64, block_size: ty.block_size() })
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -149,10 +128,7 @@ fn dequant_q8_0(b: &[u8], y: &mut [f32]) {
 
 fn quant_q4_0(x: &[f32], out: &mut Vec<u8>) {
     // The signed value of largest magnitude maps to -8, so the full 16 levels are used.
-    let max = x
-        .iter()
-        .copied()
-        .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+    let max = x.iter().copied().fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
     let d = max / -8.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     push_f16(out, d);
@@ -214,8 +190,7 @@ fn dequant_q3_k(b: &[u8], y: &mut [f32]) {
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
     let (hm, qs) = (&b[0..32], &b[32..96]);
-    let word =
-        |i: usize| u32::from_le_bytes([b[96 + 4 * i], b[97 + 4 * i], b[98 + 4 * i], b[99 + 4 * i]]);
+    let word = |i: usize| u32::from_le_bytes([b[96 + 4 * i], b[97 + 4 * i], b[98 + 4 * i], b[99 + 4 * i]]);
     let (a0, a1, tmp) = (word(0), word(1), word(2));
     let aux = [
         (a0 & KMASK2) | ((tmp & KMASK1) << 4),
@@ -224,10 +199,7 @@ fn dequant_q3_k(b: &[u8], y: &mut [f32]) {
         ((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4),
     ];
     let mut scales = [0i8; 16];
-    for (s, byte) in scales
-        .iter_mut()
-        .zip(aux.iter().flat_map(|a| a.to_le_bytes()))
-    {
+    for (s, byte) in scales.iter_mut().zip(aux.iter().flat_map(|a| a.to_le_bytes())) {
         *s = byte as i8;
     }
     let d_all = f16_at(b, 108);
@@ -255,10 +227,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        (
-            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
+        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
 }
 
@@ -283,11 +252,7 @@ fn pack_scale_min_k4(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
 fn dequant_q4_k(b: &[u8], y: &mut [f32]) {
     let (d, min) = (f16_at(b, 0), f16_at(b, 2));
     let scales = &b[4..16];
-    for (j, (q, y)) in b[16..144]
-        .chunks_exact(32)
-        .zip(y.chunks_exact_mut(64))
-        .enumerate()
-    {
+    for (j, (q, y)) in b[16..144].chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
         let (sc1, m1) = scale_min_k4(2 * j, scales);
         let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
         let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
@@ -304,11 +269,7 @@ fn dequant_q4_k(b: &[u8], y: &mut [f32]) {
 fn dequant_q5_k(b: &[u8], y: &mut [f32]) {
     let (d, min) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qh) = (&b[4..16], &b[16..48]);
-    for (j, (ql, y)) in b[48..176]
-        .chunks_exact(32)
-        .zip(y.chunks_exact_mut(64))
-        .enumerate()
-    {
+    for (j, (ql, y)) in b[48..176].chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
         let (sc1, m1) = scale_min_k4(2 * j, scales);
         let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
         let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
@@ -327,10 +288,7 @@ fn dequant_q5_k(b: &[u8], y: &mut [f32]) {
 // ql (low nibbles), 32 of qh (two high bits each for four elements) and 8 scales.
 fn dequant_q6_k(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 208);
-    let chunks = b[0..128]
-        .chunks_exact(64)
-        .zip(b[128..192].chunks_exact(32))
-        .zip(b[192..208].chunks_exact(8));
+    let chunks = b[0..128].chunks_exact(64).zip(b[128..192].chunks_exact(32)).zip(b[192..208].chunks_exact(8));
     for (((ql, qh), sc), y) in chunks.zip(y.chunks_exact_mut(128)) {
         for l in 0..32 {
             let is = l / 16;
@@ -359,14 +317,8 @@ fn dequant_q8_k(b: &[u8], y: &mut [f32]) {
 /// indices round up, so the codes always cover the sub-block's range without clipping.
 fn quant_q45_k(x: &[f32], out: &mut Vec<u8>, five_bit: bool) {
     let levels = if five_bit { 31.0 } else { 15.0 };
-    let lo: [f32; 8] = std::array::from_fn(|i| {
-        x[32 * i..32 * i + 32]
-            .iter()
-            .copied()
-            .fold(0.0f32, f32::min)
-    });
-    let hi: [f32; 8] =
-        std::array::from_fn(|i| x[32 * i..32 * i + 32].iter().copied().fold(lo[i], f32::max));
+    let lo: [f32; 8] = std::array::from_fn(|i| x[32 * i..32 * i + 32].iter().copied().fold(0.0f32, f32::min));
+    let hi: [f32; 8] = std::array::from_fn(|i| x[32 * i..32 * i + 32].iter().copied().fold(lo[i], f32::max));
     let dmin = f16_round_up(lo.iter().fold(0.0f32, |m, v| m.max(-v)) / 63.0);
     let mn: [u8; 8] = std::array::from_fn(|i| index_up(-lo[i], dmin, 63.0) as u8);
     let m: [f32; 8] = std::array::from_fn(|i| dmin * mn[i] as f32);
@@ -381,11 +333,7 @@ fn quant_q45_k(x: &[f32], out: &mut Vec<u8>, five_bit: bool) {
     for (i, (sub, qs)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
         let step = d * sc[i] as f32;
         for (qv, &v) in qs.iter_mut().zip(sub) {
-            *qv = if step > 0.0 {
-                ((v + m[i]) / step).round().clamp(0.0, levels) as u8
-            } else {
-                0
-            };
+            *qv = if step > 0.0 { ((v + m[i]) / step).round().clamp(0.0, levels) as u8 } else { 0 };
         }
     }
     if five_bit {
@@ -405,23 +353,14 @@ fn quant_q45_k(x: &[f32], out: &mut Vec<u8>, five_bit: bool) {
 /// Q6_K: per 16-element sub-block a symmetric step (amax / 31, codes in [-32, 31] stored offset
 /// by 32) as an i8 index times the f16 super-block d; both round up so codes never clip.
 fn quant_q6_k(x: &[f32], out: &mut Vec<u8>) {
-    let scale: [f32; 16] = std::array::from_fn(|i| {
-        x[16 * i..16 * i + 16]
-            .iter()
-            .fold(0.0f32, |m, v| m.max(v.abs()))
-            / 31.0
-    });
+    let scale: [f32; 16] = std::array::from_fn(|i| x[16 * i..16 * i + 16].iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0);
     let d = f16_round_up(scale.iter().copied().fold(0.0, f32::max) / 127.0);
     let sc: [i8; 16] = std::array::from_fn(|i| index_up(scale[i], d, 127.0) as i8);
     let mut q = [0u8; QK_K];
     for (i, (sub, qs)) in x.chunks_exact(16).zip(q.chunks_exact_mut(16)).enumerate() {
         let step = d * sc[i] as f32;
         for (qv, &v) in qs.iter_mut().zip(sub) {
-            let code = if step != 0.0 {
-                (v / step).round().clamp(-32.0, 31.0) as i32
-            } else {
-                0
-            };
+            let code = if step != 0.0 { (v / step).round().clamp(-32.0, 31.0) as i32 } else { 0 };
             *qv = (code + 32) as u8;
         }
     }

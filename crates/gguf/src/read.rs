@@ -43,16 +43,12 @@ impl<'a> Cursor<'a> {
     }
 
     fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], GgufError> {
-        let slice = self
-            .pos
-            .checked_add(n)
-            .and_then(|end| self.buf.get(self.pos..end))
-            .ok_or(GgufError::Truncated {
-                field,
-                offset: self.offset(),
-                needed: n as u64,
-                available: self.remaining() as u64,
-            })?;
+        let slice = self.pos.checked_add(n).and_then(|end| self.buf.get(self.pos..end)).ok_or(GgufError::Truncated {
+            field,
+            offset: self.offset(),
+            needed: n as u64,
+            available: self.remaining() as u64,
+        })?;
         self.pos += n;
         Ok(slice)
     }
@@ -80,12 +76,7 @@ impl<'a> Cursor<'a> {
         let fits = count.checked_mul(min_size).is_some_and(|n| n <= remaining);
         match usize::try_from(count) {
             Ok(n) if fits => Ok(n),
-            _ => Err(GgufError::CountTooLarge {
-                field,
-                offset,
-                count,
-                remaining,
-            }),
+            _ => Err(GgufError::CountTooLarge { field, offset, count, remaining }),
         }
     }
 
@@ -93,19 +84,11 @@ impl<'a> Cursor<'a> {
         let offset = self.offset();
         let len = self.count(field, 1)?;
         let bytes = self.take(len, field)?;
-        std::str::from_utf8(bytes)
-            .map(str::to_owned)
-            .map_err(|_| GgufError::InvalidUtf8 { field, offset })
+        std::str::from_utf8(bytes).map(str::to_owned).map_err(|_| GgufError::InvalidUtf8 { field, offset })
     }
 
     /// Reads a value of type `id`; `depth` counts enclosing arrays.
-    fn value(
-        &mut self,
-        id: u32,
-        key: &str,
-        id_offset: u64,
-        depth: u32,
-    ) -> Result<Value, GgufError> {
+    fn value(&mut self, id: u32, key: &str, id_offset: u64, depth: u32) -> Result<Value, GgufError> {
         const F: &str = "metadata value";
         Ok(match id {
             type_id::U8 => Value::U8(u8::from_le_bytes(self.bytes(F)?)),
@@ -123,32 +106,21 @@ impl<'a> Cursor<'a> {
                 match self.bytes::<1>(F)?[0] {
                     0 => Value::Bool(false),
                     1 => Value::Bool(true),
-                    value => {
-                        return Err(GgufError::InvalidBool {
-                            key: key.to_owned(),
-                            value,
-                            offset,
-                        })
-                    }
+                    value => return Err(GgufError::InvalidBool { key: key.to_owned(), value, offset }),
                 }
             }
             type_id::STRING => Value::String(self.string("metadata string")?),
             type_id::ARRAY => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::ArrayTooDeep {
-                        key: key.to_owned(),
-                        max: MAX_ARRAY_DEPTH,
-                        offset: id_offset,
-                    });
+                    return Err(GgufError::ArrayTooDeep { key: key.to_owned(), max: MAX_ARRAY_DEPTH, offset: id_offset });
                 }
                 let elem_offset = self.offset();
                 let elem_id = self.u32("array element type")?;
-                let min_size =
-                    min_encoded_size(elem_id).ok_or_else(|| GgufError::UnknownValueType {
-                        key: key.to_owned(),
-                        id: elem_id,
-                        offset: elem_offset,
-                    })?;
+                let min_size = min_encoded_size(elem_id).ok_or_else(|| GgufError::UnknownValueType {
+                    key: key.to_owned(),
+                    id: elem_id,
+                    offset: elem_offset,
+                })?;
                 let n = self.count("array length", min_size)?;
                 let mut items = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -156,13 +128,7 @@ impl<'a> Cursor<'a> {
                 }
                 Value::Array(items)
             }
-            _ => {
-                return Err(GgufError::UnknownValueType {
-                    key: key.to_owned(),
-                    id,
-                    offset: id_offset,
-                })
-            }
+            _ => return Err(GgufError::UnknownValueType { key: key.to_owned(), id, offset: id_offset }),
         })
     }
 }
@@ -170,10 +136,7 @@ impl<'a> Cursor<'a> {
 fn parse_alignment(value: &Value, offset: u64) -> Result<u64, GgufError> {
     match *value {
         Value::U32(a) if a.is_power_of_two() => Ok(a.into()),
-        ref other => Err(GgufError::InvalidAlignment {
-            found: format!("{other:?}"),
-            offset,
-        }),
+        ref other => Err(GgufError::InvalidAlignment { found: format!("{other:?}"), offset }),
     }
 }
 
@@ -203,10 +166,7 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header, GgufError> {
             alignment = parse_alignment(&value, id_offset)?;
         }
         if key_index.insert(key.clone(), metadata.len()).is_some() {
-            return Err(GgufError::DuplicateKey {
-                key,
-                offset: key_offset,
-            });
+            return Err(GgufError::DuplicateKey { key, offset: key_offset });
         }
         metadata.push((key, value));
     }
@@ -219,72 +179,35 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header, GgufError> {
         let at = Some(info_offset);
         let n_dims = c.u32("tensor n_dims")?;
         if n_dims == 0 || n_dims as usize > MAX_DIMS {
-            return Err(GgufError::InvalidDimCount {
-                tensor: name,
-                n_dims: n_dims.into(),
-                offset: at,
-            });
+            return Err(GgufError::InvalidDimCount { tensor: name, n_dims: n_dims.into(), offset: at });
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
             dims.push(c.u64("tensor dim")?);
         }
         let type_id = c.u32("tensor type")?;
-        let ty = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType {
-            tensor: name.clone(),
-            id: type_id,
-            offset: at,
-        })?;
+        let ty =
+            GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType { tensor: name.clone(), id: type_id, offset: at })?;
         let offset = c.u64("tensor offset")?;
         let n_bytes = tensor_n_bytes(&name, ty, &dims, at)?;
         if offset % alignment != 0 {
-            return Err(GgufError::MisalignedOffset {
-                tensor: name,
-                data_offset: offset,
-                alignment,
-            });
+            return Err(GgufError::MisalignedOffset { tensor: name, data_offset: offset, alignment });
         }
         if tensor_index.insert(name.clone(), tensors.len()).is_some() {
-            return Err(GgufError::DuplicateTensor {
-                tensor: name,
-                offset: at,
-            });
+            return Err(GgufError::DuplicateTensor { tensor: name, offset: at });
         }
-        tensors.push(TensorInfo {
-            name,
-            ty,
-            dims,
-            offset,
-            n_bytes,
-        });
+        tensors.push(TensorInfo { name, ty, dims, offset, n_bytes });
     }
 
     let header_end = c.offset();
     let data_offset =
-        header_end
-            .checked_next_multiple_of(alignment)
-            .ok_or(GgufError::Overflow {
-                what: "data section start",
-                offset: header_end,
-            })?;
+        header_end.checked_next_multiple_of(alignment).ok_or(GgufError::Overflow { what: "data section start", offset: header_end })?;
     check_tensor_ranges(&tensors, data_offset, buf.len() as u64)?;
-    Ok(Header {
-        version,
-        alignment,
-        data_offset,
-        metadata,
-        key_index,
-        tensors,
-        tensor_index,
-    })
+    Ok(Header { version, alignment, data_offset, metadata, key_index, tensors, tensor_index })
 }
 
 /// Every tensor must lie inside the file and no two may share a byte.
-fn check_tensor_ranges(
-    tensors: &[TensorInfo],
-    data_offset: u64,
-    file_len: u64,
-) -> Result<(), GgufError> {
+fn check_tensor_ranges(tensors: &[TensorInfo], data_offset: u64, file_len: u64) -> Result<(), GgufError> {
     for t in tensors {
         let start = data_offset.checked_add(t.offset);
         let end = start.and_then(|s| s.checked_add(t.n_bytes));
@@ -301,10 +224,7 @@ fn check_tensor_ranges(
     by_offset.sort_unstable_by_key(|t| t.offset);
     for pair in by_offset.windows(2) {
         if pair[0].offset.saturating_add(pair[0].n_bytes) > pair[1].offset {
-            return Err(GgufError::TensorOverlap {
-                first: pair[0].name.clone(),
-                second: pair[1].name.clone(),
-            });
+            return Err(GgufError::TensorOverlap { first: pair[0].name.clone(), second: pair[1].name.clone() });
         }
     }
     Ok(())

@@ -91,18 +91,8 @@ impl GgmlType {
     /// Elements per block.
     pub fn block_size(self) -> usize {
         match self {
-            GgmlType::Q4_0
-            | GgmlType::Q4_1
-            | GgmlType::Q5_0
-            | GgmlType::Q5_1
-            | GgmlType::Q8_0
-            | GgmlType::Q8_1 => QK,
-            GgmlType::Q2_K
-            | GgmlType::Q3_K
-            | GgmlType::Q4_K
-            | GgmlType::Q5_K
-            | GgmlType::Q6_K
-            | GgmlType::Q8_K => QK_K,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::Q8_1 => QK,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_K => QK_K,
             _ => 1,
         }
     }
@@ -132,7 +122,7 @@ impl GgmlType {
     /// Bytes holding `n_elems` elements; None when that is not whole blocks or overflows.
     pub fn row_bytes(self, n_elems: u64) -> Option<u64> {
         let bs = self.block_size() as u64;
-        if n_elems % bs != 0 {
+        if !n_elems.is_multiple_of(bs) {
             return None;
         }
         (n_elems / bs).checked_mul(self.type_size() as u64)

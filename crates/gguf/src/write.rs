@@ -31,11 +31,7 @@ impl Default for GgufWriter {
 impl GgufWriter {
     /// Version 3, alignment 32 unless a valid `general.alignment` is added.
     pub fn new() -> Self {
-        GgufWriter {
-            version: 3,
-            metadata: Vec::new(),
-            tensors: Vec::new(),
-        }
+        GgufWriter { version: 3, metadata: Vec::new(), tensors: Vec::new() }
     }
 
     /// Sets the header's version field (2 and 3 share a layout).
@@ -49,10 +45,7 @@ impl GgufWriter {
     /// If an array (at any depth) mixes element types: GGUF arrays are homogeneous, so such a
     /// value cannot be encoded. This is a caller bug, never caused by file contents.
     pub fn add_metadata(&mut self, key: &str, value: Value) {
-        assert!(
-            is_homogeneous(&value),
-            "GGUF arrays must not mix element types (key {key:?})"
-        );
+        assert!(is_homogeneous(&value), "GGUF arrays must not mix element types (key {key:?})");
         match self.metadata.iter_mut().find(|(k, _)| k == key) {
             Some((_, v)) => *v = value,
             None => self.metadata.push((key.to_owned(), value)),
@@ -60,33 +53,15 @@ impl GgufWriter {
     }
 
     /// Adds a tensor; `data` must be exactly the bytes its type and dims call for.
-    pub fn add_tensor(
-        &mut self,
-        name: &str,
-        ty: GgmlType,
-        dims: &[u64],
-        data: Vec<u8>,
-    ) -> Result<(), GgufError> {
+    pub fn add_tensor(&mut self, name: &str, ty: GgmlType, dims: &[u64], data: Vec<u8>) -> Result<(), GgufError> {
         let n_bytes = tensor_n_bytes(name, ty, dims, None)?;
         if data.len() as u64 != n_bytes {
-            return Err(GgufError::LengthMismatch {
-                what: "tensor data",
-                expected: n_bytes,
-                found: data.len() as u64,
-            });
+            return Err(GgufError::LengthMismatch { what: "tensor data", expected: n_bytes, found: data.len() as u64 });
         }
         if self.tensors.iter().any(|t| t.name == name) {
-            return Err(GgufError::DuplicateTensor {
-                tensor: name.to_owned(),
-                offset: None,
-            });
+            return Err(GgufError::DuplicateTensor { tensor: name.to_owned(), offset: None });
         }
-        self.tensors.push(PendingTensor {
-            name: name.to_owned(),
-            ty,
-            dims: dims.to_vec(),
-            data,
-        });
+        self.tensors.push(PendingTensor { name: name.to_owned(), ty, dims: dims.to_vec(), data });
         Ok(())
     }
 
@@ -146,9 +121,7 @@ fn is_homogeneous(value: &Value) -> bool {
     match value {
         Value::Array(items) => {
             let first = items.first().map(Value::type_id);
-            items
-                .iter()
-                .all(|v| Some(v.type_id()) == first && is_homogeneous(v))
+            items.iter().all(|v| Some(v.type_id()) == first && is_homogeneous(v))
         }
         _ => true,
     }

@@ -21,10 +21,7 @@ fn every_truncated_prefix_is_rejected() {
     let file = small_file();
     assert!(parse(file.clone()).is_ok());
     for len in 0..file.len() {
-        assert!(
-            parse(file[..len].to_vec()).is_err(),
-            "prefix of {len} bytes parsed"
-        );
+        assert!(parse(file[..len].to_vec()).is_err(), "prefix of {len} bytes parsed");
     }
 }
 
@@ -38,11 +35,7 @@ fn random_mutations_never_panic() {
         let mut bytes = file.clone();
         for _ in 0..1 + rng.below(4) {
             let i = rng.below(bytes.len());
-            bytes[i] = if rng.below(2) == 0 {
-                interesting[rng.below(interesting.len())]
-            } else {
-                rng.next_u64() as u8
-            };
+            bytes[i] = if rng.below(2) == 0 { interesting[rng.below(interesting.len())] } else { rng.next_u64() as u8 };
         }
         if let Ok(g) = parse(bytes) {
             accepted += 1;
@@ -62,9 +55,7 @@ fn bad_magic_and_versions() {
     assert!(matches!(parse(file), Err(GgufError::BadMagic { .. })));
     for version in [0, 1, 4, 0x0300_0000] {
         let r = Raw::header(version, 0, 0).0;
-        assert!(
-            matches!(parse(r), Err(GgufError::UnsupportedVersion { version: v }) if v == version)
-        );
+        assert!(matches!(parse(r), Err(GgufError::UnsupportedVersion { version: v }) if v == version));
     }
 }
 
@@ -75,35 +66,11 @@ fn huge_counts_fail_fast() {
         (Raw::header(3, u64::MAX, 0).0, "tensor count"),
         (Raw::header(3, 1 << 61, 0).0, "tensor count"),
         (Raw::header(3, 0, u64::MAX).0, "metadata count"),
-        (
-            Raw::header(3, 0, 1).u64(u64::MAX).u64(0).0.clone(),
-            "metadata key",
-        ),
-        (
-            Raw::header(3, 0, 1).str("k").u32(8).u64(u64::MAX).0.clone(),
-            "metadata string",
-        ),
-        (
-            Raw::header(3, 0, 1)
-                .str("k")
-                .u32(9)
-                .u32(8)
-                .u64(u64::MAX)
-                .0
-                .clone(),
-            "array length",
-        ),
+        (Raw::header(3, 0, 1).u64(u64::MAX).u64(0).0.clone(), "metadata key"),
+        (Raw::header(3, 0, 1).str("k").u32(8).u64(u64::MAX).0.clone(), "metadata string"),
+        (Raw::header(3, 0, 1).str("k").u32(9).u32(8).u64(u64::MAX).0.clone(), "array length"),
         // 2^61 strings of at least 8 bytes each: the product overflows u64.
-        (
-            Raw::header(3, 0, 1)
-                .str("k")
-                .u32(9)
-                .u32(8)
-                .u64(1 << 61)
-                .0
-                .clone(),
-            "array length",
-        ),
+        (Raw::header(3, 0, 1).str("k").u32(9).u32(8).u64(1 << 61).0.clone(), "array length"),
     ];
     for (bytes, want) in cases {
         match parse(bytes) {
@@ -115,71 +82,23 @@ fn huge_counts_fail_fast() {
     let mut r = Raw::header(3, 0, 1);
     r.str("k").u32(9).u32(4).u64(16);
     r.0.extend_from_slice(&[0; 60]);
-    assert!(matches!(
-        parse(r.0),
-        Err(GgufError::CountTooLarge {
-            field: "array length",
-            count: 16,
-            remaining: 60,
-            ..
-        })
-    ));
+    assert!(matches!(parse(r.0), Err(GgufError::CountTooLarge { field: "array length", count: 16, remaining: 60, .. })));
     assert!(start.elapsed() < Duration::from_secs(1));
 }
 
 #[test]
 fn bad_metadata_values() {
     let unknown = Raw::header(3, 0, 1).str("k").u32(13).u32(0).0.clone();
-    assert!(matches!(
-        parse(unknown),
-        Err(GgufError::UnknownValueType {
-            id: 13,
-            offset: 33,
-            ..
-        })
-    ));
-    let unknown_elem = Raw::header(3, 0, 1)
-        .str("k")
-        .u32(9)
-        .u32(99)
-        .u64(0)
-        .0
-        .clone();
-    assert!(matches!(
-        parse(unknown_elem),
-        Err(GgufError::UnknownValueType {
-            id: 99,
-            offset: 37,
-            ..
-        })
-    ));
+    assert!(matches!(parse(unknown), Err(GgufError::UnknownValueType { id: 13, offset: 33, .. })));
+    let unknown_elem = Raw::header(3, 0, 1).str("k").u32(9).u32(99).u64(0).0.clone();
+    assert!(matches!(parse(unknown_elem), Err(GgufError::UnknownValueType { id: 99, offset: 37, .. })));
     let bad_bool = Raw::header(3, 0, 1).str("k").u32(7).u8(2).0.clone();
-    assert!(matches!(
-        parse(bad_bool),
-        Err(GgufError::InvalidBool { value: 2, .. })
-    ));
+    assert!(matches!(parse(bad_bool), Err(GgufError::InvalidBool { value: 2, .. })));
     let mut bad_utf8 = Raw::header(3, 0, 1);
     bad_utf8.u64(2).u8(0xC3).u8(0x28).u32(0).u8(0);
-    assert!(matches!(
-        parse(bad_utf8.0),
-        Err(GgufError::InvalidUtf8 {
-            field: "metadata key",
-            offset: 24
-        })
-    ));
-    let dup = Raw::header(3, 0, 2)
-        .str("k")
-        .u32(0)
-        .u8(1)
-        .str("k")
-        .u32(0)
-        .u8(2)
-        .0
-        .clone();
-    assert!(matches!(
-        parse(dup),
-        Err(GgufError::DuplicateKey { offset: 38, .. })
-    ));
+    assert!(matches!(parse(bad_utf8.0), Err(GgufError::InvalidUtf8 { field: "metadata key", offset: 24 })));
+    let dup = Raw::header(3, 0, 2).str("k").u32(0).u8(1).str("k").u32(0).u8(2).0.clone();
+    assert!(matches!(parse(dup), Err(GgufError::DuplicateKey { offset: 38, .. })));
 }
 
 #[test]
@@ -190,10 +109,7 @@ fn nesting_is_bounded() {
     }
     let mut w = GgufWriter::new();
     w.add_metadata("deep", deep);
-    assert!(matches!(
-        parse(w.to_bytes()),
-        Err(GgufError::ArrayTooDeep { max: 4, .. })
-    ));
+    assert!(matches!(parse(w.to_bytes()), Err(GgufError::ArrayTooDeep { max: 4, .. })));
 
     // A million levels of "array of arrays" must stop at the limit, not overflow the stack.
     let mut r = Raw::header(3, 0, 1);
@@ -206,125 +122,42 @@ fn nesting_is_bounded() {
 
 #[test]
 fn bad_alignment_values() {
-    for value in [
-        Value::U32(0),
-        Value::U32(3),
-        Value::U64(32),
-        Value::String("32".into()),
-    ] {
+    for value in [Value::U32(0), Value::U32(3), Value::U64(32), Value::String("32".into())] {
         let mut w = GgufWriter::new();
         w.add_metadata("general.alignment", value.clone());
-        assert!(
-            matches!(parse(w.to_bytes()), Err(GgufError::InvalidAlignment { .. })),
-            "{value:?}"
-        );
+        assert!(matches!(parse(w.to_bytes()), Err(GgufError::InvalidAlignment { .. })), "{value:?}");
     }
 }
 
 #[test]
 fn bad_tensor_infos() {
     let cases: Vec<Case> = vec![
-        (Raw::header(3, 1, 0).tensor("t", &[], F32, 0).data(4), |e| {
-            matches!(e, GgufError::InvalidDimCount { n_dims: 0, .. })
+        (Raw::header(3, 1, 0).tensor("t", &[], F32, 0).data(4), |e| matches!(e, GgufError::InvalidDimCount { n_dims: 0, .. })),
+        (Raw::header(3, 1, 0).tensor("t", &[1; 5], F32, 0).data(4), |e| {
+            matches!(e, GgufError::InvalidDimCount { n_dims: 5, offset: Some(24), .. })
+        }),
+        (Raw::header(3, 1, 0).tensor("t", &[4, 0], F32, 0).data(16), |e| matches!(e, GgufError::ZeroDim { index: 1, .. })),
+        (Raw::header(3, 1, 0).tensor("t", &[4], 99, 0).data(16), |e| matches!(e, GgufError::UnknownTensorType { id: 99, .. })),
+        (Raw::header(3, 1, 0).tensor("t", &[1 << 32, 1 << 32], F32, 0).data(16), |e| matches!(e, GgufError::ShapeOverflow { .. })),
+        (Raw::header(3, 1, 0).tensor("t", &[1 << 62], F32, 0).data(16), |e| matches!(e, GgufError::ShapeOverflow { .. })),
+        (Raw::header(3, 1, 0).tensor("t", &[48], Q4_0, 0).data(64), |e| {
+            matches!(e, GgufError::RowNotBlockMultiple { row_len: 48, block_size: 32, .. })
+        }),
+        (Raw::header(3, 1, 0).tensor("t", &[4], F32, 16).data(64), |e| {
+            matches!(e, GgufError::MisalignedOffset { data_offset: 16, alignment: 32, .. })
+        }),
+        (Raw::header(3, 1, 0).tensor("t", &[4], F32, 0).data(15), |e| matches!(e, GgufError::TensorOutOfBounds { n_bytes: 16, .. })),
+        (Raw::header(3, 1, 0).tensor("t", &[4], F32, u64::MAX - 31).data(16), |e| matches!(e, GgufError::TensorOutOfBounds { .. })),
+        (Raw::header(3, 2, 0).tensor("t", &[4], F32, 0).tensor("t", &[4], F32, 32).data(48), |e| {
+            matches!(e, GgufError::DuplicateTensor { offset: Some(57), .. })
         }),
         (
-            Raw::header(3, 1, 0).tensor("t", &[1; 5], F32, 0).data(4),
-            |e| {
-                matches!(
-                    e,
-                    GgufError::InvalidDimCount {
-                        n_dims: 5,
-                        offset: Some(24),
-                        ..
-                    }
-                )
-            },
-        ),
-        (
-            Raw::header(3, 1, 0).tensor("t", &[4, 0], F32, 0).data(16),
-            |e| matches!(e, GgufError::ZeroDim { index: 1, .. }),
-        ),
-        (
-            Raw::header(3, 1, 0).tensor("t", &[4], 99, 0).data(16),
-            |e| matches!(e, GgufError::UnknownTensorType { id: 99, .. }),
-        ),
-        (
-            Raw::header(3, 1, 0)
-                .tensor("t", &[1 << 32, 1 << 32], F32, 0)
-                .data(16),
-            |e| matches!(e, GgufError::ShapeOverflow { .. }),
-        ),
-        (
-            Raw::header(3, 1, 0)
-                .tensor("t", &[1 << 62], F32, 0)
-                .data(16),
-            |e| matches!(e, GgufError::ShapeOverflow { .. }),
-        ),
-        (
-            Raw::header(3, 1, 0).tensor("t", &[48], Q4_0, 0).data(64),
-            |e| {
-                matches!(
-                    e,
-                    GgufError::RowNotBlockMultiple {
-                        row_len: 48,
-                        block_size: 32,
-                        ..
-                    }
-                )
-            },
-        ),
-        (
-            Raw::header(3, 1, 0).tensor("t", &[4], F32, 16).data(64),
-            |e| {
-                matches!(
-                    e,
-                    GgufError::MisalignedOffset {
-                        data_offset: 16,
-                        alignment: 32,
-                        ..
-                    }
-                )
-            },
-        ),
-        (
-            Raw::header(3, 1, 0).tensor("t", &[4], F32, 0).data(15),
-            |e| matches!(e, GgufError::TensorOutOfBounds { n_bytes: 16, .. }),
-        ),
-        (
-            Raw::header(3, 1, 0)
-                .tensor("t", &[4], F32, u64::MAX - 31)
-                .data(16),
-            |e| matches!(e, GgufError::TensorOutOfBounds { .. }),
-        ),
-        (
-            Raw::header(3, 2, 0)
-                .tensor("t", &[4], F32, 0)
-                .tensor("t", &[4], F32, 32)
-                .data(48),
-            |e| {
-                matches!(
-                    e,
-                    GgufError::DuplicateTensor {
-                        offset: Some(57),
-                        ..
-                    }
-                )
-            },
-        ),
-        (
-            Raw::header(3, 2, 0)
-                .tensor("a", &[16], F32, 32)
-                .tensor("b", &[16], F32, 0)
-                .data(96),
+            Raw::header(3, 2, 0).tensor("a", &[16], F32, 32).tensor("b", &[16], F32, 0).data(96),
             |e| matches!(e, GgufError::TensorOverlap { first, second } if first == "b" && second == "a"),
         ),
-        (
-            Raw::header(3, 2, 0)
-                .tensor("a", &[4], F32, 0)
-                .tensor("b", &[4], F32, 0)
-                .data(16),
-            |e| matches!(e, GgufError::TensorOverlap { .. }),
-        ),
+        (Raw::header(3, 2, 0).tensor("a", &[4], F32, 0).tensor("b", &[4], F32, 0).data(16), |e| {
+            matches!(e, GgufError::TensorOverlap { .. })
+        }),
     ];
     for (i, (bytes, want)) in cases.into_iter().enumerate() {
         match parse(bytes) {
@@ -333,27 +166,16 @@ fn bad_tensor_infos() {
         }
     }
     // Adjacent (touching) tensors are fine.
-    let ok = Raw::header(3, 2, 0)
-        .tensor("a", &[8], F32, 0)
-        .tensor("b", &[8], F32, 32)
-        .data(64);
+    let ok = Raw::header(3, 2, 0).tensor("a", &[8], F32, 0).tensor("b", &[8], F32, 32).data(64);
     assert!(parse(ok).is_ok());
 }
 
 #[test]
 fn errors_render_field_and_offset() {
-    let msg = parse(Raw::header(3, 0, 1).str("k").u32(13).0.clone())
-        .err()
-        .map(|e| e.to_string());
-    assert_eq!(
-        msg.as_deref(),
-        Some("metadata key \"k\": unknown value type id 13 at offset 33")
-    );
+    let msg = parse(Raw::header(3, 0, 1).str("k").u32(13).0.clone()).err().map(|e| e.to_string());
+    assert_eq!(msg.as_deref(), Some("metadata key \"k\": unknown value type id 13 at offset 33"));
     let msg = parse(b"GGUF\x03\0\0".to_vec()).err().map(|e| e.to_string());
-    assert_eq!(
-        msg.as_deref(),
-        Some("file truncated in version at offset 4: need 4 bytes, 3 left")
-    );
+    assert_eq!(msg.as_deref(), Some("file truncated in version at offset 4: need 4 bytes, 3 left"));
 }
 
 #[test]
@@ -364,15 +186,5 @@ fn open_reports_io_and_empty_files() {
     std::fs::write(&empty, b"").expect("write");
     let r = Gguf::open(&empty);
     let _ = std::fs::remove_file(&empty);
-    assert!(
-        matches!(
-            r,
-            Err(GgufError::Truncated {
-                field: "magic",
-                offset: 0,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert!(matches!(r, Err(GgufError::Truncated { field: "magic", offset: 0, .. })), "{r:?}");
 }

@@ -81,81 +81,22 @@ fn random_blocks(ty: GgmlType, scale_offsets: &[usize]) -> Vec<u8> {
 }
 
 fn fnv1a(values: &[f32]) -> u64 {
-    values
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        })
+    values.iter().flat_map(|v| v.to_le_bytes()).fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 #[test]
 fn dequantize_matches_reference_vectors() {
     let cases: [(GgmlType, &[usize], u64, f32, f32); 10] = [
-        (
-            GgmlType::Q4_0,
-            &[0],
-            0x61e9a21033eaad15,
-            0.045639038,
-            0.036483765,
-        ),
-        (
-            GgmlType::Q4_1,
-            &[0, 2],
-            0x87d865b1f34aae5e,
-            0.7383728,
-            0.08850479,
-        ),
-        (
-            GgmlType::Q5_0,
-            &[0],
-            0xf2e3b3c52cc50df2,
-            -0.16741943,
-            0.005519867,
-        ),
-        (
-            GgmlType::Q5_1,
-            &[0, 2],
-            0x5235803e86d9be70,
-            1.8062744,
-            1.3216248,
-        ),
-        (
-            GgmlType::Q8_0,
-            &[0],
-            0xcb3fc2e3a4671575,
-            0.97435,
-            -1.8352356,
-        ),
-        (
-            GgmlType::Q2_K,
-            &[80, 82],
-            0x5e6731e30791ab86,
-            -0.07392883,
-            -0.34951782,
-        ),
+        (GgmlType::Q4_0, &[0], 0x61e9a21033eaad15, 0.045639038, 0.036483765),
+        (GgmlType::Q4_1, &[0, 2], 0x87d865b1f34aae5e, 0.7383728, 0.08850479),
+        (GgmlType::Q5_0, &[0], 0xf2e3b3c52cc50df2, -0.16741943, 0.005519867),
+        (GgmlType::Q5_1, &[0, 2], 0x5235803e86d9be70, 1.8062744, 1.3216248),
+        (GgmlType::Q8_0, &[0], 0xcb3fc2e3a4671575, 0.97435, -1.8352356),
+        (GgmlType::Q2_K, &[80, 82], 0x5e6731e30791ab86, -0.07392883, -0.34951782),
         (GgmlType::Q3_K, &[108], 0xfeb75adfdc37a6fa, -0.60498047, 0.0),
-        (
-            GgmlType::Q4_K,
-            &[0, 2],
-            0xf31d83c68ad5917e,
-            0.65467834,
-            0.84586334,
-        ),
-        (
-            GgmlType::Q5_K,
-            &[0, 2],
-            0x9efc2bdd397d2d03,
-            7.911438,
-            2.3413734,
-        ),
-        (
-            GgmlType::Q6_K,
-            &[208],
-            0x09656c208fbc11bb,
-            95.04053,
-            -80.43164,
-        ),
+        (GgmlType::Q4_K, &[0, 2], 0xf31d83c68ad5917e, 0.65467834, 0.84586334),
+        (GgmlType::Q5_K, &[0, 2], 0x9efc2bdd397d2d03, 7.911438, 2.3413734),
+        (GgmlType::Q6_K, &[208], 0x09656c208fbc11bb, 95.04053, -80.43164),
     ];
     for (ty, scales, hash, first, last) in cases {
         let src = random_blocks(ty, scales);
@@ -190,20 +131,10 @@ fn quantize_then_dequantize_is_close() {
             quantize_row(ty, &x, &mut q).expect("quantize");
             assert_eq!(Some(q.len() as u64), ty.row_bytes(x.len() as u64), "{ty}");
             let y = dequant(ty, &q, x.len());
-            let max_err = x
-                .iter()
-                .zip(&y)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let max_err = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            assert!(
-                max_err <= tol * amax,
-                "{ty} scale {scale}: max error {max_err} > {tol} * {amax}"
-            );
-            assert!(
-                y[256..512].iter().all(|&v| v == 0.0),
-                "{ty}: zeros not preserved"
-            );
+            assert!(max_err <= tol * amax, "{ty} scale {scale}: max error {max_err} > {tol} * {amax}");
+            assert!(y[256..512].iter().all(|&v| v == 0.0), "{ty}: zeros not preserved");
         }
     }
 }
@@ -211,30 +142,11 @@ fn quantize_then_dequantize_is_close() {
 #[test]
 fn length_and_type_errors() {
     let mut y = [0.0f32; 32];
-    assert!(matches!(
-        dequantize_row(GgmlType::Q4_0, &[0; 17], &mut y),
-        Err(GgufError::LengthMismatch {
-            expected: 18,
-            found: 17,
-            ..
-        })
-    ));
-    assert!(matches!(
-        dequantize_row(GgmlType::Q4_0, &[0; 18], &mut y[..31]),
-        Err(GgufError::PartialBlock { .. })
-    ));
-    assert!(matches!(
-        dequantize_row(GgmlType::I32, &[0; 128], &mut y),
-        Err(GgufError::UnsupportedType { .. })
-    ));
-    assert!(matches!(
-        quantize_row(GgmlType::Q2_K, &[0.0; 256], &mut Vec::new()),
-        Err(GgufError::UnsupportedType { .. })
-    ));
-    assert!(matches!(
-        quantize_row(GgmlType::Q8_0, &[0.0; 33], &mut Vec::new()),
-        Err(GgufError::PartialBlock { .. })
-    ));
+    assert!(matches!(dequantize_row(GgmlType::Q4_0, &[0; 17], &mut y), Err(GgufError::LengthMismatch { expected: 18, found: 17, .. })));
+    assert!(matches!(dequantize_row(GgmlType::Q4_0, &[0; 18], &mut y[..31]), Err(GgufError::PartialBlock { .. })));
+    assert!(matches!(dequantize_row(GgmlType::I32, &[0; 128], &mut y), Err(GgufError::UnsupportedType { .. })));
+    assert!(matches!(quantize_row(GgmlType::Q2_K, &[0.0; 256], &mut Vec::new()), Err(GgufError::UnsupportedType { .. })));
+    assert!(matches!(quantize_row(GgmlType::Q8_0, &[0.0; 33], &mut Vec::new()), Err(GgufError::PartialBlock { .. })));
     let mut out = vec![9u8];
     quantize_row(GgmlType::F32, &[1.0], &mut out).expect("f32");
     assert_eq!(out, [9, 0, 0, 0x80, 0x3F], "quantize_row appends");

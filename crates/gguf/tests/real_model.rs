@@ -9,10 +9,7 @@ fn default_model_parses() {
     let g = Gguf::open(&path).expect("open model");
     assert_eq!(g.get_str("general.architecture").ok(), Some("llama"));
     assert_eq!(g.tensors().len(), 272);
-    let tokens = g
-        .get("tokenizer.ggml.tokens")
-        .and_then(|v| v.as_array())
-        .map(<[_]>::len);
+    let tokens = g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(<[_]>::len);
     assert_eq!(tokens, Some(49152));
 
     let emb = g.tensor("token_embd.weight").expect("token_embd.weight");

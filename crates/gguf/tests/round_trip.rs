@@ -4,11 +4,7 @@ use common::XorShift;
 use dgr_gguf::{quant, GgmlType, Gguf, GgufError, GgufWriter, Value};
 
 fn every_kind_of_value() -> Vec<(String, Value)> {
-    let strings = Value::Array(vec![
-        Value::String("<s>".into()),
-        Value::String("héllo".into()),
-        Value::String(String::new()),
-    ]);
+    let strings = Value::Array(vec![Value::String("<s>".into()), Value::String("héllo".into()), Value::String(String::new())]);
     let nested = Value::Array(vec![
         Value::Array(vec![Value::I32(-1), Value::I32(2)]),
         Value::Array(vec![]),
@@ -29,14 +25,8 @@ fn every_kind_of_value() -> Vec<(String, Value)> {
         ("bool.t", Value::Bool(true)),
         ("bool.f", Value::Bool(false)),
         ("tokens", strings),
-        (
-            "ints",
-            Value::Array(vec![Value::I32(1), Value::I32(-2), Value::I32(3)]),
-        ),
-        (
-            "floats",
-            Value::Array(vec![Value::F32(0.5), Value::F32(-0.25)]),
-        ),
+        ("ints", Value::Array(vec![Value::I32(1), Value::I32(-2), Value::I32(3)])),
+        ("floats", Value::Array(vec![Value::F32(0.5), Value::F32(-0.25)])),
         ("nested", nested),
     ]
     .into_iter()
@@ -68,8 +58,7 @@ fn metadata_and_tensors_survive_a_round_trip() {
         tensors.push((name, ty, dims, data));
     }
     for (name, ty, dims, data) in &tensors {
-        w.add_tensor(name, *ty, dims, data.clone())
-            .expect("add tensor");
+        w.add_tensor(name, *ty, dims, data.clone()).expect("add tensor");
     }
 
     let bytes = w.to_bytes();
@@ -81,10 +70,7 @@ fn metadata_and_tensors_survive_a_round_trip() {
     assert_eq!(g.file_bytes(), &bytes[..]);
     assert_eq!(g.tensors().len(), tensors.len());
     for ((name, ty, dims, data), info) in tensors.iter().zip(g.tensors()) {
-        assert_eq!(
-            (info.name.as_str(), info.ty, &info.dims),
-            (*name, *ty, dims)
-        );
+        assert_eq!((info.name.as_str(), info.ty, &info.dims), (*name, *ty, dims));
         assert_eq!(info.offset % 32, 0);
         assert_eq!(g.tensor_data(info), &data[..]);
         assert_eq!(g.tensor(name).map(|t| t.offset), Some(info.offset));
@@ -92,17 +78,13 @@ fn metadata_and_tensors_survive_a_round_trip() {
     assert!(g.tensor("missing").is_none());
 
     // The same bytes through the mmap path.
-    let path =
-        std::env::temp_dir().join(format!("dgr-gguf-round-trip-{}.gguf", std::process::id()));
+    let path = std::env::temp_dir().join(format!("dgr-gguf-round-trip-{}.gguf", std::process::id()));
     w.write_to_path(&path).expect("write");
     let mapped = Gguf::open(&path);
     let _ = std::fs::remove_file(&path);
     let mapped = mapped.expect("open");
     assert_eq!(mapped.metadata(), g.metadata());
-    assert_eq!(
-        mapped.tensor_data(&mapped.tensors()[2]),
-        g.tensor_data(&g.tensors()[2])
-    );
+    assert_eq!(mapped.tensor_data(&mapped.tensors()[2]), g.tensor_data(&g.tensors()[2]));
 }
 
 #[test]
@@ -119,17 +101,9 @@ fn typed_getters_name_the_key() {
     assert_eq!(g.get_str("general.architecture").ok(), Some("llama"));
     assert_eq!(g.get("bool.t").and_then(Value::as_bool), Some(true));
     assert!(matches!(g.get_u64("nope"), Err(GgufError::MissingKey { key }) if key == "nope"));
-    assert!(
-        matches!(g.get_u64("i8"), Err(GgufError::WrongType { key, found: "i8", .. }) if key == "i8")
-    );
-    assert!(matches!(
-        g.get_str("u8"),
-        Err(GgufError::WrongType { found: "u8", .. })
-    ));
-    assert!(matches!(
-        g.get_f32("tokens"),
-        Err(GgufError::WrongType { found: "array", .. })
-    ));
+    assert!(matches!(g.get_u64("i8"), Err(GgufError::WrongType { key, found: "i8", .. }) if key == "i8"));
+    assert!(matches!(g.get_str("u8"), Err(GgufError::WrongType { found: "u8", .. })));
+    assert!(matches!(g.get_f32("tokens"), Err(GgufError::WrongType { found: "array", .. })));
 }
 
 #[test]
@@ -137,18 +111,13 @@ fn version_2_and_custom_alignment_are_read() {
     let mut w = GgufWriter::new();
     w.set_version(2);
     w.add_metadata("general.alignment", Value::U32(64));
-    w.add_tensor("a", GgmlType::F32, &[3], vec![0; 12])
-        .expect("a");
-    w.add_tensor("b", GgmlType::F32, &[5], vec![7; 20])
-        .expect("b");
+    w.add_tensor("a", GgmlType::F32, &[3], vec![0; 12]).expect("a");
+    w.add_tensor("b", GgmlType::F32, &[5], vec![7; 20]).expect("b");
     let g = Gguf::from_bytes(w.to_bytes()).expect("parse");
     assert_eq!((g.version(), g.alignment()), (2, 64));
     assert_eq!(g.data_offset() % 64, 0);
     assert_eq!(g.tensor("b").map(|t| t.offset), Some(64));
-    assert_eq!(
-        g.tensor("b").map(|t| g.tensor_data(t)),
-        Some(&[7u8; 20][..])
-    );
+    assert_eq!(g.tensor("b").map(|t| g.tensor_data(t)), Some(&[7u8; 20][..]));
 }
 
 #[test]
@@ -162,22 +131,11 @@ fn writer_rejects_bad_tensors_and_replaces_keys() {
     let mut w = GgufWriter::new();
     assert!(matches!(
         w.add_tensor("t", GgmlType::Q4_0, &[32], vec![0; 17]),
-        Err(GgufError::LengthMismatch {
-            expected: 18,
-            found: 17,
-            ..
-        })
+        Err(GgufError::LengthMismatch { expected: 18, found: 17, .. })
     ));
-    assert!(matches!(
-        w.add_tensor("t", GgmlType::Q4_0, &[16], vec![]),
-        Err(GgufError::RowNotBlockMultiple { .. })
-    ));
-    w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4])
-        .expect("t");
-    assert!(matches!(
-        w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]),
-        Err(GgufError::DuplicateTensor { .. })
-    ));
+    assert!(matches!(w.add_tensor("t", GgmlType::Q4_0, &[16], vec![]), Err(GgufError::RowNotBlockMultiple { .. })));
+    w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]).expect("t");
+    assert!(matches!(w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]), Err(GgufError::DuplicateTensor { .. })));
     w.add_metadata("k", Value::U8(1));
     w.add_metadata("k", Value::U8(2));
     let g = Gguf::from_bytes(w.to_bytes()).expect("parse");

@@ -51,7 +51,8 @@ pub fn check_open(open: &OpenSession, ours: &BoundarySchema, dtypes: &[SeamDtype
     if s.hidden != ours.hidden {
         return mismatch("hidden size", s.hidden.to_string(), ours.hidden.to_string());
     }
-    let dtype = SeamDtype::try_from(s.seam_dtype).map_err(|_| ProtoError::SchemaMismatch(format!("unknown seam dtype {}", s.seam_dtype)))?;
+    let dtype =
+        SeamDtype::try_from(s.seam_dtype).map_err(|_| ProtoError::SchemaMismatch(format!("unknown seam dtype {}", s.seam_dtype)))?;
     if !dtypes.contains(&dtype) {
         return mismatch("seam dtype", dtype.name().into(), format!("{dtypes:?}"));
     }

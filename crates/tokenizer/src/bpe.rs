@@ -42,10 +42,7 @@ pub(crate) fn tokenize_word(vocab: &Vocab, word: &str, ignore_merges: bool, out:
     // merges; since symbols only grow rightwards, a changed total length
     // detects that (llama.cpp compares the text, which is equivalent).
     let mut queue: BinaryHeap<Reverse<(u32, usize, usize, usize)>> = BinaryHeap::new();
-    let push_pair = |queue: &mut BinaryHeap<_>,
-                     symbols: &[Symbol],
-                     left: Option<usize>,
-                     right: Option<usize>| {
+    let push_pair = |queue: &mut BinaryHeap<_>, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
         let (Some(l), Some(r)) = (left, right) else {
             return;
         };

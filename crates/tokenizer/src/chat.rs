@@ -14,10 +14,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -34,9 +31,7 @@ pub(crate) fn render(
     env.set_lstrip_blocks(true);
     // templates call Python string methods such as `.strip()`
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
-        Err(Error::new(ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function("raise_exception", |msg: String| -> Result<String, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
     let tmpl = env.template_from_str(template)?;
     Ok(tmpl.render(context! {
         messages => messages,

@@ -6,10 +6,7 @@ pub enum TokenizerError {
     #[error("tokenizer metadata is missing key `{0}`")]
     MissingKey(&'static str),
     #[error("tokenizer metadata key `{key}` has the wrong type (expected {expected})")]
-    WrongType {
-        key: &'static str,
-        expected: &'static str,
-    },
+    WrongType { key: &'static str, expected: &'static str },
     #[error("unsupported tokenizer model `{0}`")]
     UnsupportedModel(String),
     #[error("unsupported pre-tokenizer `{0}`")]
@@ -17,25 +14,13 @@ pub enum TokenizerError {
     #[error("the vocabulary is empty")]
     EmptyVocab,
     #[error("duplicate token {text:?} at ids {first} and {second}")]
-    DuplicateToken {
-        text: String,
-        first: u32,
-        second: u32,
-    },
+    DuplicateToken { text: String, first: u32, second: u32 },
     #[error("`{key}` has {len} entries but the vocabulary has {n_tokens}")]
-    LengthMismatch {
-        key: &'static str,
-        len: usize,
-        n_tokens: usize,
-    },
+    LengthMismatch { key: &'static str, len: usize, n_tokens: usize },
     #[error("merge #{index} {merge:?} does not split into two vocabulary tokens")]
     BadMerge { index: usize, merge: String },
     #[error("`{key}` = {id} is out of range for a vocabulary of {n_tokens} tokens")]
-    TokenIdOutOfRange {
-        key: &'static str,
-        id: u64,
-        n_tokens: usize,
-    },
+    TokenIdOutOfRange { key: &'static str, id: u64, n_tokens: usize },
     #[error("a BOS token was requested but the model has none")]
     MissingBos,
     #[error("an EOS token was requested but the model has none")]

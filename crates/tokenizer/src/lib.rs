@@ -37,20 +37,12 @@ impl Tokenizer {
     }
 
     pub fn from_config(cfg: TokenizerConfig) -> Result<Tokenizer, TokenizerError> {
-        Ok(Tokenizer {
-            vocab: Vocab::new(&cfg)?,
-            chat_template: cfg.chat_template,
-        })
+        Ok(Tokenizer { vocab: Vocab::new(&cfg)?, chat_template: cfg.chat_template })
     }
 
     /// Tokenizes `text`. With `parse_special`, control tokens written in the
     /// text (e.g. `<|im_start|>`) become their ids; user-defined tokens always do.
-    pub fn encode(
-        &self,
-        text: &str,
-        add_bos: bool,
-        parse_special: bool,
-    ) -> Result<Vec<u32>, TokenizerError> {
+    pub fn encode(&self, text: &str, add_bos: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
         self.tokenize(text, add_bos, false, parse_special)
     }
 
@@ -60,13 +52,7 @@ impl Tokenizer {
         self.tokenize(text, self.vocab.add_bos, self.vocab.add_eos, true)
     }
 
-    fn tokenize(
-        &self,
-        text: &str,
-        add_bos: bool,
-        add_eos: bool,
-        parse_special: bool,
-    ) -> Result<Vec<u32>, TokenizerError> {
+    fn tokenize(&self, text: &str, add_bos: bool, add_eos: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
         let vocab = &self.vocab;
         let mut out = Vec::new();
         if add_bos {
@@ -81,11 +67,7 @@ impl Tokenizer {
                 for fragment in fragments {
                     match fragment {
                         Fragment::Text(t) => {
-                            let prefix = if vocab.add_space_prefix && prev_special {
-                                " "
-                            } else {
-                                ""
-                            };
+                            let prefix = if vocab.add_space_prefix && prev_special { " " } else { "" };
                             let escaped = format!("{prefix}{t}").replace(' ', "\u{2581}");
                             spm::tokenize(vocab, &escaped, &mut out)?;
                             prev_special = false;
@@ -126,12 +108,7 @@ impl Tokenizer {
     /// Concatenates the tokens' bytes and decodes them as lossy UTF-8;
     /// out-of-range ids contribute nothing.
     pub fn decode(&self, ids: &[u32]) -> String {
-        let bytes: Vec<u8> = ids
-            .iter()
-            .filter_map(|&id| self.vocab.piece(id))
-            .flatten()
-            .copied()
-            .collect();
+        let bytes: Vec<u8> = ids.iter().filter_map(|&id| self.vocab.piece(id)).flatten().copied().collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
@@ -155,23 +132,10 @@ impl Tokenizer {
 
     /// Renders the model's chat template over `messages`, with `bos_token`
     /// and `eos_token` set to those tokens' texts.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TokenizerError> {
-        let template = self
-            .chat_template
-            .as_deref()
-            .ok_or(TokenizerError::NoChatTemplate)?;
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
+        let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
         let text = |id: Option<u32>| id.and_then(|id| self.vocab.text(id)).unwrap_or("");
-        chat::render(
-            template,
-            messages,
-            add_generation_prompt,
-            text(self.vocab.bos),
-            text(self.vocab.eos),
-        )
+        chat::render(template, messages, add_generation_prompt, text(self.vocab.bos), text(self.vocab.eos))
     }
 }
 

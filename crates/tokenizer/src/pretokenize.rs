@@ -55,12 +55,7 @@ impl PreTokenizer {
     pub(crate) fn from_name(pre: Option<&str>) -> Result<PreTokenizer, TokenizerError> {
         use Pattern::*;
         let punct = |backtick| Class(CharClass::PunctOrMath { backtick }, Repeat::OneOrMore);
-        let plain = |patterns| PreTokenizer {
-            patterns,
-            ignore_merges: false,
-            add_bos: false,
-            no_bos: false,
-        };
+        let plain = |patterns| PreTokenizer { patterns, ignore_merges: false, add_bos: false, no_bos: false };
         let llama3 = Llama3 { max_digits: 3 };
         Ok(match pre.unwrap_or("default") {
             "default" => plain(vec![
@@ -69,31 +64,22 @@ impl PreTokenizer {
                 Class(CharClass::Number, Repeat::OneOrMore),
                 Class(CharClass::AsciiDigit, Repeat::Exactly(3)),
             ]),
-            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral"
-            | "midm-2.0" | "lfm2" | "jina-v5-nano" => PreTokenizer {
-                ignore_merges: true,
-                add_bos: true,
-                ..plain(vec![llama3])
-            },
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2" | "jina-v5-nano" => {
+                PreTokenizer { ignore_merges: true, add_bos: true, ..plain(vec![llama3]) }
+            }
             "dbrx" | "smaug-bpe" => plain(vec![llama3]),
-            "glm4" | "chatglm-bpe" => PreTokenizer {
-                no_bos: true,
-                ..plain(vec![llama3])
-            },
-            "falcon" => plain(vec![
-                punct(true),
-                Gpt2,
-                Class(CharClass::AsciiDigit, Repeat::Exactly(3)),
-            ]),
+            "glm4" | "chatglm-bpe" => PreTokenizer { no_bos: true, ..plain(vec![llama3]) },
+            "falcon" => plain(vec![punct(true), Gpt2, Class(CharClass::AsciiDigit, Repeat::Exactly(3))]),
             // "gpt2" is not a llama.cpp name but is what converters that omit
             // the pre-tokenizer would mean; llama.cpp's spelling is "gpt-2".
-            "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es"
-            | "jina-v2-de" | "a.x-4.0" | "mellum" | "modern-bert" | "exaone4" | "mpt" | "olmo"
-            | "jais" | "trillion" | "granite-docling" => plain(vec![Gpt2]),
-            "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone"
-            | "minerva-7b" | "mellum2" => plain(vec![Class(CharClass::Number, Repeat::One), Gpt2]),
-            "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2"
-            | "hunyuan" | "solar-open" => plain(vec![Llama3 { max_digits: 1 }]),
+            "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es" | "jina-v2-de" | "a.x-4.0" | "mellum"
+            | "modern-bert" | "exaone4" | "mpt" | "olmo" | "jais" | "trillion" | "granite-docling" => plain(vec![Gpt2]),
+            "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" | "mellum2" => {
+                plain(vec![Class(CharClass::Number, Repeat::One), Gpt2])
+            }
+            "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2" | "hunyuan" | "solar-open" => {
+                plain(vec![Llama3 { max_digits: 1 }])
+            }
             other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_string())),
         })
     }
@@ -107,14 +93,7 @@ impl PreTokenizer {
             let mut next = Vec::with_capacity(lengths.len());
             let mut start = 0;
             for &len in &lengths {
-                let mut s = Splitter {
-                    cpts: &cpts,
-                    flags: &flags,
-                    ini: start,
-                    end: start + len,
-                    prev_end: start,
-                    out: &mut next,
-                };
+                let mut s = Splitter { cpts: &cpts, flags: &flags, ini: start, end: start + len, prev_end: start, out: &mut next };
                 match pattern {
                     Pattern::Gpt2 => s.gpt2(),
                     Pattern::Llama3 { max_digits } => s.llama3(max_digits),
@@ -182,15 +161,7 @@ impl Splitter<'_> {
         }
         // llama.cpp lowercases with its Unicode table; no non-ASCII codepoint
         // lowercases to one of the letters below, so ASCII folding is exact.
-        let at = |p| {
-            self.cpt(p).map(|c| {
-                if ignore_case {
-                    c.to_ascii_lowercase()
-                } else {
-                    c
-                }
-            })
-        };
+        let at = |p| self.cpt(p).map(|c| if ignore_case { c.to_ascii_lowercase() } else { c });
         let next = at(pos + 1);
         if matches!(next, Some('s' | 't' | 'm' | 'd')) {
             return Some(2);
@@ -226,11 +197,7 @@ impl Splitter<'_> {
             }
 
             let space = usize::from(cpt == ' ');
-            let mut flags2 = if cpt == ' ' {
-                self.flags(pos + 1)
-            } else {
-                flags
-            };
+            let mut flags2 = if cpt == ' ' { self.flags(pos + 1) } else { flags };
             // <space>?\p{L}+
             if flags2.is_letter() {
                 pos += space;
@@ -252,8 +219,7 @@ impl Splitter<'_> {
                 continue;
             }
             // <space>?[^\s\p{L}\p{N}]+
-            let other =
-                |f: Flags| !(f.is_whitespace() || f.is_letter() || f.is_number()) && f.is_inside();
+            let other = |f: Flags| !(f.is_whitespace() || f.is_letter() || f.is_number()) && f.is_inside();
             if other(flags2) {
                 pos += space;
                 while other(flags2) {
@@ -295,9 +261,7 @@ impl Splitter<'_> {
             }
 
             // [^\r\n\p{L}\p{N}]?\p{L}+
-            if !(cpt == '\r' || cpt == '\n' || flags.is_number())
-                && (flags.is_letter() || self.flags(pos + 1).is_letter())
-            {
+            if !(cpt == '\r' || cpt == '\n' || flags.is_number()) && (flags.is_letter() || self.flags(pos + 1).is_letter()) {
                 pos += 1;
                 while self.flags(pos).is_letter() {
                     pos += 1;
@@ -322,11 +286,7 @@ impl Splitter<'_> {
 
             // <space>?[^\s\p{L}\p{N}]+[\r\n]*
             let other = |f: Flags| !(f.is_whitespace() || f.is_letter() || f.is_number());
-            let mut flags2 = if cpt == ' ' {
-                self.flags(pos + 1)
-            } else {
-                flags
-            };
+            let mut flags2 = if cpt == ' ' { self.flags(pos + 1) } else { flags };
             if other(flags2) && flags.is_inside() {
                 pos += usize::from(cpt == ' ');
                 while other(flags2) && flags2.is_inside() {
@@ -380,9 +340,7 @@ impl Splitter<'_> {
                 CharClass::Number => self.flags[pos].is_number(),
                 CharClass::AsciiDigit => c.is_ascii_digit(),
                 CharClass::PunctOrMath { backtick } => {
-                    self.flags[pos].is_punctuation()
-                        || matches!(c, '$' | '+' | '<' | '=' | '>' | '^' | '~' | '|')
-                        || (backtick && c == '`')
+                    self.flags[pos].is_punctuation() || matches!(c, '$' | '+' | '<' | '=' | '>' | '^' | '~' | '|') || (backtick && c == '`')
                 }
             }
         };
@@ -431,10 +389,7 @@ mod tests {
     #[test]
     fn gpt2_splits_like_the_regex() {
         assert_eq!(split("gpt-2", "Hello world"), ["Hello", " world"]);
-        assert_eq!(
-            split("gpt-2", " Hello  world "),
-            [" Hello", " ", " world", " "]
-        );
+        assert_eq!(split("gpt-2", " Hello  world "), [" Hello", " ", " world", " "]);
         assert_eq!(split("gpt-2", "don't I'm"), ["don", "'t", " I", "'m"]);
         assert_eq!(split("gpt-2", "x  \n\ty"), ["x", "  \n", "\t", "y"]);
         assert_eq!(split("gpt-2", "a...!b 12"), ["a", "...!", "b", " 12"]);
@@ -449,10 +404,7 @@ mod tests {
 
     #[test]
     fn llama3_and_qwen2() {
-        assert_eq!(
-            split("llama-bpe", "12345 DON'T\r\n\n  x"),
-            ["123", "45", " DON", "'T", "\r\n\n", " ", " x"]
-        );
+        assert_eq!(split("llama-bpe", "12345 DON'T\r\n\n  x"), ["123", "45", " DON", "'T", "\r\n\n", " ", " x"]);
         assert_eq!(split("qwen2", "12 ab"), ["1", "2", " ab"]);
         assert_eq!(split("llama-bpe", "!!\n\nx"), ["!!\n\n", "x"]);
         assert_eq!(split("llama-bpe", "(hi"), ["(hi"]);
@@ -460,10 +412,7 @@ mod tests {
 
     #[test]
     fn default_applies_all_four_regexes() {
-        assert_eq!(
-            split("default", "a+b=12345"),
-            ["a", "+", "b", "=", "123", "45"]
-        );
+        assert_eq!(split("default", "a+b=12345"), ["a", "+", "b", "=", "123", "45"]);
     }
 
     #[test]

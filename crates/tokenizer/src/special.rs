@@ -10,11 +10,7 @@ pub(crate) enum Fragment<'a> {
 
 /// Splits `text` around special-token texts, longest tokens first. Without
 /// `parse_special` only user-defined tokens are recognised.
-pub(crate) fn partition<'a>(
-    vocab: &Vocab,
-    text: &'a str,
-    parse_special: bool,
-) -> Vec<Fragment<'a>> {
+pub(crate) fn partition<'a>(vocab: &Vocab, text: &'a str, parse_special: bool) -> Vec<Fragment<'a>> {
     let mut fragments = Vec::new();
     if !text.is_empty() {
         fragments.push(Fragment::Text(text));
@@ -26,10 +22,7 @@ pub(crate) fn partition<'a>(
         let Some(needle) = vocab.text(id) else {
             continue;
         };
-        if !fragments
-            .iter()
-            .any(|f| matches!(f, Fragment::Text(t) if t.contains(needle)))
-        {
+        if !fragments.iter().any(|f| matches!(f, Fragment::Text(t) if t.contains(needle))) {
             continue;
         }
         let mut next = Vec::with_capacity(fragments.len() + 2);

@@ -23,9 +23,7 @@ struct Bigram {
 
 impl Ord for Bigram {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score
-            .total_cmp(&other.score)
-            .then_with(|| Reverse(self.left).cmp(&Reverse(other.left)))
+        self.score.total_cmp(&other.score).then_with(|| Reverse(self.left).cmp(&Reverse(other.left)))
     }
 }
 impl PartialOrd for Bigram {
@@ -41,53 +39,30 @@ impl PartialEq for Bigram {
 impl Eq for Bigram {}
 
 /// Tokenizes `text` (spaces already escaped to ▁), appending to `out`.
-pub(crate) fn tokenize(
-    vocab: &Vocab,
-    text: &str,
-    out: &mut Vec<u32>,
-) -> Result<(), TokenizerError> {
+pub(crate) fn tokenize(vocab: &Vocab, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
     let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
     for (start, c) in text.char_indices() {
         let len = c.len_utf8();
         let index = symbols.len();
-        symbols.push(Symbol {
-            start,
-            len,
-            prev: index.checked_sub(1),
-            next: (start + len < text.len()).then_some(index + 1),
-        });
+        symbols.push(Symbol { start, len, prev: index.checked_sub(1), next: (start + len < text.len()).then_some(index + 1) });
     }
 
     let mut queue = BinaryHeap::new();
-    let try_add = |queue: &mut BinaryHeap<Bigram>,
-                   symbols: &[Symbol],
-                   left: Option<usize>,
-                   right: Option<usize>| {
+    let try_add = |queue: &mut BinaryHeap<Bigram>, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
         let (Some(l), Some(r)) = (left, right) else {
             return;
         };
         let size = symbols[l].len + symbols[r].len;
         let start = symbols[l].start;
         if let Some(id) = vocab.token_id(&text[start..start + size]) {
-            queue.push(Bigram {
-                score: vocab.score(id),
-                left: l,
-                right: r,
-                size,
-            });
+            queue.push(Bigram { score: vocab.score(id), left: l, right: r, size });
         }
     };
     for i in 1..symbols.len() {
         try_add(&mut queue, &symbols, Some(i - 1), Some(i));
     }
 
-    while let Some(Bigram {
-        left: l,
-        right: r,
-        size,
-        ..
-    }) = queue.pop()
-    {
+    while let Some(Bigram { left: l, right: r, size, .. }) = queue.pop() {
         if symbols[l].len == 0 || symbols[r].len == 0 || symbols[l].len + symbols[r].len != size {
             continue;
         }

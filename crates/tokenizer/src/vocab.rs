@@ -82,44 +82,14 @@ const EOT_TEXTS: &[&str] = &[
     "<end_of_utterance>",
 ];
 const EOM_TEXTS: &[&str] = &["<|eom_id|>"];
-const FIM_PRE_TEXTS: &[&str] = &[
-    "<|fim_prefix|>",
-    "<fim-prefix>",
-    "<fim_prefix>",
-    "<｜fim▁begin｜>",
-    "<PRE>",
-    "▁<PRE>",
-    "<|code_prefix|>",
-    "<|prefix|>",
-];
-const FIM_SUF_TEXTS: &[&str] = &[
-    "<|fim_suffix|>",
-    "<fim-suffix>",
-    "<fim_suffix>",
-    "<｜fim▁hole｜>",
-    "<SUF>",
-    "▁<SUF>",
-    "<|code_suffix|>",
-    "<|suffix|>",
-];
-const FIM_MID_TEXTS: &[&str] = &[
-    "<|fim_middle|>",
-    "<fim-middle>",
-    "<fim_middle>",
-    "<｜fim▁end｜>",
-    "<MID>",
-    "▁<MID>",
-    "<|code_middle|>",
-    "<|middle|>",
-];
+const FIM_PRE_TEXTS: &[&str] =
+    &["<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>", "<|prefix|>"];
+const FIM_SUF_TEXTS: &[&str] =
+    &["<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>"];
+const FIM_MID_TEXTS: &[&str] =
+    &["<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>", "<|middle|>"];
 const FIM_PAD_TEXTS: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"];
-const FIM_REP_TEXTS: &[&str] = &[
-    "<|fim_repo|>",
-    "<|repo_name|>",
-    "<fim-repo>",
-    "<REPO>",
-    "<reponame>",
-];
+const FIM_REP_TEXTS: &[&str] = &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"];
 const FIM_SEP_TEXTS: &[&str] = &["<|file_sep|>"];
 /// Texts that always end generation.
 const EOG_TEXTS: &[&str] = &[
@@ -156,16 +126,11 @@ impl Vocab {
             return Err(TokenizerError::EmptyVocab);
         }
         let check_len = |key, len: Option<usize>| match len {
-            Some(len) if len < n_tokens => {
-                Err(TokenizerError::LengthMismatch { key, len, n_tokens })
-            }
+            Some(len) if len < n_tokens => Err(TokenizerError::LengthMismatch { key, len, n_tokens }),
             _ => Ok(()),
         };
         check_len("tokenizer.ggml.scores", cfg.scores.as_ref().map(Vec::len))?;
-        check_len(
-            "tokenizer.ggml.token_type",
-            cfg.token_types.as_ref().map(Vec::len),
-        )?;
+        check_len("tokenizer.ggml.token_type", cfg.token_types.as_ref().map(Vec::len))?;
 
         let (mut tokens, token_to_id) = read_tokens(cfg)?;
 
@@ -211,11 +176,7 @@ impl Vocab {
             *slot = in_range(*slot);
             if let Some(id) = given {
                 if id as usize >= n_tokens {
-                    return Err(TokenizerError::TokenIdOutOfRange {
-                        key,
-                        id: id.into(),
-                        n_tokens,
-                    });
+                    return Err(TokenizerError::TokenIdOutOfRange { key, id: id.into(), n_tokens });
                 }
                 *slot = Some(id);
             }
@@ -243,10 +204,7 @@ impl Vocab {
             (&mut fim_sep, FIM_SEP_TEXTS),
         ] {
             if slot.is_none() {
-                *slot = texts
-                    .iter()
-                    .filter_map(|t| token_to_id.get(*t).copied())
-                    .min();
+                *slot = texts.iter().filter_map(|t| token_to_id.get(*t).copied()).min();
                 mark_control.extend(*slot);
             }
         }
@@ -279,28 +237,13 @@ impl Vocab {
         }
 
         let mut special_tokens: Vec<u32> = (0..n_tokens as u32)
-            .filter(|&id| {
-                tokens[id as usize].attr & (attr::CONTROL | attr::USER_DEFINED | attr::UNKNOWN) != 0
-            })
+            .filter(|&id| tokens[id as usize].attr & (attr::CONTROL | attr::USER_DEFINED | attr::UNKNOWN) != 0)
             .collect();
         special_tokens.sort_by_key(|&id| std::cmp::Reverse(tokens[id as usize].text.len()));
 
         let pieces = tokens.iter().map(|t| piece(&kind, t)).collect();
 
-        Ok(Vocab {
-            kind,
-            tokens,
-            token_to_id,
-            merges,
-            bos,
-            eos,
-            add_bos,
-            add_eos,
-            add_space_prefix,
-            eog,
-            special_tokens,
-            pieces,
-        })
+        Ok(Vocab { kind, tokens, token_to_id, merges, bos, eos, add_bos, add_eos, add_space_prefix, eog, special_tokens, pieces })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -338,44 +281,27 @@ impl Vocab {
     /// SPM byte fallback (`llama_vocab::byte_to_token`): `<0xNN>`, else the byte itself.
     pub(crate) fn byte_token(&self, b: u8) -> Result<u32, TokenizerError> {
         self.token_id(&format!("<0x{b:02X}>"))
-            .or_else(|| {
-                b.is_ascii()
-                    .then(|| self.token_id(char::from(b).encode_utf8(&mut [0; 4])))
-                    .flatten()
-            })
+            .or_else(|| b.is_ascii().then(|| self.token_id(char::from(b).encode_utf8(&mut [0; 4]))).flatten())
             .ok_or(TokenizerError::MissingByteToken(b))
     }
 }
 
-fn read_tokens(
-    cfg: &TokenizerConfig,
-) -> Result<(Vec<Token>, HashMap<String, u32>), TokenizerError> {
+fn read_tokens(cfg: &TokenizerConfig) -> Result<(Vec<Token>, HashMap<String, u32>), TokenizerError> {
     let n_tokens = cfg.tokens.len();
     let mut tokens = Vec::with_capacity(n_tokens);
     let mut token_to_id = HashMap::with_capacity(n_tokens);
     for (i, text) in cfg.tokens.iter().enumerate() {
         let id = i as u32;
         // llama.cpp keeps empty tokens unmatchable under a placeholder text
-        let text = if text.is_empty() {
-            format!("[EMPTY_{i}]")
-        } else {
-            text.clone()
-        };
+        let text = if text.is_empty() { format!("[EMPTY_{i}]") } else { text.clone() };
         if let Some(&first) = token_to_id.get(&text) {
-            return Err(TokenizerError::DuplicateToken {
-                text,
-                first,
-                second: id,
-            });
+            return Err(TokenizerError::DuplicateToken { text, first, second: id });
         }
         token_to_id.insert(text.clone(), id);
         tokens.push(Token {
             text,
             score: cfg.scores.as_ref().map_or(0.0, |s| s[i]),
-            attr: cfg
-                .token_types
-                .as_ref()
-                .map_or(attr::NORMAL, |t| attr::from_token_type(t[i])),
+            attr: cfg.token_types.as_ref().map_or(attr::NORMAL, |t| attr::from_token_type(t[i])),
         });
     }
     Ok((tokens, token_to_id))
@@ -383,22 +309,12 @@ fn read_tokens(
 
 /// Merge ranks keyed by token ids; a merge naming a non-token is invalid
 /// (Hugging Face's tokenizers rejects those too).
-fn merge_ranks(
-    cfg: &TokenizerConfig,
-    token_to_id: &HashMap<String, u32>,
-) -> Result<HashMap<(u32, u32), u32>, TokenizerError> {
-    let list = cfg
-        .merges
-        .as_ref()
-        .ok_or(TokenizerError::MissingKey("tokenizer.ggml.merges"))?;
+fn merge_ranks(cfg: &TokenizerConfig, token_to_id: &HashMap<String, u32>) -> Result<HashMap<(u32, u32), u32>, TokenizerError> {
+    let list = cfg.merges.as_ref().ok_or(TokenizerError::MissingKey("tokenizer.ggml.merges"))?;
     let mut merges = HashMap::with_capacity(list.len());
     for (index, merge) in list.iter().enumerate() {
-        let pair = split_merge(merge)
-            .and_then(|(l, r)| Some((*token_to_id.get(l)?, *token_to_id.get(r)?)));
-        let pair = pair.ok_or_else(|| TokenizerError::BadMerge {
-            index,
-            merge: merge.clone(),
-        })?;
+        let pair = split_merge(merge).and_then(|(l, r)| Some((*token_to_id.get(l)?, *token_to_id.get(r)?)));
+        let pair = pair.ok_or_else(|| TokenizerError::BadMerge { index, merge: merge.clone() })?;
         merges.entry(pair).or_insert(index as u32);
     }
     Ok(merges)
@@ -451,9 +367,5 @@ fn decode_byte_level(text: &str) -> Vec<u8> {
 /// `<0xNN>` → NN, parsed like llama.cpp's `strtol(text.substr(3, 2), 16)`.
 fn parse_byte_token(text: &str) -> u8 {
     let digits = text.as_bytes().get(3..).unwrap_or_default();
-    digits
-        .iter()
-        .take(2)
-        .map_while(|&d| char::from(d).to_digit(16))
-        .fold(0u8, |acc, d| acc * 16 + d as u8)
+    digits.iter().take(2).map_while(|&d| char::from(d).to_digit(16)).fold(0u8, |acc, d| acc * 16 + d as u8)
 }

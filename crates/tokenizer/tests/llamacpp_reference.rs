@@ -6,20 +6,12 @@ use dgr_tokenizer::ChatMessage;
 use serde_json::Value;
 
 fn reference() -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/data/smollm2-q4_1-llamacpp.json"
-    );
-    serde_json::from_str(&std::fs::read_to_string(path).expect("read reference data"))
-        .expect("parse reference data")
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/smollm2-q4_1-llamacpp.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read reference data")).expect("parse reference data")
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 #[test]
@@ -29,11 +21,7 @@ fn tokenize_matches_llama_cpp() {
     assert!(!cases.is_empty());
     for case in &cases {
         let text = case["text"].as_str().unwrap();
-        assert_eq!(
-            tok.encode(text, false, true).unwrap(),
-            ids(&case["tokens"]),
-            "text {text:?}"
-        );
+        assert_eq!(tok.encode(text, false, true).unwrap(), ids(&case["tokens"]), "text {text:?}");
     }
 }
 
@@ -44,11 +32,7 @@ fn completion_prompts_match_llama_cpp() {
     assert!(!cases.is_empty());
     for case in &cases {
         let prompt = case["prompt"].as_str().unwrap();
-        assert_eq!(
-            tok.encode_prompt(prompt).unwrap(),
-            ids(&case["prompt_tokens"]),
-            "prompt {prompt:?}"
-        );
+        assert_eq!(tok.encode_prompt(prompt).unwrap(), ids(&case["prompt_tokens"]), "prompt {prompt:?}");
     }
 }
 
@@ -61,13 +45,7 @@ fn decode_inverts_encode() {
         .unwrap()
         .iter()
         .map(|c| &c["text"])
-        .chain(
-            data["completions"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|c| &c["prompt"]),
-        );
+        .chain(data["completions"].as_array().unwrap().iter().map(|c| &c["prompt"]));
     for text in texts {
         let text = text.as_str().unwrap();
         assert_eq!(tok.decode(&tok.encode(text, false, true).unwrap()), text);
@@ -105,10 +83,7 @@ fn chat_template_renders_chatml() {
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
          <|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     );
-    let messages = [
-        ChatMessage::new("system", "Be brief."),
-        ChatMessage::new("user", "Hi"),
-    ];
+    let messages = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")];
     assert_eq!(
         tok.apply_chat_template(&messages, false).unwrap(),
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"

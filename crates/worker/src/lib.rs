@@ -14,6 +14,6 @@ mod server;
 
 pub use compat::{CompatKey, KvLayout, Phase};
 pub use config::WorkerConfig;
-pub use plan::Policy;
 pub use metrics::{rss_bytes, Metrics};
+pub use plan::Policy;
 pub use server::{bind, Worker, WorkerError};

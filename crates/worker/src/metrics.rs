@@ -21,9 +21,11 @@ pub struct Metrics {
     pub sessions_opened: AtomicU64,
     pub sessions_closed: AtomicU64,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
-    /// Per (phase, seam dtype): batches run and the most sessions one of them held.
-    batches: Mutex<Vec<((Phase, SeamDtype), u64, u64)>>,
+    batches: Mutex<Vec<BatchCount>>,
 }
+
+/// Per (phase, seam dtype): batches run and the most sessions one of them held.
+type BatchCount = ((Phase, SeamDtype), u64, u64);
 
 impl Metrics {
     pub fn failure(&self, kind: ErrorKind) {
@@ -64,10 +66,19 @@ impl Metrics {
         line("dgr_worker_step_seconds_total", "Time spent in forward steps.", "counter", &(get(&self.step_micros) as f64 / 1e6));
         line("dgr_worker_batch_sessions", "Sessions in the most recent step.", "gauge", &get(&self.last_batch_sessions));
         line("dgr_worker_sessions_opened_total", "Sessions opened.", "counter", &get(&self.sessions_opened));
-        line("dgr_worker_sessions_closed_total", "Sessions freed (closed, cancelled, failed or idle).", "counter", &get(&self.sessions_closed));
-        out.push_str("# HELP dgr_worker_batches_total Batched forwards by phase and seam dtype.\n# TYPE dgr_worker_batches_total counter\n");
+        line(
+            "dgr_worker_sessions_closed_total",
+            "Sessions freed (closed, cancelled, failed or idle).",
+            "counter",
+            &get(&self.sessions_closed),
+        );
+        out.push_str(
+            "# HELP dgr_worker_batches_total Batched forwards by phase and seam dtype.\n# TYPE dgr_worker_batches_total counter\n",
+        );
         let batches = self.batches.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let label = |p: &Phase, d: &SeamDtype| format!("phase=\"{}\",seam_dtype=\"{}\"", if *p == Phase::Decode { "decode" } else { "prefill" }, d.name());
+        let label = |p: &Phase, d: &SeamDtype| {
+            format!("phase=\"{}\",seam_dtype=\"{}\"", if *p == Phase::Decode { "decode" } else { "prefill" }, d.name())
+        };
         for ((p, d), n, _) in &batches {
             out.push_str(&format!("dgr_worker_batches_total{{{}}} {n}\n", label(p, d)));
         }

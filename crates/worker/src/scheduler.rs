@@ -24,18 +24,41 @@ pub(crate) type ConnId = u64;
 const MAX_PENDING: usize = 64;
 
 pub(crate) enum Cmd {
-    Open { conn: ConnId, open: OpenSession, reply: Outbox, next: Option<(String, Outbox)> },
-    Forward { f: Forward, recv_us: u64, at: Instant, reply: Outbox },
-    Cancel { id: Vec<u8> },
-    Close { id: Vec<u8> },
+    Open {
+        conn: ConnId,
+        open: OpenSession,
+        reply: Outbox,
+        next: Option<(String, Outbox)>,
+    },
+    Forward {
+        f: Forward,
+        recv_us: u64,
+        at: Instant,
+        reply: Outbox,
+    },
+    Cancel {
+        id: Vec<u8>,
+    },
+    Close {
+        id: Vec<u8>,
+    },
     /// A driver's connection ended: its sessions end with it.
-    ConnClosed { conn: ConnId },
+    ConnClosed {
+        conn: ConnId,
+    },
     /// The connection to a next stage broke.
-    PeerLost { addr: String, why: String },
+    PeerLost {
+        addr: String,
+        why: String,
+    },
     /// The next stage reported an error about one of our sessions.
-    PeerError { err: ErrorMsg },
+    PeerError {
+        err: ErrorMsg,
+    },
     /// Stop taking sessions; exit once none are left or at `deadline`.
-    Drain { deadline: Instant },
+    Drain {
+        deadline: Instant,
+    },
 }
 
 /// A frame's rows waiting to run; prompts run in chunks, `done` rows at a time.
@@ -46,8 +69,6 @@ struct Pending {
     recv_us: u64,
     at: Instant,
 }
-
-
 
 struct Session {
     id: SessionId,

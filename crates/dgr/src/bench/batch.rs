@@ -230,7 +230,11 @@ fn plot(xs: &[usize], series: &[(&str, &Vec<Vec<f64>>)]) -> String {
     svg += &format!("<line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n", h - m, w - m, h - m);
     svg += &format!("<line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n", h - m);
     svg += &format!("<text x='{}' y='{}' text-anchor='middle'>concurrent sessions</text>\n", w / 2.0, h - 10.0);
-    svg += &format!("<text x='12' y='{}' transform='rotate(-90 12 {})' text-anchor='middle'>aggregate decode tok/s</text>\n", h / 2.0, h / 2.0);
+    svg += &format!(
+        "<text x='12' y='{}' transform='rotate(-90 12 {})' text-anchor='middle'>aggregate decode tok/s</text>\n",
+        h / 2.0,
+        h / 2.0
+    );
     for (i, b) in xs.iter().enumerate() {
         svg += &format!("<text x='{}' y='{}' text-anchor='middle'>{b}</text>\n", x(i), h - m + 16.0);
     }

@@ -107,7 +107,10 @@ pub fn run(a: Args) -> Result<()> {
             seam_p99[s.from as usize].push(s.latency_ms_p99);
         }
         let l = peer::llama_bench_rpc(&bench, &model, a.threads, a.gen_tokens, &rpc_addrs)?;
-        eprintln!("rep {rep}: dgr one process {o:.1}, dgr {}-stage route {:.1}, llama.cpp RPC {:.1} tok/s", a.split, r.timings.decode_tok_per_s, l.gen_tok_s);
+        eprintln!(
+            "rep {rep}: dgr one process {o:.1}, dgr {}-stage route {:.1}, llama.cpp RPC {:.1} tok/s",
+            a.split, r.timings.decode_tok_per_s, l.gen_tok_s
+        );
         one.push(o);
         split.push(r.timings.decode_tok_per_s);
         llama.push(l.gen_tok_s);

@@ -34,7 +34,8 @@ pub fn dgr() -> Command {
 pub fn dgr_json(args: &[&str]) -> Value {
     let out = dgr().args(args).arg("--model").arg(model()).output().expect("running dgr");
     assert!(out.status.success(), "dgr {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("dgr {args:?} printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("dgr {args:?} printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 pub fn ids(v: &Value) -> Vec<u64> {
@@ -55,7 +56,6 @@ pub fn serial() -> MutexGuard<'static, ()> {
 pub fn layers_of(cuts: &[usize]) -> String {
     cuts.windows(2).map(|w| format!("[{},{})", w[0], w[1])).collect::<Vec<_>>().join("+")
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Processes
@@ -232,7 +232,13 @@ impl Workers {
                 let seen: Vec<String> = which
                     .iter()
                     .zip(&ms)
-                    .map(|(i, m)| format!("worker {i}: sessions_open {} kv_bytes_used {}", m.get("dgr_worker_sessions_open"), m.get("dgr_worker_kv_bytes_used")))
+                    .map(|(i, m)| {
+                        format!(
+                            "worker {i}: sessions_open {} kv_bytes_used {}",
+                            m.get("dgr_worker_sessions_open"),
+                            m.get("dgr_worker_kv_bytes_used")
+                        )
+                    })
                     .collect();
                 panic!("{what}: sessions not freed within {within:?}: {seen:?}");
             }
@@ -325,7 +331,8 @@ pub fn assert_same_completion(got: &Completion, want: &Completion, what: &str) {
     assert_eq!(got.tokens, want.tokens, "{what}: tokens");
     let bits = |c: &Completion| c.logprobs.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(got), bits(want), "{what}: logprobs");
-    let top = |c: &Completion| c.top_logprobs.iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
+    let top =
+        |c: &Completion| c.top_logprobs.iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
     assert_eq!(top(got), top(want), "{what}: top_logprobs");
     assert_eq!(got.finish_reason, want.finish_reason, "{what}: finish_reason");
 }

@@ -79,10 +79,7 @@ unsafe fn dequant(ty: FastType, p: *const u8) -> (V16, V16) {
     match ty {
         FastType::F32 => {
             let f = p as *const f32;
-            (
-                V16(_mm256_loadu_ps(f), _mm256_loadu_ps(f.add(8))),
-                V16(_mm256_loadu_ps(f.add(16)), _mm256_loadu_ps(f.add(24))),
-            )
+            (V16(_mm256_loadu_ps(f), _mm256_loadu_ps(f.add(8))), V16(_mm256_loadu_ps(f.add(16)), _mm256_loadu_ps(f.add(24))))
         }
         FastType::F16 => (V16(f16x8(p), f16x8(p.add(16))), V16(f16x8(p.add(32)), f16x8(p.add(48)))),
         FastType::Bf16 => (V16(bf16x8(p), bf16x8(p.add(16))), V16(bf16x8(p.add(32)), bf16x8(p.add(48)))),
@@ -96,10 +93,7 @@ unsafe fn dequant(ty: FastType, p: *const u8) -> (V16, V16) {
             let d = _mm256_broadcastss_ps(dm);
             let m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
             let (q0, q1) = (u8x8(p.add(4)), u8x8(p.add(12)));
-            (
-                V16(nib_fma(q0, 0, d, m), nib_fma(q1, 0, d, m)),
-                V16(nib_fma(q0, 4, d, m), nib_fma(q1, 4, d, m)),
-            )
+            (V16(nib_fma(q0, 0, d, m), nib_fma(q1, 0, d, m)), V16(nib_fma(q0, 4, d, m), nib_fma(q1, 4, d, m)))
         }
         FastType::Q8_0 => {
             let d = _mm256_broadcastss_ps(f16_pair(p));

@@ -18,10 +18,9 @@ unsafe fn f16_pair(p: *const u8) -> __m128 {
 unsafe fn dequant(ty: FastType, p: *const u8) -> (__m512, __m512) {
     match ty {
         FastType::F32 => (_mm512_loadu_ps(p as *const f32), _mm512_loadu_ps((p as *const f32).add(16))),
-        FastType::F16 => (
-            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
-            _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32) as *const __m256i)),
-        ),
+        FastType::F16 => {
+            (_mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)), _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32) as *const __m256i)))
+        }
         FastType::Bf16 => {
             let lo = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)), 16);
             let hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.add(32) as *const __m256i)), 16);

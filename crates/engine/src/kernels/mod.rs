@@ -7,6 +7,9 @@
 //! paths give bitwise identical results, and a row's result never depends on how many columns
 //! (sequences) are computed beside it or on which thread computes it.
 
+// The kernels index accumulators, columns and outputs by the same column number.
+#![allow(clippy::needless_range_loop)]
+
 mod avx2;
 mod avx512;
 mod isa;

@@ -8,11 +8,7 @@ pub fn smollm() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
         let path = dgr_gguf::default_model_path();
-        assert!(
-            path.exists(),
-            "model not found at {}: run scripts/fetch-model.sh to download it",
-            path.display()
-        );
+        assert!(path.exists(), "model not found at {}: run scripts/fetch-model.sh to download it", path.display());
         let gguf = dgr_gguf::Gguf::open(&path).expect("open model");
         Tokenizer::from_gguf(&gguf).expect("build tokenizer")
     })
