@@ -35,16 +35,6 @@ impl KvCache {
         2 * self.k.len() * self.len * self.kv_dim * std::mem::size_of::<f32>()
     }
 
-    /// Forgets positions from `len` on (keeps the first `len`).
-    pub fn truncate(&mut self, len: usize) {
-        if len < self.len {
-            self.len = len;
-            for l in self.v.iter_mut() {
-                l.truncate(len * self.kv_dim);
-            }
-        }
-    }
-
     /// Stores layer `layer`'s keys and values of `rows` new positions, from `len` on (the caller
     /// advances `len` once every layer has its rows).
     pub(crate) fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
