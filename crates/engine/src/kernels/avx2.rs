@@ -131,19 +131,22 @@ pub(super) unsafe fn gemv<const N: usize>(
     let cb = ty.chunk_bytes();
     for r in 0..n_rows {
         let row = w.add(r * row_bytes);
-        let mut acc = [V16(_mm256_setzero_ps(), _mm256_setzero_ps()); N];
+        let zero = V16(_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut lo_acc, mut hi_acc) = ([zero; N], [zero; N]);
         for b in 0..nb {
+            // As in the AVX-512 kernel: keep a stream of weight misses in flight.
+            _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(b * cb + super::avx512::PREFETCH) as *const i8);
             let (lo, hi) = dequant(ty, row.add(b * cb));
             for c in 0..N {
                 let xb = x[c].add(b * 32);
-                acc[c] = fma16(lo, xb, acc[c]);
-                acc[c] = fma16(hi, xb.add(16), acc[c]);
+                lo_acc[c] = fma16(lo, xb, lo_acc[c]);
+                hi_acc[c] = fma16(hi, xb.add(16), hi_acc[c]);
             }
         }
         for c in 0..N {
             let mut l = [0f32; 16];
-            _mm256_storeu_ps(l.as_mut_ptr(), acc[c].0);
-            _mm256_storeu_ps(l.as_mut_ptr().add(8), acc[c].1);
+            _mm256_storeu_ps(l.as_mut_ptr(), _mm256_add_ps(lo_acc[c].0, hi_acc[c].0));
+            _mm256_storeu_ps(l.as_mut_ptr().add(8), _mm256_add_ps(lo_acc[c].1, hi_acc[c].1));
             *out.add(c * stride + r) = super::reduce16(&l);
         }
     }

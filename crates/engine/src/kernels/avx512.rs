@@ -61,6 +61,10 @@ unsafe fn reduce(v: __m512) -> f32 {
     super::reduce16(&l)
 }
 
+/// How far ahead of the current block to prefetch weights, in bytes.
+#[cfg(target_arch = "x86_64")]
+pub(super) const PREFETCH: usize = 1024;
+
 /// # Safety
 /// The CPU has AVX-512F/BW, FMA and F16C; `w` holds `n_rows` rows of `row_bytes` bytes, each at least `nb` chunks; each `x[c]`
 /// holds `32 * nb` floats; `out` has room for index `(N - 1) * stride + n_rows - 1`.
@@ -80,17 +84,20 @@ pub(super) unsafe fn gemv<const N: usize>(
     let cb = ty.chunk_bytes();
     for r in 0..n_rows {
         let row = w.add(r * row_bytes);
-        let mut acc = [_mm512_setzero_ps(); N];
+        let (mut lo_acc, mut hi_acc) = ([_mm512_setzero_ps(); N], [_mm512_setzero_ps(); N]);
         for b in 0..nb {
+            // Ask for the weights a few hundred bytes ahead: one core's stream of misses,
+            // not its arithmetic, is what bounds decode.
+            _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(b * cb + PREFETCH) as *const i8);
             let (lo, hi) = dequant(ty, row.add(b * cb));
             for c in 0..N {
                 let xb = x[c].add(b * 32);
-                acc[c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[c]);
-                acc[c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[c]);
+                lo_acc[c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), lo_acc[c]);
+                hi_acc[c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), hi_acc[c]);
             }
         }
         for c in 0..N {
-            *out.add(c * stride + r) = reduce(acc[c]);
+            *out.add(c * stride + r) = reduce(_mm512_add_ps(lo_acc[c], hi_acc[c]));
         }
     }
 }

@@ -1,8 +1,10 @@
 //! Matrix–vector kernels over GGUF's quantized blocks.
 //!
-//! Every kernel computes a row's dot product in one canonical order: 16 lanes, where lane `l`
-//! accumulates elements `32b + l` then `32b + 16 + l` of each 32-element block `b` with a fused
-//! multiply-add, followed by a fixed tree reduction of the lanes and a sequential tail. Weights are
+//! Every kernel computes a row's dot product in one canonical order: two sets of 16 lanes, where
+//! lane `l` of the first accumulates element `32b + l` and lane `l` of the second element
+//! `32b + 16 + l` of each 32-element block `b`, in block order, with fused multiply-adds; then the
+//! two sets are added lane by lane, the 16 lanes reduced in a fixed tree, and any tail added in
+//! order. (Two sets, not one, so consecutive blocks form two independent dependency chains.) Weights are
 //! dequantized exactly (`q * d + m` fits in an f32 mantissa), so the scalar, AVX2 and AVX-512
 //! paths give bitwise identical results, and a row's result never depends on how many columns
 //! (sequences) are computed beside it or on which thread computes it.

@@ -71,22 +71,22 @@ pub(super) unsafe fn gemv<const N: usize>(
     let cb = ty.chunk_bytes();
     for r in 0..n_rows {
         let row = w.add(r * row_bytes);
-        let mut acc = [[0f32; 16]; N];
+        let (mut lo_acc, mut hi_acc) = ([[0f32; 16]; N], [[0f32; 16]; N]);
         let mut w = [0f32; 32];
         for b in 0..nb {
             dequant(ty, row.add(b * cb), &mut w);
             for c in 0..N {
                 let xb = x[c].add(b * 32);
                 for l in 0..16 {
-                    acc[c][l] = w[l].mul_add(*xb.add(l), acc[c][l]);
+                    lo_acc[c][l] = w[l].mul_add(*xb.add(l), lo_acc[c][l]);
                 }
                 for l in 0..16 {
-                    acc[c][l] = w[16 + l].mul_add(*xb.add(16 + l), acc[c][l]);
+                    hi_acc[c][l] = w[16 + l].mul_add(*xb.add(16 + l), hi_acc[c][l]);
                 }
             }
         }
         for c in 0..N {
-            *out.add(c * stride + r) = reduce16(&acc[c]);
+            *out.add(c * stride + r) = reduce16(&std::array::from_fn(|l| lo_acc[c][l] + hi_acc[c][l]));
         }
     }
 }
