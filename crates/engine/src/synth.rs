@@ -67,16 +67,16 @@ impl SynthSpec {
         let mut w = GgufWriter::new();
         let u32v = |v: usize| Value::U32(v as u32);
         let a = self.arch;
-        w.add_metadata("general.architecture", Value::String(a.into()));
-        w.add_metadata("general.name", Value::String(format!("dgr-synth-{}", self.seed)));
-        w.add_metadata(&format!("{a}.block_count"), u32v(self.layers));
-        w.add_metadata(&format!("{a}.context_length"), u32v(self.context));
-        w.add_metadata(&format!("{a}.embedding_length"), u32v(self.hidden));
-        w.add_metadata(&format!("{a}.feed_forward_length"), u32v(self.ffn));
-        w.add_metadata(&format!("{a}.attention.head_count"), u32v(self.heads));
-        w.add_metadata(&format!("{a}.attention.head_count_kv"), u32v(self.kv_heads));
-        w.add_metadata(&format!("{a}.rope.freq_base"), Value::F32(10000.0));
-        w.add_metadata(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+        w.add_metadata("general.architecture", Value::String(a.into()))?;
+        w.add_metadata("general.name", Value::String(format!("dgr-synth-{}", self.seed)))?;
+        w.add_metadata(&format!("{a}.block_count"), u32v(self.layers))?;
+        w.add_metadata(&format!("{a}.context_length"), u32v(self.context))?;
+        w.add_metadata(&format!("{a}.embedding_length"), u32v(self.hidden))?;
+        w.add_metadata(&format!("{a}.feed_forward_length"), u32v(self.ffn))?;
+        w.add_metadata(&format!("{a}.attention.head_count"), u32v(self.heads))?;
+        w.add_metadata(&format!("{a}.attention.head_count_kv"), u32v(self.kv_heads))?;
+        w.add_metadata(&format!("{a}.rope.freq_base"), Value::F32(10000.0))?;
+        w.add_metadata(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5))?;
         let vocab = self.vocab.max(258);
         let tokens: Vec<Value> = (0..vocab)
             .map(|i| match i {
@@ -88,14 +88,14 @@ impl SynthSpec {
             .map(Value::String)
             .collect();
         let types = (0..vocab).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
-        w.add_metadata("tokenizer.ggml.model", Value::String("gpt2".into()));
-        w.add_metadata("tokenizer.ggml.pre", Value::String("gpt2".into()));
-        w.add_metadata("tokenizer.ggml.tokens", Value::Array(tokens));
-        w.add_metadata("tokenizer.ggml.token_type", Value::Array(types));
-        w.add_metadata("tokenizer.ggml.merges", Value::Array(Vec::new()));
-        w.add_metadata("tokenizer.ggml.bos_token_id", Value::U32(256));
-        w.add_metadata("tokenizer.ggml.eos_token_id", Value::U32(257));
-        w.add_metadata("tokenizer.ggml.add_bos_token", Value::Bool(false));
+        w.add_metadata("tokenizer.ggml.model", Value::String("gpt2".into()))?;
+        w.add_metadata("tokenizer.ggml.pre", Value::String("gpt2".into()))?;
+        w.add_metadata("tokenizer.ggml.tokens", Value::Array(tokens))?;
+        w.add_metadata("tokenizer.ggml.token_type", Value::Array(types))?;
+        w.add_metadata("tokenizer.ggml.merges", Value::Array(Vec::new()))?;
+        w.add_metadata("tokenizer.ggml.bos_token_id", Value::U32(256))?;
+        w.add_metadata("tokenizer.ggml.eos_token_id", Value::U32(257))?;
+        w.add_metadata("tokenizer.ggml.add_bos_token", Value::Bool(false))?;
 
         let (h, f, kvd) = (self.hidden, self.ffn, self.hidden / self.heads * self.kv_heads);
         let mut matrix = |w: &mut GgufWriter, name: &str, k: usize, rows: usize, ty: GgmlType| -> Result<(), GgufError> {

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
+    #[error("metadata key {key:?}: a GGUF array cannot mix element types")]
+    MixedArray { key: String },
     #[error("cannot read {path:?}: {source}")]
     Io {
         path: PathBuf,

@@ -39,17 +39,17 @@ impl GgufWriter {
         self.version = version;
     }
 
-    /// Adds a key, or replaces its value in place if already present.
-    ///
-    /// # Panics
-    /// If an array (at any depth) mixes element types: GGUF arrays are homogeneous, so such a
-    /// value cannot be encoded. This is a caller bug, never caused by file contents.
-    pub fn add_metadata(&mut self, key: &str, value: Value) {
-        assert!(is_homogeneous(&value), "GGUF arrays must not mix element types (key {key:?})");
+    /// Adds a key, or replaces its value in place if already present. An array (at any depth)
+    /// that mixes element types cannot be encoded (GGUF arrays are homogeneous) and is refused.
+    pub fn add_metadata(&mut self, key: &str, value: Value) -> Result<(), GgufError> {
+        if !is_homogeneous(&value) {
+            return Err(GgufError::MixedArray { key: key.to_owned() });
+        }
         match self.metadata.iter_mut().find(|(k, _)| k == key) {
             Some((_, v)) => *v = value,
             None => self.metadata.push((key.to_owned(), value)),
         }
+        Ok(())
     }
 
     /// Adds a tensor; `data` must be exactly the bytes its type and dims call for.

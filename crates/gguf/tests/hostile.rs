@@ -108,7 +108,7 @@ fn nesting_is_bounded() {
         deep = Value::Array(vec![deep]);
     }
     let mut w = GgufWriter::new();
-    w.add_metadata("deep", deep);
+    w.add_metadata("deep", deep).unwrap();
     assert!(matches!(parse(w.to_bytes()), Err(GgufError::ArrayTooDeep { max: 4, .. })));
 
     // A million levels of "array of arrays" must stop at the limit, not overflow the stack.
@@ -124,7 +124,7 @@ fn nesting_is_bounded() {
 fn bad_alignment_values() {
     for value in [Value::U32(0), Value::U32(3), Value::U64(32), Value::String("32".into())] {
         let mut w = GgufWriter::new();
-        w.add_metadata("general.alignment", value.clone());
+        w.add_metadata("general.alignment", value.clone()).unwrap();
         assert!(matches!(parse(w.to_bytes()), Err(GgufError::InvalidAlignment { .. })), "{value:?}");
     }
 }

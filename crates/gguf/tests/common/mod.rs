@@ -29,10 +29,10 @@ impl XorShift {
 /// A small valid file: a few metadata kinds and three tensors of different types.
 pub fn small_file() -> Vec<u8> {
     let mut w = GgufWriter::new();
-    w.add_metadata("general.architecture", Value::String("llama".into()));
-    w.add_metadata("llama.block_count", Value::U32(2));
-    w.add_metadata("tokens", Value::Array(vec![Value::String("a".into()), Value::String("bc".into())]));
-    w.add_metadata("flag", Value::Bool(true));
+    w.add_metadata("general.architecture", Value::String("llama".into())).unwrap();
+    w.add_metadata("llama.block_count", Value::U32(2)).unwrap();
+    w.add_metadata("tokens", Value::Array(vec![Value::String("a".into()), Value::String("bc".into())])).unwrap();
+    w.add_metadata("flag", Value::Bool(true)).unwrap();
     w.add_tensor("f32", GgmlType::F32, &[4, 2], (0..32).collect()).expect("f32 tensor");
     w.add_tensor("q8", GgmlType::Q8_0, &[32], vec![1; 34]).expect("q8 tensor");
     w.add_tensor("f16", GgmlType::F16, &[3], vec![0; 6]).expect("f16 tensor");
