@@ -1,7 +1,7 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
 use crate::kernels::{self, FastType, Isa, Rows};
-use crate::pool::ThreadPool;
+use crate::pool::{Disjoint, ThreadPool};
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
 
@@ -61,11 +61,6 @@ pub(crate) struct Product<'a> {
     pub out: &'a mut [f32],
 }
 
-struct SendPtr(*mut f32);
-// SAFETY: participants write disjoint rows of each output (see `matmul`).
-unsafe impl Sync for SendPtr {}
-unsafe impl Send for SendPtr {}
-
 /// Columns per tile: as many as keep the tile of activations in L1 (at most a kernel's width),
 /// so each weight block is dequantized once per tile and multiplied from registers and L1.
 fn tile_cols(k: usize) -> usize {
@@ -81,17 +76,21 @@ fn tile_cols(k: usize) -> usize {
 /// job over the products' rows, handed out in chunks. Each row is computed completely by one
 /// thread, so a result depends on neither the thread count nor the other columns.
 pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, file: &[u8], x: &[f32], n: usize, products: &mut [Product]) {
+    // At most three products share a job (q, k, v); held in an array, not allocated per call.
+    assert!(products.len() <= 3);
     for p in products.iter() {
         assert!(x.len() >= n * p.w.k && p.out.len() >= n * p.w.rows);
     }
-    let outs: Vec<SendPtr> = products.iter_mut().map(|p| SendPtr(p.out.as_mut_ptr())).collect();
-    let ws: Vec<&Matrix> = products.iter().map(|p| p.w).collect();
-    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let mut jobs: [Option<(&Matrix, Disjoint)>; 3] = [None, None, None];
+    for (j, p) in jobs.iter_mut().zip(products.iter_mut()) {
+        *j = Some((p.w, Disjoint::new(p.out)));
+    }
+    let total: usize = jobs.iter().flatten().map(|(w, _)| w.rows).sum();
     // Several chunks per thread, so a late or descheduled thread's share is picked up by others.
     let grain = (total / (pool.threads() * 8)).clamp(16, 256);
     pool.run(total, grain, &|items| {
         let mut base = 0;
-        for (w, out) in ws.iter().zip(&outs) {
+        for (w, out) in jobs.iter().flatten() {
             let (lo, hi) = (items.start.max(base), items.end.min(base + w.rows));
             if lo < hi {
                 rows(isa, file, x, n, w, out, lo - base..hi - base);
@@ -102,7 +101,7 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, file: &[u8], x: &[f32], n: usi
 }
 
 /// Rows `rows` of `w` for every column: the unit of work one thread does without a break.
-fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &SendPtr, rows: std::ops::Range<usize>) {
+fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
     let k = w.k;
     let tile = tile_cols(k);
     let mut scratch = Vec::new();
@@ -112,7 +111,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &SendPtr, r
         let xs: [&[f32]; kernels::MAX_COLS] = std::array::from_fn(|j| if j < g { &x[(c0 + j) * k..(c0 + j + 1) * k] } else { &[] });
         // SAFETY (both calls below): the caller alone writes rows `rows` of columns c0..c0 + g
         // of `out`, which `matmul`'s assert keeps in bounds.
-        let dst = unsafe { out.0.add(c0 * w.rows + rows.start) };
+        let dst = out.at(c0 * w.rows + rows.start);
         match w.fast {
             Some(ty) => {
                 let bytes = &file[w.offset + rows.start * w.row_bytes..w.offset + rows.end * w.row_bytes];

@@ -170,6 +170,23 @@ fn worker(s: &Shared) {
     }
 }
 
+/// A buffer that pool participants write in disjoint parts (each job its own rows or slices).
+pub(crate) struct Disjoint(*mut f32);
+
+// SAFETY: every user writes only the elements its job owns, and the buffer outlives the job.
+unsafe impl Sync for Disjoint {}
+
+impl Disjoint {
+    pub(crate) fn new(buf: &mut [f32]) -> Disjoint {
+        Disjoint(buf.as_mut_ptr())
+    }
+
+    /// A pointer to element `i` (a method, so closures capture the whole wrapper).
+    pub(crate) fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.stop.store(true, SeqCst);

@@ -6,7 +6,7 @@ use crate::kernels::Isa;
 use crate::kv::KvCache;
 use crate::matrix::{matmul, Matrix, Product};
 use crate::ops;
-use crate::pool::ThreadPool;
+use crate::pool::{Disjoint, ThreadPool};
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
 use std::ops::Range;
@@ -376,32 +376,26 @@ impl Stage {
         let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
         let group = cfg.n_head / cfg.n_head_kv;
         let jobs = seq_of.len() * cfg.n_head;
-        let out = SyncPtr(att.as_mut_ptr());
+        let out = Disjoint::new(att);
         let caches: Vec<(&[f32], usize, &[f32])> = batch.iter().map(|s| (&s.kv.k[li][..], s.kv.capacity, &s.kv.v[li][..])).collect();
         self.pool.run(jobs, 1, &|chunk| {
-            let mut scores = Vec::new();
-            for job in chunk {
-                let (t, head) = (job / cfg.n_head, job % cfg.n_head);
-                let (kt, cap, vc) = caches[seq_of[t]];
-                // SAFETY: job (t, head) alone writes att[t*h + head*hd ..][..hd].
-                let dst = unsafe { std::slice::from_raw_parts_mut(out.at(t * h + head * hd), hd) };
-                let qh = &q[t * h + head * hd..t * h + (head + 1) * hd];
-                ops::attend(self.isa, qh, kt, cap, vc, pos_of[t] + 1, kvd, (head / group) * hd, &mut scores, dst);
-            }
+            SCORES.with_borrow_mut(|scores| {
+                for job in chunk {
+                    let (t, head) = (job / cfg.n_head, job % cfg.n_head);
+                    let (kt, cap, vc) = caches[seq_of[t]];
+                    // SAFETY: job (t, head) alone writes att[t*h + head*hd ..][..hd].
+                    let dst = unsafe { std::slice::from_raw_parts_mut(out.at(t * h + head * hd), hd) };
+                    let qh = &q[t * h + head * hd..t * h + (head + 1) * hd];
+                    ops::attend(self.isa, qh, kt, cap, vc, pos_of[t] + 1, kvd, (head / group) * hd, scores, dst);
+                }
+            })
         });
     }
 }
 
-struct SyncPtr(*mut f32);
-// SAFETY: used only for disjoint writes from pool participants.
-unsafe impl Sync for SyncPtr {}
-
-impl SyncPtr {
-    /// (A method, so closures capture the whole wrapper rather than the raw pointer.)
-    fn at(&self, i: usize) -> *mut f32 {
-        // SAFETY: callers stay inside the buffer this pointer came from.
-        unsafe { self.0.add(i) }
-    }
+thread_local! {
+    /// Attention scores of the job at hand, kept per thread so that no job allocates.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

@@ -176,6 +176,21 @@ impl Splitter<'_> {
         None
     }
 
+    /// The last alternatives both splitters share: `\s+(?!\S)` (a run of whitespace less its
+    /// last character, which goes with the next word), then `\s+`, else one character alone.
+    /// Splits there and returns the position after.
+    fn whitespace_or_one(&mut self, pos: usize, n_ws: usize) -> usize {
+        let end = if n_ws > 1 && self.cpt(pos + n_ws).is_some() {
+            pos + n_ws - 1
+        } else if n_ws > 0 {
+            pos + n_ws
+        } else {
+            pos + 1
+        };
+        self.add(end);
+        end
+    }
+
     fn whitespace_run(&self, pos: usize) -> usize {
         let mut n = 0;
         while self.flags(pos + n).is_whitespace() {
@@ -231,20 +246,7 @@ impl Splitter<'_> {
             }
 
             let n_ws = self.whitespace_run(pos);
-            // \s+(?!\S): leave the last space to prefix the next word
-            if n_ws > 1 && self.cpt(pos + n_ws).is_some() {
-                pos += n_ws - 1;
-                self.add(pos);
-                continue;
-            }
-            // \s+
-            if n_ws > 0 {
-                pos += n_ws;
-                self.add(pos);
-                continue;
-            }
-            pos += 1;
-            self.add(pos);
+            pos = self.whitespace_or_one(pos, n_ws);
         }
     }
 
@@ -314,20 +316,7 @@ impl Splitter<'_> {
                 self.add(pos);
                 continue;
             }
-            // \s+(?!\S)
-            if n_ws > 1 && self.cpt(pos + n_ws).is_some() {
-                pos += n_ws - 1;
-                self.add(pos);
-                continue;
-            }
-            // \s+
-            if n_ws > 0 {
-                pos += n_ws;
-                self.add(pos);
-                continue;
-            }
-            pos += 1;
-            self.add(pos);
+            pos = self.whitespace_or_one(pos, n_ws);
         }
     }
 

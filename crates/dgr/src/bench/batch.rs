@@ -1,4 +1,4 @@
-use super::{median, peer, record};
+use super::{median, peer, prompt, record};
 use crate::model::ModelArg;
 use crate::swarm::{balanced_split, LocalSwarm};
 use anyhow::{bail, Context, Result};
@@ -47,10 +47,6 @@ pub struct Args {
     llama_batched_bench: Option<PathBuf>,
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
-}
-
-fn prompt(vocab: u32, seq: usize, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 7919 + seq as u32 * 104_729 + 13) % vocab).collect()
 }
 
 /// Aggregate decode tok/s of `b` sequences in one process: prompts prefilled, then

@@ -1,4 +1,4 @@
-use super::{median, peer, record};
+use super::{median, peer, prompt, record};
 use crate::model::ModelArg;
 use anyhow::Result;
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
@@ -34,7 +34,7 @@ pub struct Args {
 /// a prompt of `p` tokens into an empty cache, and `n` single-token steps from an empty cache.
 fn dgr_rep(stage: &Stage, p: usize, n: usize) -> Result<(f64, f64)> {
     let vocab = stage.config().vocab as u32;
-    let prompt: Vec<u32> = (0..p as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let prompt = prompt(vocab, 0, p);
     let mut kv = stage.new_kv(p);
     let t = Instant::now();
     stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&prompt), logits: LogitRows::Last }])?;

@@ -28,6 +28,11 @@ pub fn run(c: Command) -> Result<()> {
     }
 }
 
+/// A deterministic prompt of `len` token ids for sequence `seq`, distinct per sequence.
+pub fn prompt(vocab: u32, seq: usize, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 7919 + seq as u32 * 104_729 + 13) % vocab).collect()
+}
+
 /// The median of samples (the mean of the middle two for an even count).
 pub fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
