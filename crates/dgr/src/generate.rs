@@ -83,7 +83,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
-    let (out, extra) = if a.route.route.is_some() || a.route.split.is_some() {
+    let (out, extra) = if a.route.route.is_some() || a.route.split.is_some() || a.route.tracker.is_some() {
         let is_eog = |t: u32| tok.is_eog(t);
         match routed::generate(&a.route, &a.model.path()?, n_layers, a.threads.get(), &req, &is_eog, &mut print)? {
             Ok(v) => v,

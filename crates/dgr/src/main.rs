@@ -3,13 +3,18 @@
 mod bench;
 mod generate;
 mod inspect;
+mod key;
+mod ledger;
 mod local;
 mod model;
 mod routed;
 mod score;
+mod state;
+mod status;
 mod swarm;
 mod synth;
 mod tokenize;
+mod tracker;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +40,15 @@ enum Command {
     Inspect(inspect::Args),
     /// Write a random-weight llama-shaped GGUF (for tests and benchmarks).
     Synth(synth::Args),
+    /// Run a tracker: worker registry, route planning, signed tickets, usage ledger, relay.
+    Tracker(tracker::Args),
+    /// Show what a tracker knows: per model, the coverage of its layers and every worker.
+    Swarm(status::SwarmArgs),
+    /// Show a tracker's usage ledger, by API key or by worker.
+    Usage(status::UsageArgs),
+    /// Manage a tracker's API keys.
+    #[command(subcommand)]
+    Key(key::Command),
     /// Measure dgr against llama.cpp in the same run and print the ratios.
     #[command(subcommand)]
     Bench(bench::Command),
@@ -42,7 +56,10 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Tokenize(_) | Command::Score(_) | Command::Inspect(_) | Command::Synth(_)) {
+    if matches!(
+        cli.command,
+        Command::Tokenize(_) | Command::Score(_) | Command::Inspect(_) | Command::Synth(_) | Command::Swarm(_) | Command::Usage(_)
+    ) {
         die_on_broken_pipe();
     }
     let result = match cli.command {
@@ -52,6 +69,10 @@ fn main() {
         Command::Worker(a) => worker::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Tracker(a) => tracker::run(a),
+        Command::Swarm(a) => status::swarm(a),
+        Command::Usage(a) => status::usage(a),
+        Command::Key(c) => key::run(c),
         Command::Bench(c) => bench::run(c),
     };
     if let Err(e) = result {

@@ -10,12 +10,18 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct RouteArgs {
-    /// Generate through these workers (their --listen addresses, in layer order, comma-separated)
-    #[arg(long, conflicts_with = "split")]
+    /// Generate through these ticketless workers (their --listen addresses, in layer order, comma-separated)
+    #[arg(long, conflicts_with_all = ["split", "tracker"])]
     pub route: Option<String>,
     /// Start N local workers with even layer ranges, generate through them, then stop them
-    #[arg(long)]
+    #[arg(long, conflicts_with = "tracker")]
     pub split: Option<usize>,
+    /// Ask this tracker (host:port) for a route and its signed ticket, and report the request's usage to its ledger
+    #[arg(long)]
+    pub tracker: Option<String>,
+    /// The API key the tracker bills (needed once the tracker has keys)
+    #[arg(long, env = "DGR_API_KEY", default_value = "", hide_env_values = true)]
+    pub api_key: String,
     /// Seconds to wait for any one step before giving up on the route
     #[arg(long, default_value_t = 5.0)]
     pub step_timeout: f64,
@@ -46,16 +52,24 @@ pub fn generate(
             swarm = LocalSwarm::start(model, &crate::swarm::even_split(n_layers, n), threads, &[])?;
             swarm.addrs.clone()
         }
-        (None, None) => bail!("neither --route nor --split"),
+        (None, None) if a.tracker.is_some() => Vec::new(),
+        (None, None) => bail!("none of --route, --split, --tracker"),
     };
     let model_id = dgr_gguf::model_id(model).with_context(|| format!("hashing {}", model.display()))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let opts = DriveOptions { step_timeout, ..DriveOptions::default() };
     Ok(rt.block_on(async {
-        let route = Route::discover(&addrs, opts.connect_timeout).await?;
+        let budget = (req.prompt_tokens.len() + req.max_tokens) as u64;
+        let (route, ticket, request_id) = match &a.tracker {
+            Some(t) => {
+                let (route, ticket, request_id) = crate::ledger::route(t, &model_id, budget, &a.api_key).await?;
+                (route, Some(ticket), request_id)
+            }
+            None => (Route::discover(&addrs, opts.connect_timeout).await?, None, String::new()),
+        };
         if route.model_id() != model_id {
             let msg = format!("the route serves model {} but --model is {model_id}", route.model_id());
-            return Err(DriveError::new("route", Some(0), Some(&addrs[0]), msg));
+            return Err(DriveError::new("route", Some(0), Some(&route.stages[0].addr), msg));
         }
         let g = GenRequest {
             prompt_tokens: req.prompt_tokens.clone(),
@@ -68,8 +82,9 @@ pub fn generate(
             },
             top_logprobs: req.top_logprobs as u32,
             seam_dtype,
+            ticket,
         };
-        let out = dgr_gateway::generate(&route, &g, &opts, |t| {
+        let result = dgr_gateway::generate(&route, &g, &opts, |t| {
             on_token(t.token);
             if !req.ignore_eos && is_eog(t.token) {
                 Flow::Stop
@@ -77,9 +92,21 @@ pub fn generate(
                 Flow::Continue
             }
         })
-        .await?;
+        .await;
+        let ledger = match (&a.tracker, &g.ticket) {
+            (Some(t), Some((_, session))) => {
+                let usage = crate::ledger::request_usage(&request_id, &a.api_key, &route, session, req.prompt_tokens.len(), &result);
+                Some(crate::ledger::report(t, usage).await)
+            }
+            _ => None,
+        };
+        let out = result?;
         let extra = serde_json::json!({
             "route": route.addrs(),
+            "layers": route.stages.iter().map(|s| [s.info.layer_start, s.info.layer_end]).collect::<Vec<_>>(),
+            "worker_ids": route.stages.iter().map(|s| s.worker_id.clone()).collect::<Vec<_>>(),
+            "request_id": request_id,
+            "ledger": ledger,
             "seam_dtype": seam_dtype.name(),
             "seams": out.seams,
             "stages": out.stages,

@@ -43,6 +43,23 @@ pub struct Args {
     /// Milliseconds a step may wait for more decoding sessions to arrive and join its batch
     #[arg(long, default_value_t = 2.0)]
     batch_wait_ms: f64,
+    /// Join this tracker (host:port): register, heartbeat, report usage, and serve only sessions
+    /// with a route ticket it signed. Without it the worker runs ticketless, for local use.
+    #[arg(long, env = "DGR_TRACKER")]
+    tracker: Option<String>,
+    /// File holding the tracker's join token (needed with --tracker)
+    #[arg(long, requires = "tracker")]
+    join_token_file: Option<std::path::PathBuf>,
+    /// The address routes should dial this worker on [default: the bound --listen address]
+    #[arg(long, requires = "tracker", conflicts_with = "relay")]
+    advertise: Option<String>,
+    /// Open no listening port: keep a connection to the tracker and take sessions through its relay
+    #[arg(long, requires = "tracker")]
+    relay: bool,
+    /// This worker's identity key (32 bytes; created if missing): a restart with the same file is
+    /// the same worker to the tracker [default: a new identity each start]
+    #[arg(long, requires = "tracker")]
+    key_file: Option<std::path::PathBuf>,
 }
 
 /// Parses "A..B".
@@ -74,32 +91,66 @@ pub fn run(a: Args) -> Result<()> {
         batch_wait: secs(a.batch_wait_ms / 1e3, "batch-wait-ms")?,
     };
     let layers = cfg.layers.clone();
-    let worker = Worker::open(cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         // Handlers first: a SIGTERM that arrives right after the ready line must drain, not kill.
         let shutdown = shutdown_signal()?;
-        let (listener, addr) = dgr_worker::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?;
+        let bound = if a.relay { None } else { Some(dgr_worker::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?) };
+        let addr = bound.as_ref().map(|(_, addr)| addr.to_string());
+        if let Some(tracker) = &a.tracker {
+            let token_file = a.join_token_file.as_ref().context("--tracker needs --join-token-file")?;
+            let identity = match &a.key_file {
+                Some(f) => dgr_worker::load_or_create_identity(f).with_context(|| format!("identity key {}", f.display()))?,
+                None => dgr_proto::new_signing_key().map_err(|e| anyhow::anyhow!("randomness: {e}"))?,
+            };
+            let advertise = match (&a.advertise, &addr) {
+                (_, None) => None,
+                (Some(adv), _) => Some(adv.clone()),
+                (None, Some(addr)) if addr.starts_with("0.0.0.0") || addr.starts_with("[::]") => {
+                    bail!("listening on {addr}: say which address routes should dial with --advertise")
+                }
+                (None, Some(addr)) => Some(addr.clone()),
+            };
+            cfg.tracker = Some(dgr_worker::TrackerLink {
+                addr: tracker.clone(),
+                join_token: crate::state::read_secret(token_file)?,
+                identity,
+                advertise,
+            });
+        }
+        let worker = Worker::open(cfg)?;
         let m = worker.metrics();
         println!(
             "{}",
             serde_json::json!({
-                "listening": addr.to_string(),
+                "listening": addr,
                 "layers": [layers.start, layers.end],
                 "model_id": worker.info().model_id,
                 "weight_bytes": m.weight_bytes.load(std::sync::atomic::Ordering::Relaxed),
                 "rss_bytes": dgr_worker::rss_bytes(),
+                "step_us_per_layer": worker.step_us_per_layer(),
+                "worker_id": worker.worker_id(),
+                "tracker": a.tracker,
+                "relayed": a.relay,
             })
         );
-        eprintln!("dgr worker: serving layers {}..{} on {addr} (GET http://{addr}/metrics)", layers.start, layers.end);
-        worker.serve(listener, shutdown).await?;
+        let range = format!("layers {}..{}", layers.start, layers.end);
+        match (&a.tracker, &addr) {
+            (Some(t), Some(addr)) => eprintln!("dgr worker: serving {range} on {addr} for the tracker at {t}; sessions need its tickets"),
+            (Some(t), None) => eprintln!("dgr worker: serving {range} through the relay of the tracker at {t}; sessions need its tickets"),
+            (None, addr) => eprintln!(
+                "dgr worker: serving {range} on {} in ticketless mode (no --tracker: any driver that reaches this port may open sessions)",
+                addr.as_deref().unwrap_or("?")
+            ),
+        }
+        worker.serve(bound.map(|(l, _)| l), shutdown).await?;
         eprintln!("dgr worker: stopped");
         Ok(())
     })
 }
 
 /// Installs handlers for SIGTERM and SIGINT; the future completes on either.
-fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+pub fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;

@@ -92,6 +92,7 @@ impl Spec {
             sampling: self.sampling,
             top_logprobs: self.top_logprobs,
             seam_dtype: self.seam_dtype,
+            ticket: None,
         }
     }
 }

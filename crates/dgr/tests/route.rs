@@ -317,6 +317,7 @@ fn gen_request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         sampling: Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, seed: 0 },
         top_logprobs: 5,
         seam_dtype: SeamDtype::F32,
+        ticket: None,
     }
 }
 

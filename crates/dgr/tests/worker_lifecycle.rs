@@ -16,6 +16,7 @@ fn request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
         top_logprobs: 0,
         seam_dtype: SeamDtype::F32,
+        ticket: None,
     }
 }
 

@@ -1,4 +1,5 @@
 use dgr_gguf::GgufError;
+use std::ops::Range;
 
 /// Why a model could not be opened or a forward could not run. Inputs are checked before any
 /// computation starts, so an error never leaves a sequence's state half-updated.
@@ -18,6 +19,10 @@ pub enum EngineError {
     UnsupportedType { name: String, ty: &'static str },
     #[error("layer range {start}..{end} is not a non-empty part of 0..{n_layers}")]
     BadLayerRange { start: usize, end: usize, n_layers: usize },
+    #[error("layers {sub:?} are not a non-empty part of the stage's layers {held:?}")]
+    BadSubRange { sub: Range<usize>, held: Range<usize> },
+    #[error("sequences over layers {a:?} and {b:?} cannot share a forward")]
+    MixedLayerRanges { a: Range<usize>, b: Range<usize> },
     #[error("token id {token} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("sequence would hold {needed} positions, past its capacity of {capacity}")]

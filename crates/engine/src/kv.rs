@@ -1,10 +1,13 @@
 //! Per-sequence state: the keys and values a sequence has cached in one stage's layers.
 
-/// The KV cache of one sequence for one stage. It belongs to exactly one sequence and is only
-/// reachable through that sequence's handle, never shared.
+use std::ops::Range;
+
+/// The KV cache of one sequence for one stage, over the layers the sequence runs there (all of
+/// the stage's, or a contiguous part). It belongs to exactly one sequence and is only reachable
+/// through that sequence's handle, never shared.
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per layer of the stage: keys transposed, `kv_dim` rows of `capacity` positions, so that a
+    /// Per layer of `layers`: keys transposed, `kv_dim` rows of `capacity` positions, so that a
     /// head's scores are sums of contiguous runs. Sized at creation; the zeroed pages become
     /// resident only as positions are written.
     pub(crate) k: Vec<Vec<f32>>,
@@ -14,6 +17,8 @@ pub struct KvCache {
     pub(crate) capacity: usize,
     pub(crate) kv_dim: usize,
     pub(crate) stage_id: u64,
+    /// The model's layers this sequence runs on the stage; a forward runs exactly these.
+    pub(crate) layers: Range<usize>,
 }
 
 impl KvCache {
@@ -28,6 +33,11 @@ impl KvCache {
 
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// The model's layers this sequence runs on its stage.
+    pub fn layers(&self) -> Range<usize> {
+        self.layers.clone()
     }
 
     /// Bytes held for the cached positions.

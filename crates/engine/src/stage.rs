@@ -31,13 +31,13 @@ struct Head {
     w: Matrix,
 }
 
-/// What a sequence brings to a forward: token ids (first stage) or hidden rows (later stages).
+/// What a sequence brings to a forward: token ids (when its layers start at 0) or hidden rows.
 pub enum Input<'a> {
     Tokens(&'a [u32]),
     Hidden(&'a [f32]),
 }
 
-/// Which rows of a sequence want logits from the last stage.
+/// Which rows of a sequence want logits, when its layers end at the model's last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitRows {
     None,
@@ -52,8 +52,8 @@ pub struct SeqInput<'a> {
     pub logits: LogitRows,
 }
 
-/// One sequence's result: hidden rows for the next stage (every row, when this stage is not
-/// the last) or logits (`vocab` floats per requested row, on the last stage).
+/// One sequence's result: hidden rows for the next stage (every row, when the sequence's layers
+/// end before the model's last) or logits (`vocab` floats per requested row, otherwise).
 #[derive(Debug, Default)]
 pub struct SeqOutput {
     pub hidden: Vec<f32>,
@@ -191,10 +191,24 @@ impl Stage {
         mats.sum::<usize>() + embed + head.map_or(0, |h| h.w.bytes())
     }
 
-    /// A fresh, empty KV cache for one sequence on this stage, holding at most `capacity`
-    /// positions (and never more than the model's context length).
+    /// A fresh, empty KV cache for one sequence over all of this stage's layers, holding at most
+    /// `capacity` positions (and never more than the model's context length).
     pub fn new_kv(&self, capacity: usize) -> KvCache {
-        let (n, capacity, kv_dim) = (self.layers.len(), capacity.min(self.cfg.context), self.cfg.kv_dim());
+        self.kv(capacity, self.range.clone())
+    }
+
+    /// Like `new_kv`, for a sequence that runs only layers `sub`, a non-empty part of this
+    /// stage's: its forwards embed tokens iff `sub` starts at 0, and end with the head iff `sub`
+    /// ends at the model's last layer; otherwise they take and return hidden rows.
+    pub fn new_kv_for(&self, capacity: usize, sub: Range<usize>) -> Result<KvCache, EngineError> {
+        if sub.start >= sub.end || sub.start < self.range.start || sub.end > self.range.end {
+            return Err(EngineError::BadSubRange { sub, held: self.range.clone() });
+        }
+        Ok(self.kv(capacity, sub))
+    }
+
+    fn kv(&self, capacity: usize, layers: Range<usize>) -> KvCache {
+        let (n, capacity, kv_dim) = (layers.len(), capacity.min(self.cfg.context), self.cfg.kv_dim());
         KvCache {
             k: (0..n).map(|_| vec![0f32; kv_dim * capacity]).collect(),
             v: vec![Vec::new(); n],
@@ -202,16 +216,18 @@ impl Stage {
             capacity,
             kv_dim,
             stage_id: self.id,
+            layers,
         }
     }
 
     /// Checks one sequence's input as `forward` would, returning its row count, so a caller can
-    /// turn away one bad sequence without failing a whole batch.
+    /// turn away one bad sequence without failing a whole batch. A KV cache made by this stage
+    /// runs a part of its layers (`new_kv_for` checked that), so the stage id is the whole check.
     pub fn check(&self, s: &SeqInput) -> Result<usize, EngineError> {
         if s.kv.stage_id != self.id {
             return Err(EngineError::BadInput("KV cache belongs to another stage".into()));
         }
-        let rows = match (&s.input, self.embed.is_some()) {
+        let rows = match (&s.input, s.kv.layers.start == 0) {
             (Input::Tokens(t), true) => {
                 if let Some(&bad) = t.iter().find(|&&t| t as usize >= self.cfg.vocab) {
                     return Err(EngineError::TokenOutOfRange { token: bad, vocab: self.cfg.vocab });
@@ -224,8 +240,8 @@ impl Stage {
                 }
                 x.len() / self.cfg.hidden
             }
-            (Input::Tokens(_), false) => return Err(EngineError::BadInput("token ids sent to a stage without the embedding".into())),
-            (Input::Hidden(_), true) => return Err(EngineError::BadInput("hidden rows sent to the first stage".into())),
+            (Input::Tokens(_), false) => return Err(EngineError::BadInput("token ids sent to layers past the embedding".into())),
+            (Input::Hidden(_), true) => return Err(EngineError::BadInput("hidden rows sent to the first layer".into())),
         };
         if rows == 0 {
             return Err(EngineError::BadInput("a sequence with no rows".into()));
@@ -237,12 +253,16 @@ impl Stage {
         Ok(rows)
     }
 
-    /// Runs every sequence's rows through this stage's layers in one batch. Each sequence's
-    /// result is bitwise what it would be alone: every operation is per row or per sequence,
-    /// and every reduction has a fixed order.
+    /// Runs every sequence's rows through its KV cache's layers in one batch; every sequence of
+    /// a batch must run the same layers. Each sequence's result is bitwise what it would be
+    /// alone: every operation is per row or per sequence, and every reduction has a fixed order.
     pub fn forward(&self, batch: &mut [SeqInput]) -> Result<Vec<SeqOutput>, EngineError> {
+        let Some(sub) = batch.first().map(|s| s.kv.layers.clone()) else { return Ok(Vec::new()) };
         let mut rows_of = Vec::with_capacity(batch.len());
         for s in batch.iter() {
+            if s.kv.layers != sub {
+                return Err(EngineError::MixedLayerRanges { a: sub, b: s.kv.layers.clone() });
+            }
             rows_of.push(self.check(s)?);
         }
         let cfg = &self.cfg;
@@ -283,7 +303,9 @@ impl Stage {
         let mut o = vec![0f32; t_all * h];
         let (mut gate, mut up) = (vec![0f32; t_all * cfg.ffn], vec![0f32; t_all * cfg.ffn]);
 
-        for (li, layer) in self.layers.iter().enumerate() {
+        // The batch's layers within the stage's; `li` indexes each KV cache's layers.
+        let layers = &self.layers[sub.start - self.range.start..sub.end - self.range.start];
+        for (li, layer) in layers.iter().enumerate() {
             for t in 0..t_all {
                 ops::rms_norm(&x[t * h..(t + 1) * h], &layer.attn_norm, cfg.rms_eps, &mut xn[t * h..(t + 1) * h]);
             }
@@ -333,7 +355,7 @@ impl Stage {
         }
 
         let mut outputs: Vec<SeqOutput> = (0..batch.len()).map(|_| SeqOutput::default()).collect();
-        let Some(head) = &self.head else {
+        let Some(head) = self.head.as_ref().filter(|_| sub.end == cfg.n_layers) else {
             let mut t0 = 0;
             for (si, out) in outputs.iter_mut().enumerate() {
                 out.hidden = x[t0 * h..(t0 + rows_of[si]) * h].to_vec();

@@ -3,14 +3,17 @@
 //! instruction set the kernels use.
 
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::{Input, Isa, LogitRows, SeqInput, Stage, StageOptions};
+use dgr_engine::{EngineError, Input, Isa, KvCache, LogitRows, SeqInput, Stage, StageOptions};
 use dgr_gguf::{GgmlType, Gguf};
+use std::ops::Range;
 use std::sync::Arc;
+
+const LAYERS: usize = 6;
 
 fn model(ty: GgmlType, arch: &'static str) -> Arc<Gguf> {
     // K-quant rows are whole blocks of 256.
     let (hidden, ffn) = if ty.block_size() == 256 { (256, 512) } else { (64, 128) };
-    let spec = SynthSpec { ty, layers: 6, hidden, ffn, arch, ..SynthSpec::default() };
+    let spec = SynthSpec { ty, layers: LAYERS, hidden, ffn, arch, ..SynthSpec::default() };
     Arc::new(Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap())
 }
 
@@ -18,34 +21,64 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
     (0..8u32).map(|s| (0..(3 + s * 5) % 23 + 1).map(|i| (i * 37 + s * 101 + 7) % vocab).collect()).collect()
 }
 
-/// Runs `prompts` concurrently (one batch) through a chain of stages, prefill then `steps`
-/// greedy decode steps, and returns each sequence's logits at every step.
-fn run(g: &Arc<Gguf>, cuts: &[usize], threads: usize, isa: Isa, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<Vec<f32>>> {
-    let n_layers = dgr_engine::ModelConfig::from_gguf(g).unwrap().n_layers;
-    let mut bounds = vec![0];
-    bounds.extend_from_slice(cuts);
-    bounds.push(n_layers);
+/// Stages opened over the `held` layer ranges, and routes through them: each route is the cuts
+/// of the model into hops, hop j running on stage j over a part of the layers it holds.
+/// Sequence i takes route `i % routes.len()`.
+#[derive(Clone)]
+struct Shape {
+    held: Vec<Range<usize>>,
+    routes: Vec<Vec<usize>>,
+}
+
+impl Shape {
+    /// The model cut at `cuts`, each stage holding exactly the layers it runs.
+    fn split(cuts: &[usize]) -> Shape {
+        let held = hops(cuts).collect();
+        Shape { held, routes: vec![cuts.to_vec()] }
+    }
+}
+
+/// The layer ranges between `cuts`, from 0 to the last layer.
+fn hops(cuts: &[usize]) -> impl Iterator<Item = Range<usize>> {
+    let bounds: Vec<usize> = [0].into_iter().chain(cuts.iter().copied()).chain([LAYERS]).collect();
+    (0..bounds.len() - 1).map(move |j| bounds[j]..bounds[j + 1])
+}
+
+/// Runs `prompts` concurrently through `shape`, prefill then `steps` greedy decode steps, and
+/// returns each sequence's logits at every step. The sequences of one route run as one batch at
+/// each hop; routes take turns on the stages they share.
+fn run(g: &Arc<Gguf>, shape: &Shape, threads: usize, isa: Isa, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<Vec<f32>>> {
     let opts = StageOptions { threads, isa: Some(isa) };
-    let stages: Vec<Stage> = bounds.windows(2).map(|w| Stage::open(g.clone(), w[0]..w[1], opts).unwrap()).collect();
-    let mut kvs: Vec<Vec<_>> = stages.iter().map(|s| prompts.iter().map(|_| s.new_kv(256)).collect()).collect();
+    let stages: Vec<Stage> = shape.held.iter().map(|r| Stage::open(g.clone(), r.clone(), opts).unwrap()).collect();
+    let n_routes = shape.routes.len();
+    // kvs[i][j]: sequence i's KV cache for hop j of its route.
+    let mut kvs: Vec<Vec<KvCache>> = (0..prompts.len())
+        .map(|i| hops(&shape.routes[i % n_routes]).enumerate().map(|(j, sub)| stages[j].new_kv_for(256, sub).unwrap()).collect())
+        .collect();
     let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
     for _ in 0..=steps {
-        let mut hidden: Vec<Vec<f32>> = Vec::new();
-        for (si, stage) in stages.iter().enumerate() {
-            let mut batch: Vec<SeqInput> = kvs[si]
-                .iter_mut()
-                .enumerate()
-                .map(|(i, kv)| SeqInput {
-                    kv,
-                    input: if si == 0 { Input::Tokens(&inputs[i]) } else { Input::Hidden(&hidden[i]) },
-                    logits: LogitRows::Last,
-                })
-                .collect();
-            let out = stage.forward(&mut batch).unwrap();
-            hidden = out.iter().map(|o| o.hidden.clone()).collect();
-            if stage.is_last() {
-                for (i, o) in out.into_iter().enumerate() {
+        for (r, cuts) in shape.routes.iter().enumerate() {
+            let ids: Vec<usize> = (0..prompts.len()).filter(|i| i % n_routes == r).collect();
+            let mut hidden: Vec<Vec<f32>> = Vec::new();
+            for (j, stage) in stages.iter().enumerate().take(cuts.len() + 1) {
+                let mut batch: Vec<SeqInput> = ids
+                    .iter()
+                    .zip(kvs.iter_mut().enumerate().filter(|(i, _)| i % n_routes == r))
+                    .enumerate()
+                    .map(|(k, (&i, (_, kv)))| SeqInput {
+                        kv: &mut kv[j],
+                        input: if j == 0 { Input::Tokens(&inputs[i]) } else { Input::Hidden(&hidden[k]) },
+                        logits: LogitRows::Last,
+                    })
+                    .collect();
+                let out = stage.forward(&mut batch).unwrap();
+                drop(batch);
+                if j < cuts.len() {
+                    hidden = out.into_iter().map(|o| o.hidden).collect();
+                    continue;
+                }
+                for (&i, o) in ids.iter().zip(out) {
                     inputs[i] = vec![dgr_engine::argmax(&o.logits)];
                     logits[i].push(o.logits);
                 }
@@ -57,6 +90,11 @@ fn run(g: &Arc<Gguf>, cuts: &[usize], threads: usize, isa: Isa, prompts: &[Vec<u
 
 fn bits(v: &[Vec<Vec<f32>>]) -> Vec<Vec<Vec<u32>>> {
     v.iter().map(|s| s.iter().map(|l| l.iter().map(|x| x.to_bits()).collect()).collect()).collect()
+}
+
+/// Each sequence alone, unsplit, one thread, scalar kernels: the reference.
+fn solo(g: &Arc<Gguf>, ps: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
+    ps.iter().map(|p| run(g, &Shape::split(&[]), 1, Isa::Scalar, std::slice::from_ref(p), 3).remove(0)).collect()
 }
 
 #[test]
@@ -73,14 +111,13 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
     for (ty, arch) in shapes {
         let g = model(ty, arch);
         let ps = prompts(300);
-        // Reference: each sequence alone, unsplit, one thread, scalar kernels.
-        let solo: Vec<_> = ps.iter().map(|p| run(&g, &[], 1, Isa::Scalar, std::slice::from_ref(p), 3).remove(0)).collect();
+        let solo = solo(&g, &ps);
         assert!(solo.iter().all(|s| s.iter().all(|l| l.iter().all(|x| x.is_finite()))));
         for cuts in [&[][..], &[3][..], &[2, 4][..]] {
             for batch in [1usize, 2, 4, 8] {
                 for isa in Isa::available() {
                     let threads = 1 + batch % 3;
-                    let got = run(&g, cuts, threads, isa, &ps[..batch], 3);
+                    let got = run(&g, &Shape::split(cuts), threads, isa, &ps[..batch], 3);
                     assert_eq!(bits(&got), bits(&solo[..batch]), "{ty:?} {arch} cuts={cuts:?} batch={batch} {isa:?} threads={threads}");
                 }
             }
@@ -94,7 +131,7 @@ fn bad_inputs_are_typed_errors_and_leave_state_untouched() {
     let first = Stage::open(g.clone(), 0..3, StageOptions { threads: 1, isa: None }).unwrap();
     let second = Stage::open(g.clone(), 3..6, StageOptions { threads: 1, isa: None }).unwrap();
     assert!(Stage::open(g.clone(), 4..4, StageOptions::default()).is_err());
-    assert!(Stage::open(g.clone(), 0..7, StageOptions::default()).is_err());
+    assert!(Stage::open(g.clone(), 0..LAYERS + 1, StageOptions::default()).is_err());
     let mut kv = first.new_kv(4);
     let mut other = second.new_kv(4);
     let bad = |stage: &Stage, kv: &mut dgr_engine::KvCache, input: Input| {
@@ -110,4 +147,57 @@ fn bad_inputs_are_typed_errors_and_leave_state_untouched() {
     assert_eq!((kv.len(), other.len()), (0, 0));
     first.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&[1, 2]), logits: LogitRows::None }]).unwrap();
     assert_eq!(kv.len(), 2);
+}
+
+#[test]
+fn overlapping_stages_compose_through_sub_ranges() {
+    // Stages holding two thirds of the model each, or three overlapping ones, serve routes cut
+    // anywhere their holdings overlap; sequences of different routes share the stages.
+    let shapes = [
+        Shape { held: vec![0..4, 2..6], routes: vec![vec![3], vec![2], vec![4]] },
+        Shape { held: vec![0..3, 1..5, 2..6], routes: vec![vec![1, 4], vec![2, 5], vec![3, 5], vec![1, 2]] },
+    ];
+    for (ty, arch) in [(GgmlType::Q8_0, "qwen2"), (GgmlType::Q4_K, "llama"), (GgmlType::F16, "llama")] {
+        let g = model(ty, arch);
+        let ps = prompts(300);
+        let solo = solo(&g, &ps[..4]);
+        for shape in &shapes {
+            // Batch 1 along each route alone, then batch 4 with the routes mixed.
+            let each = shape.routes.iter().map(|r| (Shape { routes: vec![r.clone()], ..shape.clone() }, 1));
+            for (shape, batch) in each.chain([(shape.clone(), 4)]) {
+                for isa in Isa::available() {
+                    let got = run(&g, &shape, 2, isa, &ps[..batch], 3);
+                    let routes = &shape.routes;
+                    assert_eq!(bits(&got), bits(&solo[..batch]), "{ty:?} {arch} held={:?} routes={routes:?} {isa:?}", shape.held);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sub_ranges_outside_the_stage_or_mixed_in_one_forward_are_typed_errors() {
+    let g = model(GgmlType::Q4_1, "llama");
+    let opts = StageOptions { threads: 1, isa: None };
+    let (front, back) = (Stage::open(g.clone(), 0..4, opts).unwrap(), Stage::open(g.clone(), 2..6, opts).unwrap());
+    for (stage, sub) in [(&front, 0..5), (&front, 3..3), (&front, 4..6), (&back, 1..3), (&back, 0..6)] {
+        assert!(matches!(stage.new_kv_for(4, sub), Err(EngineError::BadSubRange { .. })));
+    }
+    let (mut a, mut b) = (front.new_kv_for(4, 0..2).unwrap(), front.new_kv_for(4, 2..4).unwrap());
+    let mixed = front.forward(&mut [
+        SeqInput { kv: &mut a, input: Input::Tokens(&[1]), logits: LogitRows::Last },
+        SeqInput { kv: &mut b, input: Input::Hidden(&[0.0; 64]), logits: LogitRows::Last },
+    ]);
+    assert!(matches!(mixed, Err(EngineError::MixedLayerRanges { .. })));
+    // Past layer 0 a sequence takes hidden rows, even on a stage that holds the embedding.
+    let tokens = front.forward(&mut [SeqInput { kv: &mut b, input: Input::Tokens(&[1]), logits: LogitRows::Last }]);
+    assert!(matches!(tokens, Err(EngineError::BadInput(_))));
+    assert_eq!((a.len(), b.len()), (0, 0));
+    // Short of the last layer a sequence gets hidden rows, even on a stage that holds the head,
+    // and its KV cache holds only its layers.
+    let mut c = back.new_kv_for(4, 2..5).unwrap();
+    let out = back.forward(&mut [SeqInput { kv: &mut c, input: Input::Hidden(&[0.5; 64]), logits: LogitRows::Last }]).unwrap();
+    assert_eq!((out[0].hidden.len(), out[0].logits.len()), (64, 0));
+    let kv_dim = dgr_engine::ModelConfig::from_gguf(&g).unwrap().kv_dim();
+    assert_eq!((c.layers(), c.bytes()), (2..5, 2 * 3 * kv_dim * 4));
 }

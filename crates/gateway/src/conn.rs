@@ -16,11 +16,7 @@ pub(crate) type Source = SplitStream<Framed<TcpStream, LengthDelimitedCodec>>;
 /// Connects to `addr`, says Hello as a driver and returns the worker's StageInfo.
 pub(crate) async fn connect(addr: &str, stage: u32, timeout: Duration, max_frame: usize) -> Result<(Sink, Source, StageInfo), DriveError> {
     let fail = |kind: &str, msg: String| DriveError::new(kind, Some(stage), Some(addr), msg);
-    let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| fail("connect_failed", "connect timed out".into()))?
-        .map_err(|e| fail("connect_failed", e.to_string()))?;
-    let _ = stream.set_nodelay(true);
+    let stream = dgr_proto::dial(addr, timeout).await.map_err(|e| fail("connect_failed", e.to_string()))?;
     let (mut sink, mut source) = Framed::new(stream, dgr_proto::codec(max_frame)).split();
     let hello = Frame::new(Body::Hello(Hello { protocol_version: PROTOCOL_VERSION, role: Role::Driver as i32, info: None }));
     send(&mut sink, &hello).await.map_err(|e| fail("connect_failed", e))?;

@@ -4,7 +4,9 @@
 use crate::conn::{self, Sink, Source};
 use crate::report::{quantile, Completion, SeamReport, StageReport, UsageReport};
 use crate::{DriveError, Route};
-use dgr_proto::{Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Sampling, SeamDtype, SessionRef, TokenOut, STAGE_UNKNOWN};
+use dgr_proto::{
+    Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut, STAGE_UNKNOWN,
+};
 use futures::StreamExt;
 use prost::Message;
 use std::time::{Duration, Instant};
@@ -16,6 +18,8 @@ pub struct GenRequest {
     pub sampling: Sampling,
     pub top_logprobs: u32,
     pub seam_dtype: SeamDtype,
+    /// A tracker's signed route and the session id it names; None on a ticketless route.
+    pub ticket: Option<(SignedTicket, [u8; 16])>,
 }
 
 #[derive(Clone, Debug)]
@@ -143,16 +147,23 @@ pub async fn generate(
     if req.prompt_tokens.is_empty() || req.max_tokens == 0 {
         return Err(DriveError::new("bad_request", None, None, "need a non-empty prompt and max_tokens ≥ 1"));
     }
-    let mut id = [0u8; 16];
-    getrandom::fill(&mut id).map_err(|e| DriveError::new("internal", None, None, e.to_string()))?;
+    let id = match &req.ticket {
+        Some((_, id)) => *id,
+        None => {
+            let mut id = [0u8; 16];
+            getrandom::fill(&mut id).map_err(|e| DriveError::new("internal", None, None, e.to_string()))?;
+            id
+        }
+    };
     let n = route.stages.len() as u32;
     let connects = route.stages.iter().enumerate().map(|(i, s)| conn::connect(&s.addr, i as u32, opts.connect_timeout, opts.max_frame));
     let (tx, events) = mpsc::channel(1024);
     let mut sinks = Vec::new();
     for (i, r) in futures::future::join_all(connects).await.into_iter().enumerate() {
         let (sink, source, info) = r?;
+        // The route may run any part of the layers the worker holds.
         let want = &route.stages[i].info;
-        if info.model_id != want.model_id || (info.layer_start, info.layer_end) != (want.layer_start, want.layer_end) {
+        if info.model_id != want.model_id || want.layer_start < info.layer_start || want.layer_end > info.layer_end {
             return Err(DriveError::new(
                 "route",
                 Some(i as u32),
@@ -165,19 +176,30 @@ pub async fn generate(
     }
     drop(tx);
     let mut s = Session { route, id, sinks, events };
-    let mut result = drive(&mut s, req, opts, n, &mut on_token).await;
+    let mut generated = 0;
+    let mut result = drive(&mut s, req, opts, n, &mut generated, &mut on_token).await;
     s.finish(!matches!(&result, Ok(c) if c.finish_reason != "cancelled")).await;
-    if let Ok(c) = &mut result {
-        c.usage = s.usage(opts.connect_timeout).await;
+    match &mut result {
+        Ok(c) => c.usage = s.usage(opts.connect_timeout).await,
+        // A ledger wants what the surviving stages computed; they answer at once or never.
+        Err(e) if req.ticket.is_some() => {
+            e.generated = generated;
+            e.usage = s.usage(FAILED_USAGE_WAIT).await;
+        }
+        Err(_) => {}
     }
     result
 }
+
+/// How long a failed session waits for the surviving stages' usage reports.
+const FAILED_USAGE_WAIT: Duration = Duration::from_millis(300);
 
 async fn drive(
     s: &mut Session<'_>,
     req: &GenRequest,
     opts: &DriveOptions,
     n: u32,
+    generated: &mut usize,
     on_token: &mut impl FnMut(&TokenOut) -> Flow,
 ) -> Result<Completion, DriveError> {
     let max_positions = (req.prompt_tokens.len() + req.max_tokens) as u64;
@@ -199,6 +221,7 @@ async fn drive(
             sampling: Some(req.sampling),
             top_logprobs: req.top_logprobs,
             max_positions,
+            ticket: req.ticket.as_ref().map(|(t, _)| t.clone()),
         };
         s.send(i, Body::Open(open)).await?;
     }
@@ -228,6 +251,7 @@ async fn drive(
             decode_start = Instant::now();
         }
         out.tokens.push(t.token);
+        *generated = out.tokens.len();
         out.logprobs.push(t.logprob);
         out.top_logprobs.push(t.top.iter().map(|e| (e.id, e.logprob)).collect());
         traces.push(t.trace.clone());

@@ -2,13 +2,16 @@
 
 use crate::conn::connect;
 use crate::DriveError;
-use dgr_proto::StageInfo;
+use dgr_proto::{RouteReply, StageInfo};
 use std::time::Duration;
 
 #[derive(Clone, Debug)]
 pub struct StageEndpoint {
     pub addr: String,
+    /// The part of the model this stage runs for the route (a sub-range of what it holds).
     pub info: StageInfo,
+    /// Its id at the tracker that planned the route; empty on a ticketless route.
+    pub worker_id: String,
 }
 
 #[derive(Clone, Debug)]
@@ -27,7 +30,7 @@ impl Route {
         let mut stages = Vec::new();
         for (addr, r) in addrs.iter().zip(futures::future::join_all(probes).await) {
             let (_, _, info) = r?;
-            stages.push(StageEndpoint { addr: addr.clone(), info });
+            stages.push(StageEndpoint { addr: addr.clone(), info, worker_id: String::new() });
         }
         let route = Route { stages };
         route.check()?;
@@ -57,6 +60,35 @@ impl Route {
             ));
         }
         Ok(())
+    }
+
+    /// The route a tracker planned: its ticket's chain, with the model's shape from the reply.
+    pub fn from_tracker(reply: &RouteReply) -> Result<Route, DriveError> {
+        let t = reply.route.as_ref().ok_or_else(|| DriveError::new("tracker", None, None, "a route reply without a route"))?;
+        if t.stages.is_empty() {
+            return Err(DriveError::new("tracker", None, None, "an empty route"));
+        }
+        let stages = t
+            .stages
+            .iter()
+            .map(|s| StageEndpoint {
+                addr: s.addr.clone(),
+                worker_id: s.worker_id.clone(),
+                info: StageInfo {
+                    model_id: t.model_id.clone(),
+                    layer_start: s.layer_start,
+                    layer_end: s.layer_end,
+                    n_layers: reply.n_layers,
+                    hidden: reply.hidden,
+                    vocab: reply.vocab,
+                    max_positions: t.budget_tokens,
+                    version: String::new(),
+                },
+            })
+            .collect();
+        let route = Route { stages };
+        route.check()?;
+        Ok(route)
     }
 
     pub fn model_id(&self) -> &str {

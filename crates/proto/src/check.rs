@@ -31,8 +31,9 @@ pub fn session_id(bytes: &[u8]) -> Result<SessionId, ProtoError> {
     bytes.try_into().map_err(|_| ProtoError::BadSessionId(bytes.len()))
 }
 
-/// Checks an OpenSession against what this stage serves (`ours`, with the seam dtypes it
-/// accepts) and returns the session id and the dtype the session will use.
+/// Checks an OpenSession against what this stage serves (`ours`, with the layers it holds and
+/// the seam dtypes it accepts) and returns the session id and the dtype the session will use.
+/// The session may run any non-empty part of the held layers.
 pub fn check_open(open: &OpenSession, ours: &BoundarySchema, dtypes: &[SeamDtype]) -> Result<(SessionId, SeamDtype), ProtoError> {
     let id = session_id(&open.session_id)?;
     let s = open.schema.as_ref().ok_or_else(|| ProtoError::BadFrame("OpenSession without a schema".into()))?;
@@ -45,7 +46,7 @@ pub fn check_open(open: &OpenSession, ours: &BoundarySchema, dtypes: &[SeamDtype
     if s.model_id != ours.model_id {
         return mismatch("model identity", s.model_id.clone(), ours.model_id.clone());
     }
-    if (s.layer_start, s.layer_end) != (ours.layer_start, ours.layer_end) {
+    if s.layer_start >= s.layer_end || s.layer_start < ours.layer_start || s.layer_end > ours.layer_end {
         return mismatch("layer range", format!("{}..{}", s.layer_start, s.layer_end), format!("{}..{}", ours.layer_start, ours.layer_end));
     }
     if s.hidden != ours.hidden {
@@ -101,7 +102,7 @@ mod tests {
     use super::*;
 
     fn schema() -> BoundarySchema {
-        BoundarySchema { protocol_version: PROTOCOL_VERSION, model_id: "m".into(), layer_start: 0, layer_end: 15, hidden: 8, seam_dtype: 0 }
+        BoundarySchema { protocol_version: PROTOCOL_VERSION, model_id: "m".into(), layer_start: 5, layer_end: 15, hidden: 8, seam_dtype: 0 }
     }
 
     fn open(s: BoundarySchema) -> OpenSession {
@@ -116,12 +117,21 @@ mod tests {
             BoundarySchema { protocol_version: 99, ..schema() },
             BoundarySchema { model_id: "other".into(), ..schema() },
             BoundarySchema { layer_end: 16, ..schema() },
+            BoundarySchema { layer_start: 4, ..schema() },
+            BoundarySchema { layer_start: 0, layer_end: 10, ..schema() },
+            BoundarySchema { layer_start: 10, layer_end: 10, ..schema() },
+            BoundarySchema { layer_start: 12, layer_end: 8, ..schema() },
             BoundarySchema { hidden: 9, ..schema() },
             BoundarySchema { seam_dtype: 1, ..schema() },
             BoundarySchema { seam_dtype: 77, ..schema() },
         ];
         for s in bad {
             assert!(matches!(check_open(&open(s), &ours, &[SeamDtype::F32]), Err(ProtoError::SchemaMismatch(_))));
+        }
+        // Any non-empty part of the held layers.
+        for (start, end) in [(5, 6), (5, 10), (10, 15), (14, 15), (7, 12)] {
+            let part = BoundarySchema { layer_start: start, layer_end: end, ..schema() };
+            assert!(check_open(&open(part), &ours, &[SeamDtype::F32]).is_ok(), "{start}..{end}");
         }
         let mut short_id = open(schema());
         short_id.session_id.pop();

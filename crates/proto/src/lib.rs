@@ -6,17 +6,26 @@
 //! `check_*` functions validate what a receiver is about to use.
 
 mod check;
+mod client;
 mod codec;
 mod messages;
+mod net;
 mod seam;
+mod ticket;
+mod tracker;
 
 pub use check::{check_forward, check_open, session_id, ProtoError, SessionId};
+pub use client::{TrackerCallError, TrackerClient, TRACKER_MAX_FRAME};
 pub use codec::{codec, DEFAULT_MAX_FRAME};
 pub use messages::*;
+pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
+pub use ticket::{check_ticket_open, new_signing_key, sign_ticket, verify_ticket, verifying_key, worker_id, SignedTicket, Ticket, TicketError};
+pub use tracker::*;
+pub use ed25519_dalek::{SigningKey, VerifyingKey};
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

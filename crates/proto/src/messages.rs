@@ -132,6 +132,9 @@ pub struct OpenSession {
     /// Positions the session will need at most (prompt + generated tokens).
     #[prost(uint64, tag = "8")]
     pub max_positions: u64,
+    /// The tracker's signed route; required by a worker that joined a tracker.
+    #[prost(message, optional, tag = "9")]
+    pub ticket: Option<crate::SignedTicket>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -244,6 +247,8 @@ pub enum ErrorKind {
     NextStage = 6,
     ShuttingDown = 7,
     Cancelled = 8,
+    /// The session's route ticket is missing, forged, expired, not for this worker or too small.
+    Ticket = 9,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -278,6 +283,7 @@ impl ErrorKind {
             ErrorKind::NextStage => "next_stage",
             ErrorKind::ShuttingDown => "shutting_down",
             ErrorKind::Cancelled => "cancelled",
+            ErrorKind::Ticket => "ticket",
         }
     }
 }

@@ -21,6 +21,19 @@ pub struct WorkerConfig {
     pub seam_dtypes: Vec<SeamDtype>,
     /// The scheduler's per-step budget and chunking.
     pub policy: crate::plan::Policy,
+    /// The tracker to join; None: ticketless local mode (any driver may open sessions).
+    pub tracker: Option<TrackerLink>,
+}
+
+/// How a worker joins a tracker.
+#[derive(Clone, Debug)]
+pub struct TrackerLink {
+    pub addr: String,
+    pub join_token: String,
+    /// The worker's identity (kept in a key file so a restart keeps it).
+    pub identity: dgr_proto::SigningKey,
+    /// The address clients dial; None: relayed (no listening port, reached through the tracker).
+    pub advertise: Option<String>,
 }
 
 impl WorkerConfig {
@@ -36,6 +49,7 @@ impl WorkerConfig {
             max_frame: dgr_proto::DEFAULT_MAX_FRAME,
             seam_dtypes: vec![SeamDtype::F32, SeamDtype::F16, SeamDtype::Bf16],
             policy: crate::plan::Policy::default(),
+            tracker: None,
         }
     }
 }

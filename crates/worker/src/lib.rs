@@ -7,13 +7,15 @@
 
 mod compat;
 mod config;
+mod join;
 mod metrics;
 mod plan;
 mod scheduler;
 mod server;
 
 pub use compat::{CompatKey, KvLayout, Phase};
-pub use config::WorkerConfig;
+pub use config::{TrackerLink, WorkerConfig};
+pub use join::load_or_create_identity;
 pub use metrics::{rss_bytes, Metrics};
 pub use plan::Policy;
 pub use server::{bind, Worker, WorkerError};

@@ -1,7 +1,7 @@
 //! What a worker reports at /metrics, as Prometheus text.
 
 use crate::compat::Phase;
-use dgr_proto::{ErrorKind, SeamDtype};
+use dgr_proto::{ErrorKind, SeamDtype, TicketError};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -9,6 +9,8 @@ use std::sync::Mutex;
 pub struct Metrics {
     pub sessions_open: AtomicU64,
     pub kv_bytes_used: AtomicU64,
+    /// KV positions reserved by open sessions.
+    pub kv_tokens_used: AtomicU64,
     pub kv_bytes_capacity: AtomicU64,
     pub queue_depth: AtomicU64,
     pub weight_bytes: AtomicU64,
@@ -21,6 +23,7 @@ pub struct Metrics {
     pub sessions_opened: AtomicU64,
     pub sessions_closed: AtomicU64,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
+    tickets_refused: Mutex<Vec<(TicketError, u64)>>,
     batches: Mutex<Vec<BatchCount>>,
 }
 
@@ -33,6 +36,15 @@ impl Metrics {
         match f.iter_mut().find(|(k, _)| *k == kind) {
             Some((_, n)) => *n += 1,
             None => f.push((kind, 1)),
+        }
+    }
+
+    pub fn ticket_refused(&self, why: TicketError) {
+        self.failure(ErrorKind::Ticket);
+        let mut t = self.tickets_refused.lock().unwrap_or_else(|p| p.into_inner());
+        match t.iter_mut().find(|(k, _)| *k == why) {
+            Some((_, n)) => *n += 1,
+            None => t.push((why, 1)),
         }
     }
 
@@ -89,6 +101,12 @@ impl Metrics {
         out.push_str("# HELP dgr_worker_failures_total Failures by kind.\n# TYPE dgr_worker_failures_total counter\n");
         for (k, n) in self.failures.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             out.push_str(&format!("dgr_worker_failures_total{{kind=\"{}\"}} {n}\n", k.name()));
+        }
+        out.push_str("# HELP dgr_worker_ticket_refusals_total Session opens refused for their route ticket, by reason.\n# TYPE dgr_worker_ticket_refusals_total counter\n");
+        let refused = self.tickets_refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for why in TicketError::ALL {
+            let n = refused.iter().find(|(k, _)| *k == why).map_or(0, |(_, n)| *n);
+            out.push_str(&format!("dgr_worker_ticket_refusals_total{{reason=\"{}\"}} {n}\n", why.name()));
         }
         out
     }

@@ -8,7 +8,7 @@ use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
 use dgr_proto::{
     check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, SeamDtype,
-    SessionId, SessionRef, TokenOut, TopEntry, Usage, STAGE_UNKNOWN,
+    SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -29,6 +29,8 @@ pub(crate) enum Cmd {
         open: OpenSession,
         reply: Outbox,
         next: Option<(String, Outbox)>,
+        /// From the session's route ticket (empty when ticketless): the ledger's key.
+        request_id: String,
     },
     Forward {
         f: Forward,
@@ -75,15 +77,21 @@ struct Session {
     driver: ConnId,
     reply: Outbox,
     next: Option<(String, Outbox)>,
+    /// Over the layers the session runs here: a part of the stage's, named at open.
     kv: dgr_engine::KvCache,
+    /// The session's layers start at 0 (it takes token ids) / end at the model's last (it samples).
+    first: bool,
+    last: bool,
     dtype: SeamDtype,
     stage_index: u32,
     sampling: SamplingParams,
     top_logprobs: usize,
+    /// KV reserved, in layer-positions: positions times the session's layers.
     reserved: usize,
     pending: VecDeque<Pending>,
     last_active: Instant,
     usage: Usage,
+    request_id: String,
     /// On the last stage: hops of prompt chunks run since the last token, sent with the next one.
     carry: Vec<Hop>,
     /// Past the prompt: a frame that asked for a token has run. Before, every row is prefill
@@ -107,6 +115,7 @@ pub(crate) struct Scheduler {
     pub schema: BoundarySchema,
     pub metrics: Arc<Metrics>,
     sessions: HashMap<SessionId, Session>,
+    /// KV reserved by the open sessions, in layer-positions.
     reserved: usize,
     drain: Option<Instant>,
     policy: Policy,
@@ -115,7 +124,11 @@ pub(crate) struct Scheduler {
     last_arrival: Instant,
     /// When the last step ended: rows that arrived during it count as arriving then.
     last_step_end: Instant,
+    /// Where each ended session's usage goes for the tracker's ledger (None when ticketless).
+    ledger: Option<LedgerTx>,
 }
+
+pub(crate) type LedgerTx = tokio::sync::mpsc::Sender<WorkerUsage>;
 
 fn unix_us() -> u64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
@@ -126,7 +139,7 @@ fn send(to: &Outbox, body: Body) -> bool {
 }
 
 impl Scheduler {
-    pub fn new(stage: Stage, cfg: WorkerConfig, schema: BoundarySchema, metrics: Arc<Metrics>) -> Scheduler {
+    pub fn new(stage: Stage, cfg: WorkerConfig, schema: BoundarySchema, metrics: Arc<Metrics>, ledger: Option<LedgerTx>) -> Scheduler {
         let per_position = 2 * stage.layers().len() * stage.config().kv_dim() * 4;
         metrics.kv_bytes_capacity.store((cfg.kv_budget_tokens * per_position) as u64, Relaxed);
         metrics.weight_bytes.store(stage.weight_bytes() as u64, Relaxed);
@@ -144,6 +157,7 @@ impl Scheduler {
             model_id,
             last_arrival: Instant::now(),
             last_step_end: Instant::now(),
+            ledger,
         }
     }
 
@@ -208,13 +222,28 @@ impl Scheduler {
     }
 
     fn release(&mut self, s: &Session) {
+        if let Some(tx) = &self.ledger {
+            let layers = s.kv.layers();
+            let u = WorkerUsage {
+                session_id: s.id.to_vec(),
+                request_id: s.request_id.clone(),
+                layer_start: layers.start as u32,
+                layer_end: layers.end as u32,
+                tokens_prefilled: s.usage.tokens_prefilled,
+                tokens_decoded: s.usage.tokens_decoded,
+                layer_tokens: s.usage.layer_tokens,
+            };
+            if tx.try_send(u).is_err() {
+                self.metrics.failure(ErrorKind::Overloaded);
+            }
+        }
         self.reserved -= s.reserved;
         self.metrics.sessions_closed.fetch_add(1, Relaxed);
     }
 
     fn handle(&mut self, c: Cmd) {
         match c {
-            Cmd::Open { conn, open, reply, next } => self.open(conn, open, reply, next),
+            Cmd::Open { conn, open, reply, next, request_id } => self.open(conn, open, reply, next, request_id),
             Cmd::Forward { f, recv_us, at, reply } => {
                 self.last_arrival = at;
                 self.forward(f, recv_us, at, reply)
@@ -252,7 +281,7 @@ impl Scheduler {
         }
     }
 
-    fn open(&mut self, conn: ConnId, open: OpenSession, reply: Outbox, next: Option<(String, Outbox)>) {
+    fn open(&mut self, conn: ConnId, open: OpenSession, reply: Outbox, next: Option<(String, Outbox)>, request_id: String) {
         let stage_index = open.stage_index;
         let refuse = |me: &Self, kind, msg: String| me.error_to(&reply, &open.session_id, kind, stage_index, msg);
         if self.drain.is_some() {
@@ -265,30 +294,41 @@ impl Scheduler {
         if self.sessions.contains_key(&id) {
             return refuse(self, ErrorKind::BadFrame, "a session with this id is already open".into());
         }
-        if open.next.is_empty() != self.stage.is_last() {
+        // The part of our layers the session runs (check_open found it inside them).
+        let layers = open.schema.as_ref().map_or(0..0, |s| s.layer_start as usize..s.layer_end as usize);
+        let (first, last) = (layers.start == 0, layers.end == self.stage.config().n_layers);
+        if open.next.is_empty() != last {
             return refuse(self, ErrorKind::BadFrame, "the route's next hop does not fit this stage's place".into());
         }
         let want = open.max_positions as usize;
         if want == 0 || want > self.stage.config().context {
             return refuse(self, ErrorKind::BadInput, format!("{want} positions (the model holds 1..={})", self.stage.config().context));
         }
-        if self.sessions.len() >= self.cfg.max_sessions || self.reserved + want > self.cfg.kv_budget_tokens {
+        // The budget is in positions over all our layers; a session over fewer layers costs less.
+        let (cost, budget) = (want * layers.len(), self.cfg.kv_budget_tokens * self.stage.layers().len());
+        if self.sessions.len() >= self.cfg.max_sessions || self.reserved + cost > budget {
             let msg = format!(
-                "no room: the session needs {want} KV positions; {} of {} are reserved by {} open sessions (at most {})",
+                "no room: the session wants {want} KV positions × {} layers; {} of {budget} are reserved by {} sessions (at most {})",
+                layers.len(),
                 self.reserved,
-                self.cfg.kv_budget_tokens,
                 self.sessions.len(),
                 self.cfg.max_sessions
             );
             return refuse(self, ErrorKind::Overloaded, msg);
         }
+        let kv = match self.stage.new_kv_for(want, layers) {
+            Ok(kv) => kv,
+            Err(e) => return refuse(self, ErrorKind::SchemaMismatch, e.to_string()),
+        };
         let sampling = open.sampling.unwrap_or_default();
         let session = Session {
             id,
             driver: conn,
             reply: reply.clone(),
             next,
-            kv: self.stage.new_kv(want),
+            kv,
+            first,
+            last,
             dtype,
             stage_index,
             sampling: SamplingParams {
@@ -298,14 +338,15 @@ impl Scheduler {
                 seed: sampling.seed,
             },
             top_logprobs: (open.top_logprobs as usize).min(64),
-            reserved: want,
+            reserved: cost,
             pending: VecDeque::new(),
             last_active: Instant::now(),
             usage: Usage { session_id: id.to_vec(), stage: stage_index, ..Default::default() },
+            request_id,
             carry: Vec::new(),
             decoding: false,
         };
-        self.reserved += want;
+        self.reserved += cost;
         self.sessions.insert(id, session);
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
         send(&reply, Body::Opened(SessionRef { session_id: id.to_vec() }));
@@ -317,14 +358,13 @@ impl Scheduler {
             Ok(id) => id,
             Err(e) => return self.error_to(&reply, &f.session_id, ErrorKind::BadFrame, me, e.to_string()),
         };
-        let first = self.stage.is_first();
         let hidden = self.stage.config().hidden;
         let max_rows = self.stage.config().context;
         let Some(s) = self.sessions.get_mut(&id) else {
             return self.error_to(&reply, &id, ErrorKind::UnknownSession, me, "no such session on this stage");
         };
         let stage_index = s.stage_index;
-        let checked = check_forward(&f, first, hidden, s.dtype, max_rows).map_err(|e| (e.kind(), e.to_string())).and_then(|rows| {
+        let checked = check_forward(&f, s.first, hidden, s.dtype, max_rows).map_err(|e| (e.kind(), e.to_string())).and_then(|rows| {
             let expected = s.kv.len() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
             if f.position as usize != expected {
                 Err((ErrorKind::BadInput, format!("rows at position {} but the session is at {expected}", f.position)))
@@ -355,7 +395,7 @@ impl Scheduler {
         CompatKey {
             engine: ENGINE,
             model_id: self.model_id.clone(),
-            layers: (self.schema.layer_start, self.schema.layer_end),
+            layers: (s.kv.layers().start as u32, s.kv.layers().end as u32),
             phase,
             hidden: self.schema.hidden,
             seam_dtype: s.dtype,
@@ -415,15 +455,13 @@ impl Scheduler {
         let mut chosen: Vec<(Session, usize)> =
             batch.items.iter().filter_map(|&(id, n)| self.sessions.remove(&id).map(|s| (s, n))).collect();
         let started = Instant::now();
-        let first = self.stage.is_first();
-        let last = self.stage.is_last();
         let h = self.stage.config().hidden;
         // This chunk's rows of each session's first waiting frame, as the stage takes them.
         let hidden: Vec<Vec<f32>> = chosen
             .iter()
             .map(|(s, n)| {
                 let p = &s.pending[0];
-                if first {
+                if s.first {
                     Vec::new()
                 } else {
                     let row = h * s.dtype.size();
@@ -433,16 +471,16 @@ impl Scheduler {
             .collect();
         let tokens: Vec<Vec<u32>> = chosen
             .iter()
-            .map(|(s, n)| if first { s.pending[0].f.tokens[s.pending[0].done..s.pending[0].done + n].to_vec() } else { Vec::new() })
+            .map(|(s, n)| if s.first { s.pending[0].f.tokens[s.pending[0].done..s.pending[0].done + n].to_vec() } else { Vec::new() })
             .collect();
         let wants: Vec<bool> = chosen.iter().map(|(s, n)| s.pending[0].done + n == s.pending[0].rows && s.pending[0].f.sample).collect();
         let mut seqs: Vec<SeqInput> = Vec::with_capacity(chosen.len());
         let mut bad: Vec<(usize, String)> = Vec::new();
-        // Split borrows: the sequences borrow each session's KV mutably, nothing else.
-        let mut kvs: Vec<&mut dgr_engine::KvCache> = chosen.iter_mut().map(|(s, _)| &mut s.kv).collect();
-        for (i, kv) in kvs.drain(..).enumerate() {
-            let input = if first { Input::Tokens(&tokens[i]) } else { Input::Hidden(&hidden[i]) };
-            let seq = SeqInput { kv, input, logits: if last && wants[i] { LogitRows::Last } else { LogitRows::None } };
+        // The sequences borrow each session's KV mutably, nothing else.
+        for (i, (s, _)) in chosen.iter_mut().enumerate() {
+            let input = if s.first { Input::Tokens(&tokens[i]) } else { Input::Hidden(&hidden[i]) };
+            let logits = if s.last && wants[i] { LogitRows::Last } else { LogitRows::None };
+            let seq = SeqInput { kv: &mut s.kv, input, logits };
             match self.stage.check(&seq) {
                 Ok(_) => seqs.push(seq),
                 Err(e) => bad.push((i, e.to_string())),
@@ -469,7 +507,6 @@ impl Scheduler {
                 return;
             }
         };
-        let n_layers = self.stage.layers().len() as u64;
         for (i, (mut s, n)) in chosen.into_iter().enumerate() {
             if let Some(msg) = is_bad(i) {
                 self.end(s, Some((ErrorKind::BadInput, msg)));
@@ -484,7 +521,7 @@ impl Scheduler {
             } else {
                 s.usage.tokens_decoded += n as u64;
             }
-            s.usage.layer_tokens += n as u64 * n_layers;
+            s.usage.layer_tokens += (n * s.kv.layers().len()) as u64;
             let p = &mut s.pending[0];
             let chunk_start = p.f.position + p.done as u64;
             // The frame's trace travels on with its first chunk only, so no hop is counted twice.
@@ -565,7 +602,111 @@ impl Scheduler {
     fn publish(&self) {
         let m = &self.metrics;
         m.sessions_open.store(self.sessions.len() as u64, Relaxed);
+        m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.len() as u64).sum(), Relaxed);
         m.kv_bytes_used.store(self.sessions.values().map(|s| s.kv.bytes() as u64).sum(), Relaxed);
         m.queue_depth.store(self.sessions.values().map(|s| s.pending.len() as u64).sum(), Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dgr_engine::synth::SynthSpec;
+    use dgr_engine::StageOptions;
+    use std::ops::Range;
+    use tokio::sync::mpsc::{channel, Receiver as Inbox};
+
+    /// A scheduler over layers `held` of a six-layer synthetic model, with KV for `budget`
+    /// positions over all of them.
+    fn scheduler(held: Range<usize>, budget: usize) -> Scheduler {
+        let spec = SynthSpec { layers: 6, ..SynthSpec::default() };
+        let gguf = Arc::new(dgr_gguf::Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap());
+        let stage = Stage::open(gguf, held.clone(), StageOptions { threads: 1, isa: None }).unwrap();
+        let schema = BoundarySchema {
+            protocol_version: dgr_proto::PROTOCOL_VERSION,
+            model_id: "m".into(),
+            layer_start: held.start as u32,
+            layer_end: held.end as u32,
+            hidden: stage.config().hidden as u32,
+            seam_dtype: SeamDtype::F32 as i32,
+        };
+        let mut cfg = WorkerConfig::new("m.gguf".into(), held);
+        cfg.kv_budget_tokens = budget;
+        Scheduler::new(stage, cfg, schema, Arc::new(Metrics::default()))
+    }
+
+    /// Opens session `id` over `layers`, passing its rows to `next` if given; returns the reply
+    /// and the driver's inbox.
+    fn open(s: &mut Scheduler, id: u8, layers: Range<u32>, positions: u64, next: Option<&Outbox>) -> (Body, Inbox<Frame>) {
+        let (reply, mut inbox) = channel(8);
+        let schema = BoundarySchema { layer_start: layers.start, layer_end: layers.end, ..s.schema.clone() };
+        let open = OpenSession {
+            session_id: vec![id; 16],
+            schema: Some(schema),
+            n_stages: 2,
+            next: if next.is_some() { "next".into() } else { String::new() },
+            max_positions: positions,
+            ..Default::default()
+        };
+        s.handle(Cmd::Open { conn: 1, open, reply, next: next.map(|n| ("next".to_string(), n.clone())) });
+        (inbox.try_recv().unwrap().body.unwrap(), inbox)
+    }
+
+    fn refused(b: Body) -> ErrorKind {
+        match b {
+            Body::Error(e) => e.error_kind(),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    fn forward(s: &mut Scheduler, f: Forward) {
+        let (reply, _) = channel(1);
+        s.handle(Cmd::Forward { f, recv_us: 0, at: Instant::now(), reply });
+        s.step();
+    }
+
+    fn token(inbox: &mut Inbox<Frame>) -> TokenOut {
+        match inbox.try_recv().unwrap().body.unwrap() {
+            Body::Token(t) => t,
+            other => panic!("expected a token, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn sessions_run_any_part_of_the_held_layers() {
+        // 32 positions over 6 layers: room for [0,3) and [3,6) of 16 positions each, and [0,6) of 16.
+        let mut s = scheduler(0..6, 32);
+        let (hop, mut hop_inbox) = channel(8);
+        assert_eq!(refused(open(&mut s, 9, 2..7, 16, Some(&hop)).0), ErrorKind::SchemaMismatch);
+        assert_eq!(refused(open(&mut s, 9, 4..4, 16, Some(&hop)).0), ErrorKind::SchemaMismatch);
+        assert_eq!(refused(open(&mut s, 9, 0..3, 16, None).0), ErrorKind::BadFrame);
+        assert_eq!(refused(open(&mut s, 9, 3..6, 16, Some(&hop)).0), ErrorKind::BadFrame);
+        let (front, _front_inbox) = open(&mut s, 1, 0..3, 16, Some(&hop));
+        let (back, mut back_inbox) = open(&mut s, 2, 3..6, 16, None);
+        let (whole, mut whole_inbox) = open(&mut s, 3, 0..6, 16, None);
+        assert!([front, back, whole].iter().all(|b| matches!(b, Body::Opened(_))));
+        assert_eq!(refused(open(&mut s, 9, 5..6, 1, None).0), ErrorKind::Overloaded);
+        let key = |s: &Scheduler, id: u8| s.key(&s.sessions[&[id; 16]], Phase::Prefill).layers;
+        assert_eq!((key(&s, 1), key(&s, 2), key(&s, 3)), ((0, 3), (3, 6), (0, 6)));
+
+        // The prompt through [0,3) then [3,6) samples what [0,6) does, bit for bit.
+        let prompt = |id: u8| Forward { session_id: vec![id; 16], tokens: vec![5, 6, 7], sample: true, ..Default::default() };
+        forward(&mut s, prompt(1));
+        forward(&mut s, prompt(3));
+        let Body::Forward(rows) = hop_inbox.try_recv().unwrap().body.unwrap() else { panic!("expected hidden rows") };
+        assert_eq!((rows.n_rows, rows.sample), (3, true));
+        forward(&mut s, Forward { session_id: vec![2; 16], ..rows });
+        let (split, one) = (token(&mut back_inbox), token(&mut whole_inbox));
+        assert_eq!((split.position, split.token, split.logprob.to_bits()), (one.position, one.token, one.logprob.to_bits()));
+
+        // Usage counts the session's layers; closing frees its reservation.
+        let mut layer_tokens = |id: u8, inbox: &mut Inbox<Frame>| {
+            s.handle(Cmd::Close { id: vec![id; 16] });
+            let Body::Usage(u) = inbox.try_recv().unwrap().body.unwrap() else { panic!("expected usage") };
+            u.layer_tokens
+        };
+        assert_eq!((layer_tokens(2, &mut back_inbox), layer_tokens(3, &mut whole_inbox)), (9, 18));
+        s.handle(Cmd::Close { id: vec![1; 16] });
+        assert_eq!(s.reserved, 0);
     }
 }

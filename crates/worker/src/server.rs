@@ -2,11 +2,15 @@
 //! commands, writing frames out, connections to the next stage, and /metrics over HTTP on the
 //! same port (a connection that starts with "GET " is an HTTP request).
 
+use crate::join::{Joiner, TicketGate};
 use crate::scheduler::{Cmd, ConnId, Outbox, Scheduler};
 use crate::{Metrics, WorkerConfig};
 use bytes::Bytes;
 use dgr_engine::{Stage, StageOptions};
-use dgr_proto::{Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, Role, SeamDtype, StageInfo, PROTOCOL_VERSION, STAGE_UNKNOWN};
+use dgr_proto::{
+    Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, OpenSession, Registration, Role, SeamDtype, StageInfo, TicketError,
+    WorkerUsage, PROTOCOL_VERSION, STAGE_UNKNOWN,
+};
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use std::collections::HashMap;
@@ -42,6 +46,9 @@ pub struct Worker {
     metrics: Arc<Metrics>,
     cmds: SyncSender<Cmd>,
     scheduler: std::thread::JoinHandle<()>,
+    step_us_per_layer: f64,
+    gate: Option<Arc<TicketGate>>,
+    usage: Option<tokio::sync::mpsc::Receiver<WorkerUsage>>,
 }
 
 struct Shared {
@@ -51,6 +58,8 @@ struct Shared {
     cmds: SyncSender<Cmd>,
     next_conn: AtomicU64,
     peers: tokio::sync::Mutex<HashMap<String, Outbox>>,
+    /// Set when the worker joined a tracker: every session open needs a valid ticket.
+    gate: Option<Arc<TicketGate>>,
 }
 
 fn encode(f: &Frame) -> Bytes {
@@ -86,11 +95,32 @@ impl Worker {
             hidden: info.hidden,
             seam_dtype: SeamDtype::F32 as i32,
         };
+        let step_us_per_layer = measure_step(&stage)?;
         let metrics = Arc::new(Metrics::default());
         let (cmds, rx) = sync_channel(COMMANDS);
-        let sched = Scheduler::new(stage, cfg.clone(), schema, metrics.clone());
+        let (usage_tx, usage) = match cfg.tracker {
+            Some(_) => {
+                let (tx, rx) = tokio::sync::mpsc::channel(crate::join::USAGE_QUEUE);
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
+        };
+        let gate = cfg.tracker.as_ref().map(|t| {
+            Arc::new(TicketGate { tracker_key: Default::default(), worker_id: dgr_proto::worker_id(&t.identity.verifying_key()) })
+        });
+        let sched = Scheduler::new(stage, cfg.clone(), schema, metrics.clone(), usage_tx);
         let scheduler = std::thread::Builder::new().name("dgr-scheduler".into()).spawn(move || sched.run(rx))?;
-        Ok(Worker { cfg, info, metrics, cmds, scheduler })
+        Ok(Worker { cfg, info, metrics, cmds, scheduler, step_us_per_layer, gate, usage })
+    }
+
+    /// Microseconds per layer of one decode row, measured at start-up.
+    pub fn step_us_per_layer(&self) -> f64 {
+        self.step_us_per_layer
+    }
+
+    /// This worker's id at its tracker (None in ticketless mode).
+    pub fn worker_id(&self) -> Option<&str> {
+        self.gate.as_ref().map(|g| g.worker_id.as_str())
     }
 
     pub fn info(&self) -> &StageInfo {
@@ -101,9 +131,14 @@ impl Worker {
         self.metrics.clone()
     }
 
-    /// Serves `listener` until `shutdown` completes; then stops taking sessions, lets open ones
+    /// Serves `listener` (None: a relayed worker, reached only through its tracker) until
+    /// `shutdown` completes; then leaves the tracker, stops taking sessions, lets open ones
     /// finish for up to the drain timeout, cancels the rest and returns.
-    pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> Result<(), WorkerError> {
+    pub async fn serve(
+        mut self,
+        listener: Option<TcpListener>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), WorkerError> {
         let shared = Arc::new(Shared {
             cfg: self.cfg.clone(),
             info: self.info.clone(),
@@ -111,7 +146,17 @@ impl Worker {
             cmds: self.cmds.clone(),
             next_conn: AtomicU64::new(1),
             peers: tokio::sync::Mutex::new(HashMap::new()),
+            gate: self.gate.clone(),
         });
+        let (leave, leave_rx) = tokio::sync::watch::channel(false);
+        if let (Some(link), Some(gate), Some(usage)) = (self.cfg.tracker.clone(), self.gate.clone(), self.usage.take()) {
+            let reg = self.registration(link.advertise.clone().unwrap_or_default());
+            let joiner = Joiner { link, reg, gate, metrics: self.metrics.clone(), usage, leave: leave_rx };
+            let relay_shared = shared.clone();
+            tokio::spawn(joiner.run(move |stream| {
+                tokio::spawn(connection(stream, relay_shared.clone()));
+            }));
+        }
         // The scheduler returns once a drain completes; waiting for it runs on a blocking thread.
         let handle = self.scheduler;
         let stopped = tokio::task::spawn_blocking(move || handle.join());
@@ -120,13 +165,15 @@ impl Worker {
         loop {
             tokio::select! {
                 _ = &mut shutdown, if !draining => {
-                    // Keep accepting: drivers of open sessions may reconnect, and new ones
-                    // should hear "shutting down" rather than wait on a silent port.
+                    // Leave the tracker first, so no new route names this worker. Keep
+                    // accepting: drivers of open sessions may reconnect, and new ones should
+                    // hear "shutting down" rather than wait on a silent port.
+                    let _ = leave.send(true);
                     draining = true;
                     let _ = self.cmds.send(Cmd::Drain { deadline: Instant::now() + self.cfg.drain_timeout });
                 }
                 _ = &mut stopped => break,
-                accepted = listener.accept() => {
+                accepted = accept(listener.as_ref()) => {
                     if let Ok((stream, _)) = accepted {
                         let _ = stream.set_nodelay(true);
                         tokio::spawn(connection(stream, shared.clone()));
@@ -136,6 +183,50 @@ impl Worker {
         }
         Ok(())
     }
+
+    fn registration(&self, addr: String) -> Registration {
+        let i = &self.info;
+        Registration {
+            engine: crate::compat::ENGINE.into(),
+            model_id: i.model_id.clone(),
+            n_layers: i.n_layers,
+            layer_start: i.layer_start,
+            layer_end: i.layer_end,
+            hidden: i.hidden,
+            vocab: i.vocab,
+            addr,
+            kv_tokens: self.cfg.kv_budget_tokens as u64,
+            max_sessions: self.cfg.max_sessions as u32,
+            threads: self.cfg.threads as u32,
+            step_us_per_layer: self.step_us_per_layer,
+            max_positions: i.max_positions,
+            version: i.version.clone(),
+        }
+    }
+}
+
+async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
+    match listener {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Times one decode row through every layer this stage holds (the best of a few runs, after a
+/// warm-up), per layer: the speed a tracker plans routes with.
+fn measure_step(stage: &Stage) -> Result<f64, WorkerError> {
+    let c = stage.config();
+    let hidden = vec![0.01f32; c.hidden];
+    let mut best = f64::MAX;
+    let mut kv = stage.new_kv(8);
+    for _ in 0..4 {
+        let input = if stage.is_first() { dgr_engine::Input::Tokens(&[1]) } else { dgr_engine::Input::Hidden(&hidden) };
+        let logits = if stage.is_last() { dgr_engine::LogitRows::Last } else { dgr_engine::LogitRows::None };
+        let started = Instant::now();
+        stage.forward(&mut [dgr_engine::SeqInput { kv: &mut kv, input, logits }])?;
+        best = best.min(started.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(best / stage.layers().len() as f64)
 }
 
 /// The writer half of a connection: a bounded outbox drained onto the socket.
@@ -220,6 +311,15 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
         };
         let cmd = match body {
             Body::Open(open) => {
+                let request_id = match check_ticket(&shared, &open) {
+                    Ok(r) => r,
+                    Err(why) => {
+                        shared.metrics.ticket_refused(why);
+                        let e = ErrorMsg::new(&open.session_id, ErrorKind::Ticket, open.stage_index, why.to_string());
+                        let _ = out.try_send(Frame::new(Body::Error(e)));
+                        continue;
+                    }
+                };
                 let next = if open.next.is_empty() {
                     None
                 } else {
@@ -234,7 +334,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                         }
                     }
                 };
-                Cmd::Open { conn, open, reply: out.clone(), next }
+                Cmd::Open { conn, open, reply: out.clone(), next, request_id }
             }
             Body::Forward(f) => Cmd::Forward { f, recv_us: unix_us(), at: Instant::now(), reply: out.clone() },
             Body::Cancel(r) => Cmd::Cancel { id: r.session_id },
@@ -251,15 +351,25 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
     let _ = shared.cmds.send(Cmd::ConnClosed { conn });
 }
 
+/// In tracker mode, checks the open's ticket and returns its request id; ticketless, "".
+fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<String, TicketError> {
+    let Some(gate) = &shared.gate else { return Ok(String::new()) };
+    let signed = open.ticket.as_ref().ok_or(TicketError::Missing)?;
+    let key = *gate.tracker_key.read().unwrap_or_else(|p| p.into_inner());
+    // Before the first join the tracker's key is unknown: nothing can be verified yet.
+    let key = key.ok_or(TicketError::Forged)?;
+    let t = dgr_proto::verify_ticket(signed, &key, unix_us() / 1000)?;
+    dgr_proto::check_ticket_open(&t, open, &gate.worker_id)?;
+    Ok(t.request_id)
+}
+
 /// The connection to a next stage, shared by every session that goes there; opened on first use.
 async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
     let mut peers = shared.peers.lock().await;
     if let Some(tx) = peers.get(addr).filter(|tx| !tx.is_closed()) {
         return Ok(tx.clone());
     }
-    let stream = tokio::time::timeout(HANDSHAKE, TcpStream::connect(addr)).await.map_err(|_| "connect timed out".to_string())?;
-    let stream = stream.map_err(|e| e.to_string())?;
-    let _ = stream.set_nodelay(true);
+    let stream = dgr_proto::dial(addr, HANDSHAKE).await.map_err(|e| e.to_string())?;
     let (mut sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
     sink.send(encode(&hello(None))).await.map_err(|e| e.to_string())?;
     match tokio::time::timeout(HANDSHAKE, frames.next()).await {

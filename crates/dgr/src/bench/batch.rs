@@ -82,6 +82,7 @@ fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: 
             sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
             top_logprobs: 0,
             seam_dtype: SeamDtype::F32,
+            ticket: None,
         })
         .collect();
     let opts = DriveOptions { step_timeout: Duration::from_secs(60), ..DriveOptions::default() };

@@ -91,6 +91,7 @@ pub fn run(a: Args) -> Result<()> {
         sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
         top_logprobs: 0,
         seam_dtype: SeamDtype::F32,
+        ticket: None,
     };
     let routed = || rt.block_on(dgr_gateway::generate(&route, &greq, &DriveOptions::default(), |_| Flow::Continue));
     local::generate(&stage, |_| false, &req, |_| {})?; // warm-up

@@ -1,0 +1,108 @@
+//! A driver's dealings with a tracker: asking for a route and its ticket, and reporting what a
+//! request used, once, under its request id.
+
+use dgr_gateway::{Completion, DriveError, Route, UsageReport};
+use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, TrackerClient};
+use std::time::{Duration, Instant};
+
+const CONNECT: Duration = Duration::from_secs(5);
+/// How long a usage report keeps trying (a tracker may be restarting).
+const REPORT_FOR: Duration = Duration::from_secs(20);
+
+fn tracker_error(e: TrackerCallError) -> DriveError {
+    match e {
+        TrackerCallError::Refused(r) => DriveError::new(r.refusal_kind().name(), None, None, r.message),
+        e => DriveError::new("tracker", None, None, e.to_string()),
+    }
+}
+
+fn random_id() -> String {
+    let mut b = [0u8; 16];
+    let _ = getrandom::fill(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A route for `model_id` from the tracker, its ticket with the session id, and the request id.
+pub async fn route(
+    tracker: &str,
+    model_id: &str,
+    budget_tokens: u64,
+    api_key: &str,
+) -> Result<(Route, (SignedTicket, [u8; 16]), String), DriveError> {
+    let request_id = random_id();
+    let mut c = TrackerClient::connect(tracker, CONNECT).await.map_err(tracker_error)?;
+    let ask = RouteRequest {
+        model_id: model_id.into(),
+        budget_tokens,
+        api_key: api_key.into(),
+        request_id: request_id.clone(),
+        ..Default::default()
+    };
+    let TrackerBody::RouteReply(reply) = c.call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)? else {
+        return Err(DriveError::new("tracker", None, None, "the tracker answered something else"));
+    };
+    let route = Route::from_tracker(&reply)?;
+    let bad = || DriveError::new("tracker", None, None, "a route without a valid ticket");
+    let ticket = reply.ticket.ok_or_else(bad)?;
+    let session: [u8; 16] = reply.route.as_ref().and_then(|t| t.session_id.as_slice().try_into().ok()).ok_or_else(bad)?;
+    Ok((route, (ticket, session), request_id))
+}
+
+/// The driver's account of a request: tokens in and out, and what each stage reported.
+pub fn request_usage(
+    request_id: &str,
+    api_key: &str,
+    route: &Route,
+    session: &[u8; 16],
+    prompt_tokens: usize,
+    result: &Result<Completion, DriveError>,
+) -> RequestUsage {
+    let (status, completion, usage): (&str, usize, &[UsageReport]) = match result {
+        Ok(c) if c.finish_reason == "cancelled" => ("cancelled", c.tokens.len(), &c.usage),
+        Ok(c) => ("completed", c.tokens.len(), &c.usage),
+        Err(e) => ("failed", e.generated, &e.usage),
+    };
+    RequestUsage {
+        request_id: request_id.into(),
+        api_key: api_key.into(),
+        model_id: route.model_id().into(),
+        engine: String::new(),
+        prompt_tokens: prompt_tokens as u64,
+        completion_tokens: completion as u64,
+        status: status.into(),
+        stages: usage
+            .iter()
+            .filter_map(|u| {
+                Some(StageUsage {
+                    worker_id: route.stages.get(u.stage as usize)?.worker_id.clone(),
+                    session_id: session.to_vec(),
+                    tokens_prefilled: u.tokens_prefilled,
+                    tokens_decoded: u.tokens_decoded,
+                    layer_tokens: u.layer_tokens,
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Sends the report until the tracker stores it (or says it already had it): "recorded", or
+/// why it could not be.
+pub async fn report(tracker: &str, usage: RequestUsage) -> String {
+    let deadline = Instant::now() + REPORT_FOR;
+    loop {
+        let sent = async {
+            let mut c = TrackerClient::connect(tracker, CONNECT).await?;
+            c.call(TrackerBody::RequestUsage(usage.clone())).await
+        };
+        let why = match sent.await {
+            Ok(TrackerBody::Ack(_)) => return "recorded".into(),
+            Ok(_) => "unexpected answer".to_string(),
+            Err(TrackerCallError::Refused(r)) => return format!("refused: {}", r.message),
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= deadline {
+            return format!("not recorded: {why}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

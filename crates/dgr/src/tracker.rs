@@ -1,0 +1,64 @@
+//! `dgr tracker`: the registry, route planner, ticket signer, ledger and relay of a swarm.
+
+use crate::state::{read_or_create_secret, read_secret, state_dir};
+use anyhow::{Context, Result};
+use dgr_tracker::{Tracker, TrackerConfig};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Address to serve on (workers, clients, the relay, and GET /metrics, /health); port 0 picks a free port
+    #[arg(long, default_value = "127.0.0.1:7400")]
+    listen: String,
+    /// The address clients reach this tracker on, used in relayed workers' addresses [default: the bound address]
+    #[arg(long)]
+    advertise: Option<String>,
+    /// SQLite database for what survives a restart: the ledger, API keys, worker identities, the
+    /// signing key [default: $DGR_STATE_DIR/tracker.db]
+    #[arg(long)]
+    db: Option<PathBuf>,
+    /// File holding the join token workers must present (and that `dgr key add` needs)
+    /// [default: $DGR_STATE_DIR/join-token, created with a random token if missing]
+    #[arg(long)]
+    join_token_file: Option<PathBuf>,
+    /// Milliseconds between worker heartbeats; a worker silent for three is out of new routes
+    #[arg(long, default_value_t = 1000)]
+    heartbeat_ms: u64,
+    /// Most connections open at once
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let db = a.db.unwrap_or_else(|| state_dir().join("tracker.db"));
+    let token_file = a.join_token_file.clone().unwrap_or_else(|| state_dir().join("join-token"));
+    let token = if a.join_token_file.is_some() { read_secret(&token_file)? } else { read_or_create_secret(&token_file)? };
+    let mut cfg = TrackerConfig::new(db.clone(), token);
+    anyhow::ensure!((50..=60_000).contains(&a.heartbeat_ms), "--heartbeat-ms must be 50..=60000");
+    cfg.heartbeat = Duration::from_millis(a.heartbeat_ms);
+    cfg.max_connections = a.max_connections.max(1);
+    let tracker = Tracker::open(cfg).with_context(|| format!("opening the tracker database {}", db.display()))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let shutdown = crate::worker::shutdown_signal()?;
+        let listener = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?;
+        let addr = listener.local_addr()?.to_string();
+        let advertise = a.advertise.unwrap_or_else(|| addr.clone());
+        println!(
+            "{}",
+            serde_json::json!({
+                "listening": addr,
+                "advertise": advertise,
+                "db": db,
+                "join_token_file": token_file,
+                "tracker_key": tracker.public_key_hex(),
+                "api_keys_required": tracker.requires_keys()?,
+            })
+        );
+        eprintln!("dgr tracker: serving on {addr} (GET http://{addr}/metrics); workers join with the token in {}", token_file.display());
+        tracker.serve(listener, advertise, shutdown).await?;
+        eprintln!("dgr tracker: stopped");
+        Ok(())
+    })
+}

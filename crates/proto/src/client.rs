@@ -1,0 +1,81 @@
+//! A client's connection to a tracker: the tracker's challenge first, then one request and its
+//! answer at a time.
+
+use crate::{codec, Challenge, Refused, TrackerBody, TrackerFrame};
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use prost::Message;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+
+/// Tracker frames are small; this caps what a client will buffer.
+pub const TRACKER_MAX_FRAME: usize = 16 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrackerCallError {
+    #[error("tracker {addr}: {why}")]
+    Io { addr: String, why: String },
+    #[error("tracker refused ({}): {}", .0.refusal_kind().name(), .0.message)]
+    Refused(Refused),
+    #[error("tracker {addr}: unexpected answer")]
+    Protocol { addr: String },
+}
+
+pub struct TrackerClient {
+    addr: String,
+    framed: Framed<TcpStream, LengthDelimitedCodec>,
+    timeout: Duration,
+    pub challenge: Challenge,
+}
+
+impl TrackerClient {
+    pub async fn connect(addr: &str, timeout: Duration) -> Result<TrackerClient, TrackerCallError> {
+        let io = |why: String| TrackerCallError::Io { addr: addr.into(), why };
+        let s = tokio::time::timeout(timeout, TcpStream::connect(addr)).await.map_err(|_| io("connect timed out".into()))?;
+        let s = s.map_err(|e| io(e.to_string()))?;
+        let _ = s.set_nodelay(true);
+        let mut c = TrackerClient {
+            addr: addr.into(),
+            framed: Framed::new(s, codec(TRACKER_MAX_FRAME)),
+            timeout,
+            challenge: Challenge::default(),
+        };
+        match c.recv().await? {
+            TrackerBody::Challenge(ch) => c.challenge = ch,
+            _ => return Err(TrackerCallError::Protocol { addr: addr.into() }),
+        }
+        Ok(c)
+    }
+
+    pub async fn send(&mut self, body: TrackerBody) -> Result<(), TrackerCallError> {
+        let bytes = Bytes::from(TrackerFrame::new(body).encode_to_vec());
+        let sent = tokio::time::timeout(self.timeout, self.framed.send(bytes)).await;
+        sent.map_err(|_| self.io("send timed out"))?.map_err(|e| self.io(&e.to_string()))
+    }
+
+    /// The next frame; a `Refused` becomes an error.
+    pub async fn recv(&mut self) -> Result<TrackerBody, TrackerCallError> {
+        let next = tokio::time::timeout(self.timeout, self.framed.next()).await.map_err(|_| self.io("no answer in time"))?;
+        let bytes = next.ok_or_else(|| self.io("connection closed"))?.map_err(|e| self.io(&e.to_string()))?;
+        match TrackerFrame::decode(bytes).map(|f| f.body) {
+            Ok(Some(TrackerBody::Refused(r))) => Err(TrackerCallError::Refused(r)),
+            Ok(Some(b)) => Ok(b),
+            _ => Err(TrackerCallError::Protocol { addr: self.addr.clone() }),
+        }
+    }
+
+    pub async fn call(&mut self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
+        self.send(body).await?;
+        self.recv().await
+    }
+
+    /// The framed connection, for a long-lived exchange (a worker's control connection).
+    pub fn into_framed(self) -> Framed<TcpStream, LengthDelimitedCodec> {
+        self.framed
+    }
+
+    fn io(&self, why: &str) -> TrackerCallError {
+        TrackerCallError::Io { addr: self.addr.clone(), why: why.into() }
+    }
+}

@@ -1,0 +1,439 @@
+//! The tracker protocol: workers joining and reporting, clients asking for routes, the ledger,
+//! and the relay. Same framing as the stage protocol (a length-prefixed protobuf frame).
+//!
+//! A worker's control connection: the tracker speaks first (`Challenge`: a nonce and its public
+//! key); the worker answers `Join` (join token, its identity key, a signature of the nonce, what
+//! it serves); then `Heartbeat`s and `WorkerUsage` reports flow up and `RelayDial`s come down,
+//! until `Leave` or the connection drops. A client connection: the tracker's `Challenge`, then
+//! one request and its answer at a time. A relay connection's first frame is `RelayConnect`
+//! (a client wanting a relayed worker) or `RelayAccept` (the worker dialing back); after the
+//! tracker's `RelayReady` the two sockets are spliced and carry the stage protocol unchanged.
+
+use crate::SignedTicket;
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TrackerFrame {
+    #[prost(
+        oneof = "TrackerBody",
+        tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21"
+    )]
+    pub body: Option<TrackerBody>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum TrackerBody {
+    /// Tracker → anyone, first frame.
+    #[prost(message, tag = "1")]
+    Challenge(Challenge),
+    /// Worker → tracker.
+    #[prost(message, tag = "2")]
+    Join(Join),
+    #[prost(message, tag = "3")]
+    Joined(Joined),
+    #[prost(message, tag = "4")]
+    Heartbeat(Heartbeat),
+    /// Worker → tracker: stop routing to me (SIGTERM).
+    #[prost(message, tag = "5")]
+    Leave(Leave),
+    #[prost(message, tag = "6")]
+    WorkerUsage(WorkerUsage),
+    /// Client → tracker.
+    #[prost(message, tag = "7")]
+    RouteRequest(RouteRequest),
+    #[prost(message, tag = "8")]
+    RouteReply(RouteReply),
+    /// Driver → tracker: what a request used, once it ended.
+    #[prost(message, tag = "9")]
+    RequestUsage(RequestUsage),
+    /// Tracker → client or worker: a report was stored (or was already).
+    #[prost(message, tag = "10")]
+    Ack(Ack),
+    #[prost(message, tag = "11")]
+    SwarmQuery(SwarmQuery),
+    #[prost(message, tag = "12")]
+    SwarmReply(SwarmReply),
+    #[prost(message, tag = "13")]
+    UsageQuery(UsageQuery),
+    #[prost(message, tag = "14")]
+    UsageReply(UsageReply),
+    /// Operator → tracker (with the join token): create an API key.
+    #[prost(message, tag = "15")]
+    KeyAdd(KeyAdd),
+    #[prost(message, tag = "16")]
+    KeyAdded(KeyAdded),
+    #[prost(message, tag = "17")]
+    Refused(Refused),
+    /// Client → tracker: connect me to this relayed worker.
+    #[prost(message, tag = "18")]
+    RelayConnect(RelayConnect),
+    /// Tracker → relayed worker (on its control connection): dial back with this token.
+    #[prost(message, tag = "19")]
+    RelayDial(RelayDial),
+    /// Relayed worker → tracker, first frame of the dialed-back connection.
+    #[prost(message, tag = "20")]
+    RelayAccept(RelayDial),
+    /// Tracker → client: from the next byte on, this connection reaches the worker.
+    #[prost(message, tag = "21")]
+    RelayReady(Ack),
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Challenge {
+    #[prost(uint32, tag = "1")]
+    pub protocol_version: u32,
+    /// 32 random bytes the worker signs with its identity key.
+    #[prost(bytes = "vec", tag = "2")]
+    pub nonce: Vec<u8>,
+    /// The tracker's Ed25519 public key: route tickets are signed with it.
+    #[prost(bytes = "vec", tag = "3")]
+    pub tracker_key: Vec<u8>,
+}
+
+/// What a worker serves and can take: the registry's record of it. Nothing here is specific to
+/// one engine or file format.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Registration {
+    /// The compute engine (a compatibility key field): sessions never cross engines.
+    #[prost(string, tag = "1")]
+    pub engine: String,
+    #[prost(string, tag = "2")]
+    pub model_id: String,
+    #[prost(uint32, tag = "3")]
+    pub n_layers: u32,
+    #[prost(uint32, tag = "4")]
+    pub layer_start: u32,
+    #[prost(uint32, tag = "5")]
+    pub layer_end: u32,
+    #[prost(uint32, tag = "6")]
+    pub hidden: u32,
+    #[prost(uint32, tag = "7")]
+    pub vocab: u32,
+    /// Where the stage protocol reaches it; empty for a relayed worker.
+    #[prost(string, tag = "8")]
+    pub addr: String,
+    #[prost(uint64, tag = "9")]
+    pub kv_tokens: u64,
+    #[prost(uint32, tag = "10")]
+    pub max_sessions: u32,
+    #[prost(uint32, tag = "11")]
+    pub threads: u32,
+    /// Microseconds per layer for one decode row, measured on its own layers at start-up.
+    #[prost(double, tag = "12")]
+    pub step_us_per_layer: f64,
+    #[prost(uint64, tag = "13")]
+    pub max_positions: u64,
+    #[prost(string, tag = "14")]
+    pub version: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Join {
+    #[prost(string, tag = "1")]
+    pub join_token: String,
+    /// The worker's Ed25519 public key: its identity.
+    #[prost(bytes = "vec", tag = "2")]
+    pub identity: Vec<u8>,
+    /// The identity key's signature of the challenge's nonce.
+    #[prost(bytes = "vec", tag = "3")]
+    pub signature: Vec<u8>,
+    #[prost(message, optional, tag = "4")]
+    pub registration: Option<Registration>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Joined {
+    /// The worker's id in routes and tickets (hex of its identity key).
+    #[prost(string, tag = "1")]
+    pub worker_id: String,
+    #[prost(uint32, tag = "2")]
+    pub heartbeat_ms: u32,
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Load {
+    #[prost(uint32, tag = "1")]
+    pub sessions: u32,
+    #[prost(uint32, tag = "2")]
+    pub queue_depth: u32,
+    #[prost(uint64, tag = "3")]
+    pub kv_used_tokens: u64,
+    /// Mean compute microseconds per step since the last heartbeat (0: no steps).
+    #[prost(double, tag = "4")]
+    pub recent_step_us: f64,
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Heartbeat {
+    #[prost(message, optional, tag = "1")]
+    pub load: Option<Load>,
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Leave {}
+
+/// What one worker computed for one session, reported when the session ended there.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct WorkerUsage {
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    #[prost(string, tag = "2")]
+    pub request_id: String,
+    #[prost(uint32, tag = "3")]
+    pub layer_start: u32,
+    #[prost(uint32, tag = "4")]
+    pub layer_end: u32,
+    #[prost(uint64, tag = "5")]
+    pub tokens_prefilled: u64,
+    #[prost(uint64, tag = "6")]
+    pub tokens_decoded: u64,
+    #[prost(uint64, tag = "7")]
+    pub layer_tokens: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RouteRequest {
+    #[prost(string, tag = "1")]
+    pub model_id: String,
+    /// Empty: any engine.
+    #[prost(string, tag = "2")]
+    pub engine: String,
+    /// Positions the session may use (prompt + max tokens): the ticket's budget.
+    #[prost(uint64, tag = "3")]
+    pub budget_tokens: u64,
+    #[prost(string, tag = "4")]
+    pub api_key: String,
+    /// The client's idempotent id for the request the session belongs to.
+    #[prost(string, tag = "5")]
+    pub request_id: String,
+    /// Workers not to use (a failed stage).
+    #[prost(string, repeated, tag = "6")]
+    pub exclude: Vec<String>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RouteStage {
+    #[prost(string, tag = "1")]
+    pub worker_id: String,
+    /// Where to dial it: host:port, or relay://TRACKER/WORKER_ID.
+    #[prost(string, tag = "2")]
+    pub addr: String,
+    #[prost(uint32, tag = "3")]
+    pub layer_start: u32,
+    #[prost(uint32, tag = "4")]
+    pub layer_end: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RouteReply {
+    #[prost(message, optional, tag = "1")]
+    pub ticket: Option<SignedTicket>,
+    /// The ticket's content, for the driver (the same as in the signed body).
+    #[prost(message, optional, tag = "2")]
+    pub route: Option<crate::Ticket>,
+    #[prost(uint32, tag = "3")]
+    pub hidden: u32,
+    #[prost(uint32, tag = "4")]
+    pub n_layers: u32,
+    #[prost(uint32, tag = "5")]
+    pub vocab: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct StageUsage {
+    #[prost(string, tag = "1")]
+    pub worker_id: String,
+    #[prost(bytes = "vec", tag = "2")]
+    pub session_id: Vec<u8>,
+    #[prost(uint64, tag = "3")]
+    pub tokens_prefilled: u64,
+    #[prost(uint64, tag = "4")]
+    pub tokens_decoded: u64,
+    #[prost(uint64, tag = "5")]
+    pub layer_tokens: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RequestUsage {
+    #[prost(string, tag = "1")]
+    pub request_id: String,
+    #[prost(string, tag = "2")]
+    pub api_key: String,
+    #[prost(string, tag = "3")]
+    pub model_id: String,
+    #[prost(string, tag = "4")]
+    pub engine: String,
+    #[prost(uint64, tag = "5")]
+    pub prompt_tokens: u64,
+    #[prost(uint64, tag = "6")]
+    pub completion_tokens: u64,
+    /// completed, cancelled or failed.
+    #[prost(string, tag = "7")]
+    pub status: String,
+    /// The driver's view of what each stage computed (from the stages' Usage frames).
+    #[prost(message, repeated, tag = "8")]
+    pub stages: Vec<StageUsage>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Ack {
+    /// True when this report was already stored (a retry).
+    #[prost(bool, tag = "1")]
+    pub duplicate: bool,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SwarmQuery {}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct WorkerStatus {
+    #[prost(string, tag = "1")]
+    pub worker_id: String,
+    #[prost(message, optional, tag = "2")]
+    pub registration: Option<Registration>,
+    #[prost(message, optional, tag = "3")]
+    pub load: Option<Load>,
+    /// Milliseconds since its last heartbeat.
+    #[prost(uint64, tag = "4")]
+    pub last_seen_ms: u64,
+    #[prost(bool, tag = "5")]
+    pub relayed: bool,
+    /// Routes issued to it in the last moments, not yet visible in its heartbeats.
+    #[prost(uint32, tag = "6")]
+    pub recent_routes: u32,
+    #[prost(uint64, tag = "7")]
+    pub routes_total: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SwarmReply {
+    #[prost(message, repeated, tag = "1")]
+    pub workers: Vec<WorkerStatus>,
+    /// A worker silent for three of these is out of new routes.
+    #[prost(uint32, tag = "2")]
+    pub heartbeat_ms: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UsageQuery {
+    /// key or worker.
+    #[prost(string, tag = "1")]
+    pub by: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UsageRow {
+    /// The key's name, or the worker's id.
+    #[prost(string, tag = "1")]
+    pub who: String,
+    #[prost(string, tag = "2")]
+    pub model_id: String,
+    #[prost(string, tag = "3")]
+    pub engine: String,
+    #[prost(uint64, tag = "4")]
+    pub requests: u64,
+    #[prost(uint64, tag = "5")]
+    pub prompt_tokens: u64,
+    #[prost(uint64, tag = "6")]
+    pub completion_tokens: u64,
+    #[prost(uint64, tag = "7")]
+    pub tokens_prefilled: u64,
+    #[prost(uint64, tag = "8")]
+    pub tokens_decoded: u64,
+    #[prost(uint64, tag = "9")]
+    pub layer_tokens: u64,
+    /// Sessions where the driver's and the worker's reports disagree.
+    #[prost(uint64, tag = "10")]
+    pub disagreements: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UsageReply {
+    #[prost(message, repeated, tag = "1")]
+    pub rows: Vec<UsageRow>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct KeyAdd {
+    #[prost(string, tag = "1")]
+    pub join_token: String,
+    #[prost(string, tag = "2")]
+    pub name: String,
+    /// Most prompt + completion tokens the key may use; 0: no limit.
+    #[prost(uint64, tag = "3")]
+    pub quota_tokens: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct KeyAdded {
+    /// The secret, shown once; the tracker keeps only its hash.
+    #[prost(string, tag = "1")]
+    pub key: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, prost::Enumeration)]
+#[repr(i32)]
+pub enum RefusalKind {
+    Internal = 0,
+    BadRequest = 1,
+    BadJoinToken = 2,
+    BadSignature = 3,
+    /// No chain of live workers covers the model.
+    NoRoute = 4,
+    BadApiKey = 5,
+    QuotaExceeded = 6,
+    /// A relayed worker that is not connected.
+    NotConnected = 7,
+    Overloaded = 8,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Refused {
+    #[prost(enumeration = "RefusalKind", tag = "1")]
+    pub kind: i32,
+    #[prost(string, tag = "2")]
+    pub message: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RelayConnect {
+    #[prost(string, tag = "1")]
+    pub worker_id: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RelayDial {
+    #[prost(bytes = "vec", tag = "1")]
+    pub token: Vec<u8>,
+}
+
+impl TrackerFrame {
+    pub fn new(body: TrackerBody) -> TrackerFrame {
+        TrackerFrame { body: Some(body) }
+    }
+}
+
+impl RefusalKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RefusalKind::Internal => "internal",
+            RefusalKind::BadRequest => "bad_request",
+            RefusalKind::BadJoinToken => "bad_join_token",
+            RefusalKind::BadSignature => "bad_signature",
+            RefusalKind::NoRoute => "no_route",
+            RefusalKind::BadApiKey => "bad_api_key",
+            RefusalKind::QuotaExceeded => "quota_exceeded",
+            RefusalKind::NotConnected => "not_connected",
+            RefusalKind::Overloaded => "overloaded",
+        }
+    }
+}
+
+impl Refused {
+    pub fn new(kind: RefusalKind, message: impl Into<String>) -> Refused {
+        Refused { kind: kind as i32, message: message.into() }
+    }
+
+    pub fn refusal_kind(&self) -> RefusalKind {
+        RefusalKind::try_from(self.kind).unwrap_or(RefusalKind::Internal)
+    }
+}

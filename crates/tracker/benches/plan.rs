@@ -1,0 +1,62 @@
+//! Route planning over many registered workers holding random overlapping ranges of an 80-layer
+//! model. Each size cycles through several seeded instances so one lucky layout cannot skew it.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use dgr_tracker::plan::{plan, Candidate};
+use std::hint::black_box;
+
+const LAYERS: u32 = 80;
+const INSTANCES: u64 = 16;
+
+/// splitmix64: deterministic and good enough for benchmark inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next() % u64::from(n)) as u32
+    }
+
+    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// `workers` candidates: random start, random length 5..=40 clipped to the model, per layer
+/// 0.5..2.0 ms, fixed 0.1..1.0 ms.
+fn workers(workers: usize, seed: u64) -> Vec<Candidate> {
+    let mut rng = Rng(seed);
+    (0..workers)
+        .map(|_| {
+            let start = rng.below(LAYERS);
+            let end = (start + 5 + rng.below(36)).min(LAYERS);
+            Candidate { start, end, per_layer: rng.uniform(0.5, 2.0), fixed: rng.uniform(0.1, 1.0) }
+        })
+        .collect()
+}
+
+fn bench_plan(c: &mut Criterion) {
+    let mut group = c.benchmark_group("plan");
+    for n in [1_000, 10_000] {
+        let sets: Vec<_> = (0..INSTANCES).map(|seed| workers(n, seed)).collect();
+        assert!(sets.iter().all(|s| plan(LAYERS, s).is_some()), "every instance must be routable");
+        group.bench_with_input(BenchmarkId::new("workers", n), &sets, |b, sets| {
+            let mut i = 0;
+            b.iter(|| {
+                i = (i + 1) % sets.len();
+                plan(LAYERS, black_box(&sets[i]))
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_plan);
+criterion_main!(benches);

@@ -1,0 +1,12 @@
+//! The tracker: the one place that knows who serves what. Registry and liveness of workers,
+//! route planning over replicas and overlapping ranges, signed route tickets, the usage ledger
+//! and the relay. It is never on the data path (except as a relay for a worker that asks).
+
+pub mod plan;
+mod metrics;
+mod registry;
+mod server;
+mod store;
+
+pub use server::{Tracker, TrackerConfig, TrackerError};
+pub use store::StoreError;

@@ -1,0 +1,134 @@
+//! Live state, in memory: which workers are connected, their last heartbeat and load, and the
+//! routes issued to them in the last moments. Planning a route reads it; nothing here is
+//! durable (a restarted tracker learns it again as workers re-join).
+
+use crate::plan::{plan, Candidate};
+use dgr_proto::{Load, Registration, RouteStage, TrackerFrame};
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Per-hop cost of a route, in ms: a seam's loopback latency and framing, so that of two
+/// equally fast chains the one with fewer hops wins.
+const HOP_MS: f64 = 0.2;
+
+pub struct LiveWorker {
+    pub id: String,
+    pub reg: Registration,
+    /// Where clients dial it: its address, or the relay's address for it.
+    pub addr: String,
+    pub relayed: bool,
+    /// Which control connection registered it: a late close of an older one must not remove a
+    /// worker that has re-joined since.
+    pub conn: u64,
+    pub last_heartbeat: Instant,
+    pub load: Load,
+    /// When routes naming it were issued, newest last, kept for `recent_window`.
+    pub issued: VecDeque<Instant>,
+    pub routes_total: u64,
+    /// Frames to its control connection (relay dial requests).
+    pub control: mpsc::Sender<TrackerFrame>,
+}
+
+pub struct Registry {
+    pub workers: HashMap<String, LiveWorker>,
+    pub heartbeat: Duration,
+    /// Jitter state for breaking ties between equal chains.
+    rng: u64,
+}
+
+/// A planned route: the chain, and the model's shape as the workers registered it.
+pub struct Planned {
+    pub stages: Vec<RouteStage>,
+    pub hidden: u32,
+    pub n_layers: u32,
+    pub vocab: u32,
+}
+
+impl LiveWorker {
+    /// Heard from within three heartbeat intervals.
+    pub fn alive(&self, heartbeat: Duration, now: Instant) -> bool {
+        now.duration_since(self.last_heartbeat) <= 3 * heartbeat
+    }
+
+    /// Routes issued to it that its last heartbeat cannot show yet.
+    pub fn unseen_routes(&self) -> usize {
+        self.issued.iter().filter(|t| **t >= self.last_heartbeat).count()
+    }
+}
+
+impl Registry {
+    pub fn new(heartbeat: Duration) -> Registry {
+        let mut seed = [0u8; 8];
+        let _ = getrandom::fill(&mut seed);
+        Registry { workers: HashMap::new(), heartbeat, rng: u64::from_le_bytes(seed) | 1 }
+    }
+
+    fn jitter(&mut self) -> f64 {
+        // xorshift64: only to break exact ties, so equal replicas share arrivals in any order.
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Drops issue times older than the window they can matter in.
+    fn forget_old(&mut self, now: Instant) {
+        let window = 4 * self.heartbeat;
+        for w in self.workers.values_mut() {
+            while w.issued.front().is_some_and(|t| now.duration_since(*t) > window) {
+                w.issued.pop_front();
+            }
+        }
+    }
+
+    /// The cheapest chain of live workers of `model_id` (and `engine`, unless empty) covering
+    /// every layer exactly once, avoiding `exclude`. A stage's expected time is its measured time
+    /// per layer × layers served × (1 + its load: sessions it reported plus routes issued to it
+    /// since), plus a per-hop latency. Records the issue on each chosen worker.
+    pub fn plan_route(&mut self, model_id: &str, engine: &str, exclude: &[String]) -> Option<Planned> {
+        let now = Instant::now();
+        self.forget_old(now);
+        let hb = self.heartbeat;
+        let mut ids: Vec<&String> = self
+            .workers
+            .values()
+            .filter(|w| {
+                w.reg.model_id == model_id
+                    && (engine.is_empty() || w.reg.engine == engine)
+                    && w.alive(hb, now)
+                    && !exclude.contains(&w.id)
+                    && (w.load.sessions as usize + w.unseen_routes()) < w.reg.max_sessions.max(1) as usize
+            })
+            .map(|w| &w.id)
+            .collect();
+        ids.sort();
+        let ids: Vec<String> = ids.into_iter().cloned().collect();
+        let first = self.workers.get(ids.first()?)?;
+        let (n_layers, hidden, vocab, engine) = (first.reg.n_layers, first.reg.hidden, first.reg.vocab, first.reg.engine.clone());
+        let ids: Vec<String> = ids
+            .into_iter()
+            .filter(|id| {
+                let r = &self.workers[id].reg;
+                (r.n_layers, r.hidden, r.engine.as_str()) == (n_layers, hidden, engine.as_str())
+            })
+            .collect();
+        let mut candidates = Vec::with_capacity(ids.len());
+        for id in &ids {
+            let tie = 1.0 + 1e-9 * self.jitter();
+            let w = &self.workers[id];
+            let load = w.load.sessions as f64 + w.unseen_routes() as f64;
+            let per_layer = w.reg.step_us_per_layer.max(1.0) / 1e3 * (1.0 + load);
+            candidates.push(Candidate { start: w.reg.layer_start, end: w.reg.layer_end, per_layer: per_layer * tie, fixed: HOP_MS });
+        }
+        let hops = plan(n_layers, &candidates)?;
+        let mut stages = Vec::with_capacity(hops.len());
+        for h in hops {
+            let w = self.workers.get_mut(&ids[h.candidate])?;
+            w.issued.push_back(now);
+            w.routes_total += 1;
+            stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start: h.start, layer_end: h.end });
+        }
+        Some(Planned { stages, hidden, n_layers, vocab })
+    }
+}
