@@ -4,7 +4,6 @@ mod bench;
 mod generate;
 mod inspect;
 mod key;
-mod ledger;
 mod local;
 mod model;
 mod routed;

@@ -3,7 +3,7 @@
 use crate::local::Request;
 use crate::swarm::LocalSwarm;
 use anyhow::{bail, Context, Result};
-use dgr_gateway::{Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
+use dgr_gateway::{tracker, Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use std::path::Path;
 use std::time::Duration;
@@ -62,7 +62,8 @@ pub fn generate(
         let budget = (req.prompt_tokens.len() + req.max_tokens) as u64;
         let (route, ticket, request_id) = match &a.tracker {
             Some(t) => {
-                let (route, ticket, request_id) = crate::ledger::route(t, &model_id, budget, &a.api_key).await?;
+                let request_id = tracker::new_request_id();
+                let (route, ticket) = tracker::route(t, &model_id, budget, &a.api_key, &request_id).await?;
                 (route, Some(ticket), request_id)
             }
             None => (Route::discover(&addrs, opts.connect_timeout).await?, None, String::new()),
@@ -95,8 +96,8 @@ pub fn generate(
         .await;
         let ledger = match (&a.tracker, &g.ticket) {
             (Some(t), Some((_, session))) => {
-                let usage = crate::ledger::request_usage(&request_id, &a.api_key, &route, session, req.prompt_tokens.len(), &result);
-                Some(crate::ledger::report(t, usage).await)
+                let usage = tracker::request_usage(&request_id, &a.api_key, &route, session, req.prompt_tokens.len(), &result);
+                Some(tracker::report(t, usage).await)
             }
             _ => None,
         };

@@ -25,6 +25,9 @@ pub struct Args {
     /// Milliseconds between worker heartbeats; a worker silent for three is out of new routes
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
+    /// Milliseconds a route ticket stays valid for opening its session
+    #[arg(long, default_value_t = 60_000)]
+    ticket_ttl_ms: u64,
     /// Most connections open at once
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
@@ -38,6 +41,7 @@ pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!((50..=60_000).contains(&a.heartbeat_ms), "--heartbeat-ms must be 50..=60000");
     cfg.heartbeat = Duration::from_millis(a.heartbeat_ms);
     cfg.max_connections = a.max_connections.max(1);
+    cfg.ticket_ttl = Duration::from_millis(a.ticket_ttl_ms.max(1));
     let tracker = Tracker::open(cfg).with_context(|| format!("opening the tracker database {}", db.display()))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {

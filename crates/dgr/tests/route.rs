@@ -147,6 +147,7 @@ impl Raw {
             sampling: Some(Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, seed: 0 }),
             top_logprobs: 0,
             max_positions: 64,
+            ticket: None,
         }
     }
 

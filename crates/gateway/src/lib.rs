@@ -6,6 +6,7 @@ mod driver;
 mod error;
 mod report;
 mod route;
+pub mod tracker;
 
 pub use driver::{generate, DriveOptions, Flow, GenRequest};
 pub use error::DriveError;

@@ -632,7 +632,7 @@ mod tests {
         };
         let mut cfg = WorkerConfig::new("m.gguf".into(), held);
         cfg.kv_budget_tokens = budget;
-        Scheduler::new(stage, cfg, schema, Arc::new(Metrics::default()))
+        Scheduler::new(stage, cfg, schema, Arc::new(Metrics::default()), None)
     }
 
     /// Opens session `id` over `layers`, passing its rows to `next` if given; returns the reply
@@ -648,7 +648,7 @@ mod tests {
             max_positions: positions,
             ..Default::default()
         };
-        s.handle(Cmd::Open { conn: 1, open, reply, next: next.map(|n| ("next".to_string(), n.clone())) });
+        s.handle(Cmd::Open { conn: 1, open, reply, next: next.map(|n| ("next".to_string(), n.clone())), request_id: String::new() });
         (inbox.try_recv().unwrap().body.unwrap(), inbox)
     }
 

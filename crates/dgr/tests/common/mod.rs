@@ -2,6 +2,8 @@
 //! `dgr worker` processes with guards, their /metrics, and the reference prompts.
 #![allow(dead_code)]
 
+pub mod swarm;
+
 use dgr_gateway::Completion;
 use serde_json::Value;
 use std::collections::HashMap;

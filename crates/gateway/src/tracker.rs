@@ -1,7 +1,7 @@
 //! A driver's dealings with a tracker: asking for a route and its ticket, and reporting what a
 //! request used, once, under its request id.
 
-use dgr_gateway::{Completion, DriveError, Route, UsageReport};
+use crate::{Completion, DriveError, Route, UsageReport};
 use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, TrackerClient};
 use std::time::{Duration, Instant};
 
@@ -16,26 +16,27 @@ fn tracker_error(e: TrackerCallError) -> DriveError {
     }
 }
 
-fn random_id() -> String {
+/// A fresh request id: 128 random bits, hex.
+pub fn new_request_id() -> String {
     let mut b = [0u8; 16];
     let _ = getrandom::fill(&mut b);
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// A route for `model_id` from the tracker, its ticket with the session id, and the request id.
+/// A route for `model_id` from the tracker, with its ticket and the session id it names.
 pub async fn route(
     tracker: &str,
     model_id: &str,
     budget_tokens: u64,
     api_key: &str,
-) -> Result<(Route, (SignedTicket, [u8; 16]), String), DriveError> {
-    let request_id = random_id();
+    request_id: &str,
+) -> Result<(Route, (SignedTicket, [u8; 16])), DriveError> {
     let mut c = TrackerClient::connect(tracker, CONNECT).await.map_err(tracker_error)?;
     let ask = RouteRequest {
         model_id: model_id.into(),
         budget_tokens,
         api_key: api_key.into(),
-        request_id: request_id.clone(),
+        request_id: request_id.into(),
         ..Default::default()
     };
     let TrackerBody::RouteReply(reply) = c.call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)? else {
@@ -45,7 +46,7 @@ pub async fn route(
     let bad = || DriveError::new("tracker", None, None, "a route without a valid ticket");
     let ticket = reply.ticket.ok_or_else(bad)?;
     let session: [u8; 16] = reply.route.as_ref().and_then(|t| t.session_id.as_slice().try_into().ok()).ok_or_else(bad)?;
-    Ok((route, (ticket, session), request_id))
+    Ok((route, (ticket, session)))
 }
 
 /// The driver's account of a request: tokens in and out, and what each stage reported.

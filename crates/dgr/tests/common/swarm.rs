@@ -1,0 +1,205 @@
+//! A tracker process and workers that join it, for the tracker's acceptance tests.
+
+use super::{dgr, model};
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Spawns `cmd`, returns the child, its first stdout line as JSON, and its stderr as it grows.
+fn spawn_ready(mut cmd: std::process::Command, what: &str) -> (Child, Value, Arc<Mutex<Vec<u8>>>) {
+    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning dgr");
+    let stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stdout);
+        let mut line = String::new();
+        let _ = r.read_line(&mut line);
+        let _ = tx.send(line);
+        let _ = std::io::copy(&mut r, &mut std::io::sink());
+    });
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let l = log.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            l.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    });
+    let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} not ready within 60 s"));
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| {
+        panic!("{what}: no ready line ({e}): {line:?}; stderr: {}", String::from_utf8_lossy(&log.lock().unwrap()))
+    });
+    (child, v, log)
+}
+
+pub struct Tracker {
+    pub child: Child,
+    pub addr: String,
+    pub dir: PathBuf,
+    pub token_file: PathBuf,
+    log: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Tracker {
+    /// A tracker with its database and join token in a fresh directory `name` under the temp dir.
+    pub fn start(name: &str, extra: &[&str]) -> Tracker {
+        let dir = std::env::temp_dir().join(format!("dgr-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let token_file = dir.join("join-token");
+        std::fs::write(&token_file, "test-join-token\n").unwrap();
+        Tracker::start_in(&dir, "127.0.0.1:0", extra)
+    }
+
+    /// A tracker on the database in `dir` (a restart), listening on `listen`.
+    pub fn start_in(dir: &Path, listen: &str, extra: &[&str]) -> Tracker {
+        let token_file = dir.join("join-token");
+        let mut cmd = dgr();
+        cmd.args(["tracker", "--listen", listen, "--db"])
+            .arg(dir.join("tracker.db"))
+            .arg("--join-token-file")
+            .arg(&token_file)
+            .args(extra)
+            .env("DGR_STATE_DIR", dir);
+        let (child, v, log) = spawn_ready(cmd, "tracker");
+        let addr = v["listening"].as_str().expect("listening").to_string();
+        Tracker { child, addr, dir: dir.to_path_buf(), token_file, log }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn log(&self) -> String {
+        String::from_utf8_lossy(&self.log.lock().unwrap()).into_owned()
+    }
+
+    fn query(&self, args: &[&str]) -> Value {
+        let out = dgr().args(args).args(["--tracker", &self.addr, "--format", "json"]).output().unwrap();
+        assert!(out.status.success(), "dgr {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// `dgr swarm --format json`: the workers of the one model, by id.
+    pub fn workers(&self) -> Vec<Value> {
+        let v = self.query(&["swarm"]);
+        v["models"].as_array().unwrap().iter().flat_map(|m| m["workers"].as_array().unwrap().clone()).collect()
+    }
+
+    /// Ids of the workers the tracker would route to now.
+    pub fn live_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> =
+            self.workers().iter().filter(|w| w["live"] == true).map(|w| w["worker_id"].as_str().unwrap().to_string()).collect();
+        ids.sort();
+        ids
+    }
+
+    /// Waits until the live workers are exactly `want`; returns how long that took.
+    pub fn wait_live(&self, want: &[&str], within: Duration, what: &str) -> Duration {
+        let start = Instant::now();
+        let mut want: Vec<String> = want.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        loop {
+            let live = self.live_ids();
+            if live == want {
+                return start.elapsed();
+            }
+            assert!(start.elapsed() < within, "{what}: live workers {live:?}, want {want:?} within {within:?}");
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    pub fn usage(&self, by: &str) -> Value {
+        self.query(&["usage", "--by", by])
+    }
+
+    /// `dgr generate --tracker` on the default model; the parsed JSON (an error exits 2 with
+    /// {"error": ...}, returned as is).
+    pub fn generate(&self, args: &[&str]) -> Value {
+        let out = dgr()
+            .args(["generate", "--tracker", &self.addr, "--format", "json", "--threads", "1"])
+            .args(args)
+            .arg("--model")
+            .arg(model())
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!("generate {args:?}: no JSON ({e}): {} {}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+        })
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("--- tracker stderr:\n{}", self.log());
+        }
+    }
+}
+
+pub struct Worker {
+    pub child: Child,
+    pub id: String,
+    pub addr: Option<String>,
+    pub layers: (usize, usize),
+    log: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Worker {
+    /// A worker of layers a..b joined to `t`, with its identity in `key` (under the tracker's
+    /// dir), one thread, and `extra` flags.
+    pub fn start(t: &Tracker, (a, b): (usize, usize), key: &str, extra: &[&str]) -> Worker {
+        let mut cmd = dgr();
+        cmd.args(["worker", "--threads", "1", "--layers", &format!("{a}..{b}"), "--tracker", &t.addr, "--join-token-file"])
+            .arg(&t.token_file)
+            .arg("--key-file")
+            .arg(t.dir.join(format!("{key}.key")))
+            .args(extra)
+            .arg("--model")
+            .arg(model());
+        if !extra.contains(&"--relay") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        let (child, v, log) = spawn_ready(cmd, "worker");
+        Worker {
+            child,
+            id: v["worker_id"].as_str().expect("worker_id").to_string(),
+            addr: v["listening"].as_str().map(String::from),
+            layers: (a, b),
+            log,
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = std::process::Command::new("kill").args([&format!("-{sig}"), &self.child.id().to_string()]).status().unwrap();
+        assert!(ok.success(), "kill -{sig}");
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn log(&self) -> String {
+        String::from_utf8_lossy(&self.log.lock().unwrap()).into_owned()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // A stopped process must be continued to die of anything but SIGKILL; SIGKILL it anyway.
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("--- worker {:?} stderr:\n{}", self.layers, self.log());
+        }
+    }
+}
