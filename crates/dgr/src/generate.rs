@@ -73,7 +73,7 @@ pub fn run(a: Args) -> Result<()> {
         top_logprobs: a.top_logprobs,
         ignore_eos: a.ignore_eos,
     };
-    let mut stream = Utf8Stream::default();
+    let mut stream = dgr_tokenizer::Utf8Stream::default();
     let text_format = a.format == Format::Text;
     let mut print = |t: u32| {
         if text_format {
@@ -117,25 +117,4 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Turns a stream of token bytes into text, holding back an incomplete UTF-8 sequence until its
-/// remaining bytes arrive.
-#[derive(Default)]
-pub struct Utf8Stream {
-    pending: Vec<u8>,
-}
-
-impl Utf8Stream {
-    pub fn push(&mut self, bytes: &[u8]) -> String {
-        self.pending.extend_from_slice(bytes);
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(e) => e.valid_up_to() + e.error_len().unwrap_or(1),
-        };
-        let text = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
-        self.pending.drain(..valid);
-        text
-    }
 }

@@ -33,7 +33,7 @@ pub fn run(c: Command) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let answer = rt.block_on(async {
         let mut t = TrackerClient::connect(&a.tracker, Duration::from_secs(5)).await?;
-        t.call(TrackerBody::KeyAdd(KeyAdd { join_token, name: a.name.clone(), quota_tokens: a.quota_tokens })).await
+        t.call(TrackerBody::KeyAdd(KeyAdd { join_token, name: a.name.clone(), quota_tokens: a.quota_tokens, key: String::new() })).await
     })?;
     let TrackerBody::KeyAdded(k) = answer else { bail!("the tracker answered something else") };
     println!("{}", serde_json::json!({ "name": a.name, "key": k.key, "quota_tokens": a.quota_tokens }));

@@ -1,6 +1,8 @@
 //! `dgr`: the command line over dgr's crates. Each subcommand lives in its own module.
 
 mod bench;
+mod fetch;
+mod gateway;
 mod generate;
 mod inspect;
 mod key;
@@ -14,6 +16,7 @@ mod swarm;
 mod synth;
 mod tokenize;
 mod tracker;
+mod up;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +42,10 @@ enum Command {
     Inspect(inspect::Args),
     /// Write a random-weight llama-shaped GGUF (for tests and benchmarks).
     Synth(synth::Args),
+    /// Start a local swarm (a tracker, workers, the OpenAI gateway) and serve until Ctrl-C.
+    Up(up::Args),
+    /// Serve the OpenAI API (and a dashboard) over a tracker's swarm.
+    Gateway(gateway::Args),
     /// Run a tracker: worker registry, route planning, signed tickets, usage ledger, relay.
     Tracker(tracker::Args),
     /// Show what a tracker knows: per model, the coverage of its layers and every worker.
@@ -68,6 +75,8 @@ fn main() {
         Command::Worker(a) => worker::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Up(a) => up::run(a),
+        Command::Gateway(a) => gateway::run(a),
         Command::Tracker(a) => tracker::run(a),
         Command::Swarm(a) => status::swarm(a),
         Command::Usage(a) => status::usage(a),

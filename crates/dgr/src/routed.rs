@@ -63,7 +63,7 @@ pub fn generate(
         let (route, ticket, request_id) = match &a.tracker {
             Some(t) => {
                 let request_id = tracker::new_request_id();
-                let (route, ticket) = tracker::route(t, &model_id, budget, &a.api_key, &request_id).await?;
+                let (route, ticket) = tracker::route(t, &model_id, budget, &a.api_key, &request_id, &[]).await?;
                 (route, Some(ticket), request_id)
             }
             None => (Route::discover(&addrs, opts.connect_timeout).await?, None, String::new()),

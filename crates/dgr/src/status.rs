@@ -1,9 +1,8 @@
 //! `dgr swarm` and `dgr usage`: what a tracker knows, as a table or JSON.
 
 use anyhow::{bail, Result};
-use dgr_proto::{SwarmQuery, SwarmReply, TrackerBody, TrackerClient, UsageQuery};
+use dgr_proto::{SwarmQuery, TrackerBody, TrackerClient, UsageQuery};
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 #[derive(clap::Args)]
@@ -44,60 +43,12 @@ fn ask(tracker: &str, q: TrackerBody) -> Result<TrackerBody> {
     })?)
 }
 
-/// The swarm as JSON: per model, the replicas of each layer and every worker.
-pub fn swarm_json(r: &SwarmReply) -> Value {
-    let mut models: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-    let mut coverage: BTreeMap<String, Vec<u32>> = BTreeMap::new();
-    for w in &r.workers {
-        let Some(reg) = &w.registration else { continue };
-        let live = w.last_seen_ms <= 3 * r.heartbeat_ms as u64;
-        let load = w.load.unwrap_or_default();
-        let cover = coverage.entry(reg.model_id.clone()).or_insert_with(|| vec![0; reg.n_layers as usize]);
-        if live {
-            for l in reg.layer_start..reg.layer_end.min(cover.len() as u32) {
-                cover[l as usize] += 1;
-            }
-        }
-        models.entry(reg.model_id.clone()).or_default().push(json!({
-            "worker_id": w.worker_id,
-            "addr": reg.addr,
-            "relayed": w.relayed,
-            "engine": reg.engine,
-            "layers": [reg.layer_start, reg.layer_end],
-            "live": live,
-            "last_seen_ms": w.last_seen_ms,
-            "sessions": load.sessions,
-            "queue_depth": load.queue_depth,
-            "kv_used_tokens": load.kv_used_tokens,
-            "kv_tokens": reg.kv_tokens,
-            "step_us_per_layer": reg.step_us_per_layer,
-            "recent_step_us": load.recent_step_us,
-            "threads": reg.threads,
-            "routes_total": w.routes_total,
-        }));
-    }
-    let models: Vec<Value> = models
-        .into_iter()
-        .map(|(model, workers)| {
-            let cover = &coverage[&model];
-            json!({
-                "model_id": model,
-                "n_layers": cover.len(),
-                "covered": cover.iter().all(|c| *c > 0),
-                "replicas_per_layer": cover,
-                "workers": workers,
-            })
-        })
-        .collect();
-    json!({ "heartbeat_ms": r.heartbeat_ms, "models": models })
-}
-
 pub fn swarm(a: SwarmArgs) -> Result<()> {
     check_format(&a.format)?;
     let TrackerBody::SwarmReply(r) = ask(&a.tracker, TrackerBody::SwarmQuery(SwarmQuery {}))? else {
         bail!("the tracker answered something else");
     };
-    let v = swarm_json(&r);
+    let v = dgr_gateway::http::swarm_json(&r);
     if a.format == "json" {
         println!("{v}");
         return Ok(());

@@ -18,7 +18,10 @@ pub struct LocalSwarm {
     children: Vec<Child>,
     /// Each worker's stderr, kept in a file (removed on drop) and shown if it fails to start.
     logs: Vec<std::path::PathBuf>,
+    /// Where each worker listens ("" for a relayed one).
     pub addrs: Vec<String>,
+    /// Each worker's id at its tracker ("" when ticketless).
+    pub ids: Vec<String>,
 }
 
 /// Layer ranges of `n` stages over `layers` layers, as even as they divide.
@@ -62,12 +65,16 @@ impl LocalSwarm {
     /// waits until each is listening.
     pub fn start(model: &Path, ranges: &[std::ops::Range<usize>], threads: usize, extra: &[String]) -> Result<LocalSwarm> {
         let exe = std::env::current_exe().context("locating the dgr executable")?;
-        let mut swarm = LocalSwarm { children: Vec::new(), logs: Vec::new(), addrs: Vec::new() };
+        static SWARMS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = SWARMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut swarm = LocalSwarm { children: Vec::new(), logs: Vec::new(), addrs: Vec::new(), ids: Vec::new() };
         for (i, r) in ranges.iter().enumerate() {
-            let log = std::env::temp_dir().join(format!("dgr-worker-{}-{i}.log", std::process::id()));
+            let log = std::env::temp_dir().join(format!("dgr-worker-{}-{n}-{i}.log", std::process::id()));
             let stderr = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
             swarm.logs.push(log);
-            let child = Command::new(&exe)
+            let mut cmd = Command::new(&exe);
+            die_with_parent(&mut cmd);
+            let child = cmd
                 .args(["worker", "--listen", "127.0.0.1:0", "--layers", &format!("{}..{}", r.start, r.end)])
                 .arg("--threads")
                 .arg(threads.to_string())
@@ -89,9 +96,87 @@ impl LocalSwarm {
                 bail!("a local worker failed to start: {}", why.trim());
             }
             let v: serde_json::Value = serde_json::from_str(&line).context("reading a worker's ready line")?;
-            swarm.addrs.push(v["listening"].as_str().context("worker did not say where it listens")?.to_string());
+            swarm.addrs.push(v["listening"].as_str().unwrap_or_default().to_string());
+            swarm.ids.push(v["worker_id"].as_str().unwrap_or_default().to_string());
         }
         Ok(swarm)
+    }
+}
+
+/// Has the child get SIGTERM when this process dies, however it dies, so no worker or tracker
+/// outlives the command that started it.
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe; the closure touches nothing else between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+}
+
+/// A local `dgr tracker` on a free loopback port, with its database and join token in a fresh
+/// temporary directory (removed on drop); killed on drop.
+pub struct LocalTracker {
+    child: Child,
+    dir: std::path::PathBuf,
+    pub addr: String,
+    pub token_file: std::path::PathBuf,
+    temporary: bool,
+}
+
+impl LocalTracker {
+    /// A tracker with its state in a fresh temporary directory, removed on drop.
+    pub fn start(extra: &[&str]) -> Result<LocalTracker> {
+        let mut seed = [0u8; 8];
+        getrandom::fill(&mut seed).map_err(|e| anyhow::anyhow!("randomness: {e}"))?;
+        let dir = std::env::temp_dir().join(format!("dgr-tracker-{}-{:016x}", std::process::id(), u64::from_le_bytes(seed)));
+        let mut t = LocalTracker::start_in(&dir, extra)?;
+        t.temporary = true;
+        Ok(t)
+    }
+
+    /// A tracker whose database and join token live in `dir` (kept).
+    pub fn start_in(dir: &std::path::Path, extra: &[&str]) -> Result<LocalTracker> {
+        let exe = std::env::current_exe().context("locating the dgr executable")?;
+        let dir = dir.to_path_buf();
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let token_file = dir.join("join-token");
+        crate::state::read_or_create_secret(&token_file)?;
+        let mut cmd = Command::new(exe);
+        die_with_parent(&mut cmd);
+        let mut child = cmd
+            .args(["tracker", "--listen", "127.0.0.1:0", "--db"])
+            .arg(dir.join("tracker.db"))
+            .arg("--join-token-file")
+            .arg(&token_file)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting a tracker")?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().context("tracker stdout")?).read_line(&mut line)?;
+        let v: serde_json::Value = serde_json::from_str(&line).context("reading the tracker's ready line")?;
+        let addr = v["listening"].as_str().context("the tracker did not say where it listens")?.to_string();
+        Ok(LocalTracker { child, dir, addr, token_file, temporary: false })
+    }
+
+    /// The flags that make a worker join this tracker.
+    pub fn join_flags(&self) -> Vec<String> {
+        vec!["--tracker".into(), self.addr.clone(), "--join-token-file".into(), self.token_file.display().to_string()]
+    }
+}
+
+impl Drop for LocalTracker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if self.temporary {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

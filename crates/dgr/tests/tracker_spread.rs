@@ -16,7 +16,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -24,10 +24,11 @@ const TOKEN: &str = "tracker-spread-join-token";
 const CALL: Duration = Duration::from_secs(10);
 
 /// One test at a time: the timing checks (out of routes within 1 s, shares under sustained load)
-/// must not share the few cores with another test's tracker and workers.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+/// must not share the few cores with another test's tracker and workers. An async lock, as it
+/// is held across awaits; it works across the tests' separate runtimes.
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -266,11 +267,9 @@ fn counts(workers: &[FakeWorker], chosen: &[String]) -> Vec<usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_routes_spread_evenly_over_equal_replicas() {
-    let _serial = serial();
-    let hbms: u64 = std::env::var("X_HB").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    let pace: u64 = std::env::var("X_PACE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    let tracker = TrackerProc::start(hbms);
-    let hb = Duration::from_millis(hbms);
+    let _serial = serial().await;
+    let tracker = TrackerProc::start(100);
+    let hb = Duration::from_millis(100);
     // Four whole-model workers: exactly four equal replica chains.
     let mut workers = Vec::new();
     for _ in 0..4 {
@@ -281,7 +280,9 @@ async fn sequential_routes_spread_evenly_over_equal_replicas() {
     let mut chosen = Vec::with_capacity(1000);
     for i in 0..1000 {
         chosen.push(route_one(&mut c, format!("seq-{i}")).await);
-        if pace > 0 { tokio::time::sleep(Duration::from_micros(pace)).await; }
+        // A sequential client runs each (short) session before asking again; the gap also makes
+        // the run cross ~20 heartbeats of every worker, each of which resets its unseen routes.
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let took = started.elapsed();
     let n = counts(&workers, &chosen);
@@ -293,22 +294,27 @@ async fn sequential_routes_spread_evenly_over_equal_replicas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simultaneous_routes_spread_evenly_over_equal_replicas() {
-    let _serial = serial();
+    let _serial = serial().await;
     let tracker = TrackerProc::start(1000);
     let hb = Duration::from_millis(1000);
     let mut workers = Vec::new();
     for _ in 0..4 {
         workers.push(FakeWorker::join(&tracker.addr, &new_key(), registration(80, 300.0), hb).await);
     }
+    // Each session opens as soon as its route arrives and stays open, so a heartbeat landing
+    // during the burst reports what was routed to that worker so far.
+    let open: Arc<HashMap<String, Arc<AtomicU32>>> = Arc::new(workers.iter().map(|w| (w.id.clone(), w.open.clone())).collect());
     // 64 connections made first, then released together so the requests arrive at once.
     let barrier = Arc::new(tokio::sync::Barrier::new(64));
     let mut tasks = Vec::new();
     for i in 0..64 {
         let mut c = client(&tracker.addr).await;
-        let barrier = barrier.clone();
+        let (barrier, open) = (barrier.clone(), open.clone());
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            route_one(&mut c, format!("burst-{i}")).await
+            let w = route_one(&mut c, format!("burst-{i}")).await;
+            open[&w].fetch_add(1, Relaxed);
+            w
         }));
     }
     let mut chosen = Vec::new();
@@ -325,7 +331,7 @@ async fn simultaneous_routes_spread_evenly_over_equal_replicas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sustained_load_follows_measured_speed() {
-    let _serial = serial();
+    let _serial = serial().await;
     let hb_ms = 100;
     let tracker = TrackerProc::start(hb_ms);
     let hb = Duration::from_millis(hb_ms);
@@ -375,7 +381,7 @@ async fn sustained_load_follows_measured_speed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_join_token_and_bad_signature_are_refused_and_counted() {
-    let _serial = serial();
+    let _serial = serial().await;
     let tracker = TrackerProc::start(1000);
     let key = new_key();
 
@@ -404,7 +410,7 @@ async fn bad_join_token_and_bad_signature_are_refused_and_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_or_silent_workers_leave_routes_and_rejoins_are_listed_once() {
-    let _serial = serial();
+    let _serial = serial().await;
     let hb_ms = 200;
     let tracker = TrackerProc::start(hb_ms);
     let hb = Duration::from_millis(hb_ms);
@@ -425,8 +431,10 @@ async fn dropped_or_silent_workers_leave_routes_and_rejoins_are_listed_once() {
     assert!(late.is_empty(), "{} routes named the dropped worker more than 1 s after its connection closed", late.len());
     assert!(after.iter().any(|(t, _)| t.duration_since(t0) >= Duration::from_secs(1)), "no routes sampled after 1 s");
 
-    // Silent but connected: out within three heartbeat intervals of its last heartbeat.
-    let silent = FakeWorker::join(&tracker.addr, &new_key(), registration(30, 300.0), hb).await;
+    // Silent but connected: out within three heartbeat intervals of its last heartbeat. It is
+    // 30× faster than the other, so its routes issued since its last heartbeat do not price it
+    // out first: it stays the cheapest choice until it stops being live.
+    let silent = FakeWorker::join(&tracker.addr, &new_key(), registration(30, 10.0), hb).await;
     let before = sample_routes(&mut c, Duration::from_millis(300), every).await;
     assert!(before.iter().any(|(_, w)| *w == silent.id), "the worker got no routes while heartbeating");
     silent.beating.store(false, Relaxed);

@@ -1,14 +1,13 @@
 //! Driving one session along a route: open it on every stage, prefill, decode token by token,
 //! and close it — or fail with a structured error naming the stage, within a deadline.
 
-use crate::conn::{self, Sink, Source};
+use crate::links::{Event, Link, Links};
 use crate::report::{quantile, Completion, SeamReport, StageReport, UsageReport};
 use crate::{DriveError, Route};
 use dgr_proto::{
     Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut, STAGE_UNKNOWN,
 };
-use futures::StreamExt;
-use prost::Message;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -50,36 +49,19 @@ pub enum Flow {
     Cancel,
 }
 
-enum Event {
-    Frame(u32, Body),
-    Lost(u32, String),
-}
-
-/// Reads one stage's frames into the driver's event queue until the connection ends.
-fn spawn_reader(stage: u32, mut source: Source, tx: mpsc::Sender<Event>) {
-    tokio::spawn(async move {
-        loop {
-            let ev = match source.next().await {
-                Some(Ok(b)) => match Frame::decode(b) {
-                    Ok(Frame { body: Some(body) }) => Event::Frame(stage, body),
-                    _ => Event::Lost(stage, "undecodable frame from the worker".into()),
-                },
-                Some(Err(e)) => Event::Lost(stage, e.to_string()),
-                None => Event::Lost(stage, "connection closed".into()),
-            };
-            let lost = matches!(ev, Event::Lost(..));
-            if tx.send(ev).await.is_err() || lost {
-                return;
-            }
-        }
-    });
-}
-
 struct Session<'r> {
     route: &'r Route,
     id: [u8; 16],
-    sinks: Vec<Sink>,
-    events: mpsc::Receiver<Event>,
+    links: Vec<Arc<Link>>,
+    events: mpsc::UnboundedReceiver<Event>,
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        for l in &self.links {
+            l.unsubscribe(&self.id);
+        }
+    }
 }
 
 impl Session<'_> {
@@ -89,7 +71,7 @@ impl Session<'_> {
     }
 
     async fn send(&mut self, stage: u32, body: Body) -> Result<(), DriveError> {
-        let r = conn::send(&mut self.sinks[stage as usize], &Frame::new(body)).await;
+        let r = self.links[stage as usize].send(&Frame::new(body)).await;
         r.map_err(|e| self.err("connection_lost", stage, e))
     }
 
@@ -110,9 +92,9 @@ impl Session<'_> {
     /// Tells every stage to free the session (best effort: a dead stage frees it by dying).
     async fn finish(&mut self, cancel: bool) {
         let r = SessionRef { session_id: self.id.to_vec() };
-        for i in 0..self.sinks.len() as u32 {
+        for l in &self.links {
             let body = if cancel { Body::Cancel(r.clone()) } else { Body::Close(r.clone()) };
-            let _ = conn::send(&mut self.sinks[i as usize], &Frame::new(body)).await;
+            let _ = l.send(&Frame::new(body)).await;
         }
     }
 
@@ -120,7 +102,7 @@ impl Session<'_> {
     async fn usage(&mut self, timeout: Duration) -> Vec<UsageReport> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut got: Vec<UsageReport> = Vec::new();
-        while got.len() < self.sinks.len() {
+        while got.len() < self.links.len() {
             match tokio::time::timeout_at(deadline, self.events.recv()).await {
                 Ok(Some(Event::Frame(stage, Body::Usage(u)))) if u.session_id == self.id => got.push(UsageReport {
                     stage,
@@ -137,8 +119,20 @@ impl Session<'_> {
     }
 }
 
-/// Generates along `route`. `on_token` sees every token as it arrives and may cancel.
+/// Generates along `route` on connections of its own. `on_token` sees every token as it arrives
+/// and may cancel.
 pub async fn generate(
+    route: &Route,
+    req: &GenRequest,
+    opts: &DriveOptions,
+    on_token: impl FnMut(&TokenOut) -> Flow,
+) -> Result<Completion, DriveError> {
+    generate_on(&Links::new(), route, req, opts, on_token).await
+}
+
+/// Generates along `route` over `links`, the driver's warm connections.
+pub async fn generate_on(
+    links: &Links,
     route: &Route,
     req: &GenRequest,
     opts: &DriveOptions,
@@ -156,11 +150,12 @@ pub async fn generate(
         }
     };
     let n = route.stages.len() as u32;
-    let connects = route.stages.iter().enumerate().map(|(i, s)| conn::connect(&s.addr, i as u32, opts.connect_timeout, opts.max_frame));
-    let (tx, events) = mpsc::channel(1024);
-    let mut sinks = Vec::new();
+    let connects = route.stages.iter().enumerate().map(|(i, s)| links.get(&s.addr, i as u32, opts.connect_timeout, opts.max_frame));
+    let (tx, events) = mpsc::unbounded_channel();
+    let mut linked = Vec::new();
     for (i, r) in futures::future::join_all(connects).await.into_iter().enumerate() {
-        let (sink, source, info) = r?;
+        let link = r?;
+        let info = &link.info;
         // The route may run any part of the layers the worker holds.
         let want = &route.stages[i].info;
         if info.model_id != want.model_id || want.layer_start < info.layer_start || want.layer_end > info.layer_end {
@@ -171,11 +166,11 @@ pub async fn generate(
                 "the worker changed since the route was planned",
             ));
         }
-        spawn_reader(i as u32, source, tx.clone());
-        sinks.push(sink);
+        link.subscribe(id, i as u32, tx.clone());
+        linked.push(link);
     }
     drop(tx);
-    let mut s = Session { route, id, sinks, events };
+    let mut s = Session { route, id, links: linked, events };
     let mut generated = 0;
     let mut result = drive(&mut s, req, opts, n, &mut generated, &mut on_token).await;
     s.finish(!matches!(&result, Ok(c) if c.finish_reason != "cancelled")).await;

@@ -4,11 +4,14 @@
 mod conn;
 mod driver;
 mod error;
+pub mod http;
+mod links;
 mod report;
 mod route;
 pub mod tracker;
 
-pub use driver::{generate, DriveOptions, Flow, GenRequest};
+pub use driver::{generate, generate_on, DriveOptions, Flow, GenRequest};
+pub use links::Links;
 pub use error::DriveError;
 pub use report::{Completion, SeamReport, StageReport, Timings, UsageReport};
 pub use route::{Route, StageEndpoint};

@@ -23,13 +23,15 @@ pub fn new_request_id() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// A route for `model_id` from the tracker, with its ticket and the session id it names.
+/// A route for `model_id` from the tracker, avoiding the workers in `exclude`, with its ticket
+/// and the session id it names.
 pub async fn route(
     tracker: &str,
     model_id: &str,
     budget_tokens: u64,
     api_key: &str,
     request_id: &str,
+    exclude: &[String],
 ) -> Result<(Route, (SignedTicket, [u8; 16])), DriveError> {
     let mut c = TrackerClient::connect(tracker, CONNECT).await.map_err(tracker_error)?;
     let ask = RouteRequest {
@@ -37,6 +39,7 @@ pub async fn route(
         budget_tokens,
         api_key: api_key.into(),
         request_id: request_id.into(),
+        exclude: exclude.to_vec(),
         ..Default::default()
     };
     let TrackerBody::RouteReply(reply) = c.call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)? else {

@@ -1,5 +1,5 @@
-//! A client's connection to a tracker: the tracker's challenge first, then one request and its
-//! answer at a time.
+//! A client's connection to a tracker: Hello and the tracker's challenge, then one request and
+//! its answer at a time.
 
 use crate::{codec, Challenge, Refused, TrackerBody, TrackerFrame};
 use bytes::Bytes;
@@ -41,7 +41,7 @@ impl TrackerClient {
             timeout,
             challenge: Challenge::default(),
         };
-        match c.recv().await? {
+        match c.call(crate::TrackerHello::body()).await? {
             TrackerBody::Challenge(ch) => c.challenge = ch,
             _ => return Err(TrackerCallError::Protocol { addr: addr.into() }),
         }

@@ -54,8 +54,10 @@ pub async fn relay_accept(tracker: &str, token: Vec<u8>, timeout: Duration) -> s
     .map_err(|_| Error::new(ErrorKind::TimedOut, "relay dial-back timed out"))?
 }
 
-/// The tracker speaks first on every connection; a relay connection has no use for it.
+/// Every tracker connection opens with Hello and the tracker's Challenge; a relay connection
+/// has no use for the challenge.
 async fn challenge(s: &mut TcpStream) -> std::io::Result<()> {
+    write_frame(s, &TrackerFrame::new(crate::TrackerHello::body())).await?;
     match read_frame(s, RELAY_FRAME).await?.body {
         Some(TrackerBody::Challenge(_)) => Ok(()),
         _ => Err(Error::new(ErrorKind::InvalidData, "the tracker did not open with its challenge")),

@@ -1,11 +1,11 @@
 //! The tracker protocol: workers joining and reporting, clients asking for routes, the ledger,
 //! and the relay. Same framing as the stage protocol (a length-prefixed protobuf frame).
 //!
-//! A worker's control connection: the tracker speaks first (`Challenge`: a nonce and its public
-//! key); the worker answers `Join` (join token, its identity key, a signature of the nonce, what
+//! Every connection opens with the client's `Hello` and the tracker's `Challenge` (a nonce and
+//! its public key). A worker's control connection then goes on with `Join` (join token, its identity key, a signature of the nonce, what
 //! it serves); then `Heartbeat`s and `WorkerUsage` reports flow up and `RelayDial`s come down,
-//! until `Leave` or the connection drops. A client connection: the tracker's `Challenge`, then
-//! one request and its answer at a time. A relay connection's first frame is `RelayConnect`
+//! until `Leave` or the connection drops. A client connection: one request and its answer at a
+//! time. A relay connection's first frame is `RelayConnect`
 //! (a client wanting a relayed worker) or `RelayAccept` (the worker dialing back); after the
 //! tracker's `RelayReady` the two sockets are spliced and carry the stage protocol unchanged.
 
@@ -15,14 +15,14 @@ use crate::SignedTicket;
 pub struct TrackerFrame {
     #[prost(
         oneof = "TrackerBody",
-        tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21"
+        tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22"
     )]
     pub body: Option<TrackerBody>,
 }
 
 #[derive(Clone, PartialEq, prost::Oneof)]
 pub enum TrackerBody {
-    /// Tracker → anyone, first frame.
+    /// Tracker → anyone, in answer to `Hello`.
     #[prost(message, tag = "1")]
     Challenge(Challenge),
     /// Worker → tracker.
@@ -75,6 +75,21 @@ pub enum TrackerBody {
     /// Tracker → client: from the next byte on, this connection reaches the worker.
     #[prost(message, tag = "21")]
     RelayReady(Ack),
+    /// Anyone → tracker, the first frame of every connection (HTTP clients say "GET " instead).
+    #[prost(message, tag = "22")]
+    Hello(TrackerHello),
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct TrackerHello {
+    #[prost(uint32, tag = "1")]
+    pub protocol_version: u32,
+}
+
+impl TrackerHello {
+    pub fn body() -> TrackerBody {
+        TrackerBody::Hello(TrackerHello { protocol_version: crate::PROTOCOL_VERSION })
+    }
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -236,6 +251,9 @@ pub struct RouteReply {
     pub n_layers: u32,
     #[prost(uint32, tag = "5")]
     pub vocab: u32,
+    /// The name the request's API key is billed under ("anonymous" without keys).
+    #[prost(string, tag = "6")]
+    pub key_name: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -361,6 +379,10 @@ pub struct KeyAdd {
     /// Most prompt + completion tokens the key may use; 0: no limit.
     #[prost(uint64, tag = "3")]
     pub quota_tokens: u64,
+    /// The key itself, when the operator chose it (then a key of that name is replaced);
+    /// empty: the tracker makes one.
+    #[prost(string, tag = "4")]
+    pub key: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

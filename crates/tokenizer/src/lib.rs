@@ -14,11 +14,13 @@ mod special;
 mod spm;
 mod unicode;
 mod unicode_data;
+mod utf8;
 mod vocab;
 
 pub use chat::ChatMessage;
 pub use config::{SpecialIds, TokenizerConfig};
 pub use error::TokenizerError;
+pub use utf8::Utf8Stream;
 
 use special::Fragment;
 use vocab::{Kind, Vocab};

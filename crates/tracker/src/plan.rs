@@ -58,11 +58,20 @@ pub fn plan(n_layers: u32, candidates: &[Candidate]) -> Option<Vec<Hop>> {
         .filter(|&id| candidates[id as usize].usable(n_layers))
         .map(|id| Piece { id, start: candidates[id as usize].start, end: candidates[id as usize].end })
         .collect();
-    // Too few layers in all to cover the model; this also bounds the scratch by the input's size.
-    if root.iter().map(|p| u64::from(p.end - p.start)).sum::<u64>() < u64::from(n_layers) {
+    // The sweep's work. Too little to cover the model is an early None that also bounds the
+    // scratch by the input's size.
+    let layers: u64 = root.iter().map(|p| u64::from(p.end - p.start)).sum();
+    if layers < u64::from(n_layers) {
         return None;
     }
-    let mut search = Search { n: n_layers, cands: candidates, dp: Dp::default(), open: Vec::new(), best: None };
+    // Dropping dominated candidates keeps the shortest path ignoring repeats, a lower bound on
+    // every route: if it repeats no worker, it is the answer. Otherwise search all of them.
+    let mut dp = Dp::default();
+    let (_, route) = dp.run(n_layers, candidates, &undominated(n_layers, candidates, &root, layers))?;
+    if repeat(&route).is_none() {
+        return Some(route);
+    }
+    let mut search = Search { n: n_layers, cands: candidates, dp, open: Vec::new(), best: None };
     search.add(root);
     for _ in 0..MAX_EXPANSIONS {
         // Best first: every route a node allows costs at least its bound.
@@ -152,6 +161,67 @@ fn collapse(route: &[Hop]) -> Vec<Hop> {
         }
     }
     out
+}
+
+/// The pieces (whole candidates) that no other candidate beats outright, holding their range and
+/// no dearer for any hop in it (nor, on a full tie, of higher index): a shortest path ignoring
+/// repeats can swap those in. Each piece meets one challenger, a cheap candidate holding its range.
+fn undominated(n: u32, cands: &[Candidate], pieces: &[Piece], layers: u64) -> Vec<Piece> {
+    let w = n as usize + 1;
+    // The table costs (n + 1)² cells, the sweep it spares the sum of the pieces' lengths.
+    if (n as u64 + 1).saturating_mul(n as u64 + 1) > layers {
+        return pieces.to_vec();
+    }
+    // champion[a·w + b]: of the candidates seen holding [a, b), the cheapest there.
+    let none = Champion { per: f64::INFINITY, fixed: f64::INFINITY, id: u32::MAX };
+    let mut champion = vec![none; w * w];
+    for p in pieces {
+        let (c, cell) = (&cands[p.id as usize], p.start as usize * w + p.end as usize);
+        let challenger = Champion { per: c.per_layer, fixed: c.fixed, id: p.id };
+        champion[cell] = champion[cell].or(challenger, p.end - p.start);
+    }
+    // Whatever holds [a − 1, b) or [a, b + 1) holds [a, b) too.
+    for a in 0..w {
+        for b in (a + 1..w).rev() {
+            let len = (b - a) as u32;
+            if a > 0 {
+                champion[a * w + b] = champion[a * w + b].or(champion[(a - 1) * w + b], len);
+            }
+            if b < n as usize {
+                champion[a * w + b] = champion[a * w + b].or(champion[a * w + b + 1], len);
+            }
+        }
+    }
+    let beaten = |p: &Piece| {
+        let (q, d) = (champion[p.start as usize * w + p.end as usize], &cands[p.id as usize]);
+        // Costs are linear in the hop's length: no dearer for one layer and for all of p's range
+        // is no dearer for any hop p could serve.
+        let len = f64::from(p.end - p.start);
+        let (one, all) = ((q.per + q.fixed, d.per_layer + d.fixed), (q.per * len + q.fixed, d.per_layer * len + d.fixed));
+        q.id != p.id && one.0 <= one.1 && all.0 <= all.1 && (one.0 < one.1 || all.0 < all.1 || q.id < p.id)
+    };
+    pieces.iter().filter(|p| !beaten(p)).copied().collect()
+}
+
+/// A candidate's costs, in the table of [`undominated`].
+#[derive(Clone, Copy)]
+struct Champion {
+    per: f64,
+    fixed: f64,
+    /// `u32::MAX` for none, with infinite costs.
+    id: u32,
+}
+
+impl Champion {
+    /// The cheaper of the two over `len` layers; the lower index on a tie.
+    fn or(self, other: Champion, len: u32) -> Champion {
+        let (mine, theirs) = (self.per * f64::from(len) + self.fixed, other.per * f64::from(len) + other.fixed);
+        if theirs < mine || (theirs == mine && other.id < self.id) {
+            other
+        } else {
+            self
+        }
+    }
 }
 
 /// The pieces with `w` limited to `[lo, hi)`, or with `force`, with `w` made the only one able to
@@ -379,6 +449,32 @@ mod tests {
         }
         // The generator must exercise every path.
         assert!(routed > 5_000 && uncoverable > 1_000 && repaired > 100, "{routed} {uncoverable} {repaired}");
+    }
+
+    #[test]
+    fn dropping_dominated_candidates_keeps_the_shortest_path() {
+        let mut rng = SplitMix(11);
+        let (mut dropped, mut total) = (0, 0);
+        for _ in 0..5_000 {
+            let n = 1 + rng.below(12);
+            let cands: Vec<Candidate> = (0..1 + rng.below(40))
+                .map(|_| {
+                    let start = rng.below(n);
+                    let end = start + 1 + rng.below(n - start);
+                    let (per, fixed) = (rng.below(4) as f64 / 2.0, rng.below(4) as f64 / 2.0);
+                    cand(start, end, per, fixed)
+                })
+                .collect();
+            let all: Vec<Piece> = cands.iter().enumerate().map(|(i, c)| Piece { id: i as u32, start: c.start, end: c.end }).collect();
+            let kept = undominated(n, &cands, &all, u64::MAX);
+            let mut dp = Dp::default();
+            let (want, _) = dp.run(n, &cands, &all).unwrap_or((f64::INFINITY, vec![]));
+            let (got, _) = dp.run(n, &cands, &kept).unwrap_or((f64::INFINITY, vec![]));
+            assert!(got == want || (got - want).abs() < 1e-9, "{n} {cands:?}: {got} vs {want}");
+            assert_eq!(want.is_finite(), brute(n, &cands, true).is_some());
+            (dropped, total) = (dropped + all.len() - kept.len(), total + all.len());
+        }
+        assert!(dropped > total / 4, "{dropped} of {total}");
     }
 
     #[test]

@@ -11,6 +11,8 @@ use tokio::sync::mpsc;
 /// Per-hop cost of a route, in ms: a seam's loopback latency and framing, so that of two
 /// equally fast chains the one with fewer hops wins.
 const HOP_MS: f64 = 0.2;
+/// How long a driver may take from getting a route to opening its session on a worker.
+const OPEN_GRACE: Duration = Duration::from_millis(250);
 
 pub struct LiveWorker {
     pub id: String,
@@ -51,9 +53,11 @@ impl LiveWorker {
         now.duration_since(self.last_heartbeat) <= 3 * heartbeat
     }
 
-    /// Routes issued to it that its last heartbeat cannot show yet.
+    /// Routes issued to it that its last heartbeat may not show yet: those issued since, and
+    /// those issued just before it whose sessions may not have opened in time to be counted.
     pub fn unseen_routes(&self) -> usize {
-        self.issued.iter().filter(|t| **t >= self.last_heartbeat).count()
+        let since = self.last_heartbeat.checked_sub(OPEN_GRACE).unwrap_or(self.last_heartbeat);
+        self.issued.iter().filter(|t| **t >= since).count()
     }
 }
 

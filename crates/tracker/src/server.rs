@@ -162,11 +162,28 @@ impl Tracker {
 }
 
 async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
+    // Every client speaks first: HTTP with "GET ", the tracker protocol with a Hello frame.
     let mut head = [0u8; 4];
-    // A client that sends nothing gets the challenge; HTTP clients speak first.
-    let peeked = tokio::time::timeout(Duration::from_millis(50), stream.peek(&mut head)).await;
-    if matches!(peeked, Ok(Ok(4))) && &head == b"GET " {
-        return http(stream, sh).await;
+    if !matches!(tokio::time::timeout(HANDSHAKE, stream.read_exact(&mut head)).await, Ok(Ok(_))) {
+        return;
+    }
+    if &head == b"GET " {
+        return http(stream, head.to_vec(), sh).await;
+    }
+    let hello = tokio::time::timeout(HANDSHAKE, read_body(&mut stream, u32::from_be_bytes(head) as usize)).await;
+    match hello {
+        Ok(Ok(TrackerFrame { body: Some(TrackerBody::Hello(h)) })) if h.protocol_version == PROTOCOL_VERSION => {}
+        Ok(Ok(TrackerFrame { body: Some(TrackerBody::Hello(h)) })) => {
+            let msg = format!("protocol version {} (this tracker speaks {PROTOCOL_VERSION})", h.protocol_version);
+            let _ = write_frame(&mut stream, &TrackerFrame::new(refused(RefusalKind::BadRequest, msg))).await;
+            return;
+        }
+        Ok(_) => {
+            sh.metrics.refused("bad_frame");
+            let _ = write_frame(&mut stream, &TrackerFrame::new(refused(RefusalKind::BadRequest, "expected Hello first"))).await;
+            return;
+        }
+        Err(_) => return,
     }
     let nonce = random::<32>().to_vec();
     let challenge = Challenge {
@@ -267,7 +284,7 @@ fn authorize(sh: &Shared, api_key: &str, check_quota: bool) -> Result<String, Tr
 }
 
 fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
-    authorize(sh, &r.api_key, true)?;
+    let key_name = authorize(sh, &r.api_key, true)?;
     if r.budget_tokens == 0 || r.model_id.is_empty() {
         return Err(refused(RefusalKind::BadRequest, "a route needs a model id and a token budget"));
     }
@@ -295,6 +312,7 @@ fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
         hidden: p.hidden,
         n_layers: p.n_layers,
         vocab: p.vocab,
+        key_name,
     }))
 }
 
@@ -350,6 +368,13 @@ fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
     }
     if k.name.is_empty() || k.name.len() > 128 {
         return Err(refused(RefusalKind::BadRequest, "a key needs a name of 1 to 128 bytes"));
+    }
+    if !k.key.is_empty() {
+        if k.key.len() < 16 || k.key.len() > 256 {
+            return Err(refused(RefusalKind::BadRequest, "a chosen key must be 16 to 256 bytes"));
+        }
+        lock(&sh.store).put_key(&k.name, &k.key, k.quota_tokens, unix_ms()).map_err(store_err)?;
+        return Ok(TrackerBody::KeyAdded(KeyAdded { key: k.key }));
     }
     let key = format!("dgr-{}", random::<24>().iter().map(|b| format!("{b:02x}")).collect::<String>());
     lock(&sh.store).add_key(&k.name, &key, k.quota_tokens, unix_ms()).map_err(|e| match e {
@@ -520,9 +545,19 @@ async fn relay_client(mut client: TcpStream, rc: RelayConnect, sh: &Arc<Shared>)
     let _ = tokio::io::copy_bidirectional(&mut client, &mut worker).await;
 }
 
-/// GET /metrics and /health; anything else is 404. One request per connection.
-async fn http(mut stream: TcpStream, sh: &Shared) {
-    let mut head = Vec::new();
+/// The body of a frame whose length prefix was read already, `len` ≤ FIRST_FRAME bytes.
+async fn read_body(s: &mut TcpStream, len: usize) -> std::io::Result<TrackerFrame> {
+    if len > FIRST_FRAME {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "first frame too long"));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).await?;
+    TrackerFrame::decode(body.as_slice()).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// GET /metrics and /health; anything else is 404. One request per connection; `head` holds
+/// what was read of it already.
+async fn http(mut stream: TcpStream, mut head: Vec<u8>, sh: &Shared) {
     let mut buf = [0u8; 1024];
     let read = tokio::time::timeout(Duration::from_secs(5), async {
         while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {

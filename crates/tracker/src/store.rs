@@ -101,6 +101,16 @@ impl Store {
         Ok(())
     }
 
+    /// Adds the key, or replaces the key and quota of that name.
+    pub fn put_key(&self, name: &str, key: &str, quota_tokens: u64, now_ms: u64) -> Result<(), StoreError> {
+        self.db.execute(
+            "INSERT INTO api_keys (hash, name, quota_tokens, created_ms) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT(name) DO UPDATE SET hash = ?1, quota_tokens = ?3",
+            params![key_hash(key), name, quota_tokens as i64, now_ms as i64],
+        )?;
+        Ok(())
+    }
+
     pub fn has_keys(&self) -> Result<bool, StoreError> {
         Ok(self.db.query_row("SELECT EXISTS (SELECT 1 FROM api_keys)", [], |r| r.get(0))?)
     }

@@ -5,6 +5,9 @@ mod engine;
 mod peer;
 mod record;
 mod route;
+mod serve;
+mod serve_client;
+mod tracker;
 
 use anyhow::Result;
 
@@ -18,6 +21,13 @@ pub enum Command {
     /// Aggregate decode of 1, 2, 4, 8 concurrent sessions, one process and through a route,
     /// against llama-batched-bench; writes a plot beside the record.
     Batch(batch::Args),
+    /// What a tracker costs per token: decode through the same 2-worker route given by --route,
+    /// planned by a tracker with a signed ticket, and with its second hop relayed.
+    Tracker(tracker::Args),
+    /// Load on any OpenAI-compatible endpoint (dgr, llama-server, vLLM): streamed completions,
+    /// N in flight, reporting output tok/s, TTFT and inter-token latency; with --peer-url,
+    /// rounds alternate with a second endpoint and the report adds the ratios.
+    Serve(serve::Args),
 }
 
 pub fn run(c: Command) -> Result<()> {
@@ -25,6 +35,8 @@ pub fn run(c: Command) -> Result<()> {
         Command::Engine(a) => engine::run(a),
         Command::Route(a) => route::run(a),
         Command::Batch(a) => batch::run(a),
+        Command::Tracker(a) => tracker::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
 

@@ -14,12 +14,21 @@ fn cpu() -> Value {
 
 /// Writes `{the common fields} + extra` as `<dir>/<name>-<unix seconds>.json` and returns the path.
 pub fn write(dir: &Path, name: &str, model: &Path, extra: Value) -> Result<PathBuf> {
+    write_maybe_model(dir, name, Some(model), extra)
+}
+
+/// As `write`, for a run whose model file may be unknown (a remote endpoint): `"model": null` then.
+pub fn write_maybe_model(dir: &Path, name: &str, model: Option<&Path>, extra: Value) -> Result<PathBuf> {
+    let model = match model {
+        Some(m) => json!({
+            "file": m.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+            "sha256": dgr_gguf::model_id(m).with_context(|| format!("hashing {}", m.display()))?,
+        }),
+        None => Value::Null,
+    };
     let mut rec = json!({
         "bench": name,
-        "model": {
-            "file": model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-            "sha256": dgr_gguf::model_id(model).with_context(|| format!("hashing {}", model.display()))?,
-        },
+        "model": model,
         "dgr": { "version": env!("CARGO_PKG_VERSION"), "commit": env!("DGR_COMMIT") },
         "cpu": cpu(),
         "command": std::env::args().collect::<Vec<_>>(),

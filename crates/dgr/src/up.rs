@@ -1,0 +1,102 @@
+//! `dgr up`: one command to a running local swarm — a tracker, R replicas of an N-worker route
+//! and the OpenAI gateway, all on loopback, until Ctrl-C stops everything.
+
+use crate::gateway::{register_keys, KeysArgs, LimitArgs};
+use crate::swarm::{balanced_split, LocalSwarm, LocalTracker};
+use anyhow::{bail, Context, Result};
+use dgr_gateway::http::Gateway;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// GGUF model [default: the SmolLM2-135M-Instruct Q4_1 default model, fetched if missing]
+    #[arg(long, short = 'm', env = "DGR_MODEL")]
+    model: Option<PathBuf>,
+    /// Workers per route (stages), layer ranges balanced by compute with the head counted
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Replicas of the route (each a full set of workers)
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    /// Address the gateway serves HTTP on
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: String,
+    #[command(flatten)]
+    keys: KeysArgs,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.workers == 0 || a.replicas == 0 {
+        bail!("--workers and --replicas must be at least 1");
+    }
+    let model = match &a.model {
+        Some(m) => m.clone(),
+        None => crate::fetch::default_model()?,
+    };
+    let g = dgr_gguf::Gguf::open(&model).with_context(|| format!("opening {}", model.display()))?;
+    let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+    crate::swarm::check_split(n_layers, a.workers)?;
+    let ranges = balanced_split(&g, n_layers, a.workers);
+    drop(g);
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    // The host's cores divided among the workers; the stages of a route then compute different
+    // micro-batches at once (one per stage), as `dgr bench batch` measures best.
+    let threads = (cores / (a.workers * a.replicas)).max(1);
+    let micro_batches = a.workers.max(1);
+    let started = Instant::now();
+    eprint!("dgr up: tracker … ");
+    let tracker = LocalTracker::start_in(&crate::state::state_dir().join("up"), &["--heartbeat-ms", "1000"])?;
+    eprintln!("{}", tracker.addr);
+    let mut flags = tracker.join_flags();
+    flags.extend(["--micro-batches".to_string(), micro_batches.to_string()]);
+    let mut swarms = Vec::new();
+    for r in 0..a.replicas {
+        let desc: Vec<String> = ranges.iter().map(|x| format!("{}..{}", x.start, x.end)).collect();
+        eprint!("dgr up: replica {}/{}: {} worker(s), layers {}, {threads} thread(s) each … ", r + 1, a.replicas, a.workers, desc.join(" + "));
+        let t0 = Instant::now();
+        swarms.push(LocalSwarm::start(&model, &ranges, threads, &flags)?);
+        eprintln!("ready ({:.1} s)", t0.elapsed().as_secs_f64());
+    }
+    let cfg = a.limits.config(tracker.addr.clone(), vec![model.clone()])?;
+    let gw = Arc::new(Gateway::open(cfg)?);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let result = rt.block_on(async {
+        let shutdown = crate::worker::shutdown_signal()?;
+        register_keys(&gw, &a.keys).await?;
+        // Serve once the swarm covers the model: every worker has joined.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let swarm = gw.swarm().await;
+            if swarm.as_ref().is_some_and(|s| Gateway::covered(s, &gw.models[0].model_id)) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the workers did not join the tracker within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let listener = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?;
+        let addr = listener.local_addr()?;
+        let name = gw.models[0].name.clone();
+        println!("{}", serde_json::json!({ "base_url": format!("http://{addr}/v1"), "model": name, "tracker": tracker.addr }));
+        eprintln!("dgr up: ready in {:.1} s", started.elapsed().as_secs_f64());
+        eprintln!("  OpenAI API:  http://{addr}/v1   (model \"{name}\")");
+        eprintln!("  dashboard:   http://{addr}/");
+        let auth = if a.keys.api_keys.is_some() { " -H 'Authorization: Bearer YOUR_KEY'" } else { "" };
+        eprintln!(
+            "  try:         curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} \
+             -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"
+        );
+        eprintln!("  Ctrl-C stops everything.");
+        dgr_gateway::http::serve(gw.clone(), listener, shutdown).await?;
+        Ok(())
+    });
+    eprintln!("dgr up: stopping");
+    drop(swarms);
+    drop(tracker);
+    result
+}

@@ -1,0 +1,217 @@
+//! The HTTP routes: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions, streamed
+//! as server-sent events or not), /health, /metrics, and the dashboard.
+
+use super::error::ApiError;
+use super::openai::{Body as ReqBody, Params, Prompt};
+use super::respond;
+use super::service::{Gateway, Job};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dgr_proto::Sampling;
+use dgr_tokenizer::ChatMessage;
+use serde_json::json;
+use std::sync::Arc;
+
+pub fn router(gw: Arc<Gateway>) -> Router {
+    let limit = gw.cfg.max_body_bytes;
+    Router::new()
+        .route("/", get(dashboard))
+        .route("/dashboard/state", get(dashboard_state))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such route").code("not_found") })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(gw)
+}
+
+async fn dashboard() -> Html<&'static str> {
+    Html(include_str!("dashboard.html"))
+}
+
+async fn dashboard_state(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
+    Json(super::dashboard::state(&gw).await)
+}
+
+async fn health(State(gw): State<Arc<Gateway>>) -> Response {
+    let covered = match gw.swarm().await {
+        Some(s) => gw.models.iter().filter(|m| Gateway::covered(&s, &m.model_id)).map(|m| m.name.clone()).collect(),
+        None => Vec::new(),
+    };
+    let status = if covered.is_empty() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+    (status, Json(json!({ "status": if covered.is_empty() { "unavailable" } else { "ok" }, "models": covered }))).into_response()
+}
+
+async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
+    let body = gw.metrics.render(gw.admission.waiting(), gw.admission.running(gw.cfg.max_running));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn models(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
+    let swarm = gw.swarm().await;
+    let created = gw.created();
+    let data: Vec<serde_json::Value> = gw
+        .models
+        .iter()
+        .filter(|m| swarm.as_ref().is_some_and(|s| Gateway::covered(s, &m.model_id)))
+        .map(|m| json!({ "id": m.name, "object": "model", "created": created, "owned_by": "dgr", "model_id": m.model_id }))
+        .collect();
+    Json(json!({ "object": "list", "data": data }))
+}
+
+async fn completions(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Response {
+    serve(gw, headers, body, false).await
+}
+
+async fn chat_completions(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    serve(gw, headers, body, true).await
+}
+
+async fn serve(gw: Arc<Gateway>, headers: HeaderMap, body: Result<Bytes, axum::extract::rejection::BytesRejection>, chat: bool) -> Response {
+    let prepared = match body {
+        Ok(b) => prepare(&gw, &headers, &b, chat),
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request body is larger than {} bytes", gw.cfg.max_body_bytes),
+        )
+        .code("body_too_large")),
+        Err(e) => Err(ApiError::bad_request(e.body_text())),
+    };
+    let (job, params) = match prepared {
+        Ok(v) => v,
+        Err(e) => {
+            gw.metrics.error(e.metric_kind());
+            return e.into_response();
+        }
+    };
+    let model = job.model.clone();
+    let prompt_tokens = job.prompt.len();
+    match gw.start(job).await {
+        Err(e) => {
+            gw.metrics.error(e.metric_kind());
+            e.into_response()
+        }
+        Ok((rx, _)) => {
+            let shape = respond::Shape { chat, model: model.clone(), params, created: gw.created_now(), prompt_tokens };
+            if shape.params.stream {
+                respond::stream(shape, rx)
+            } else {
+                respond::whole(shape, rx).await
+            }
+        }
+    }
+}
+
+/// Everything about a request that can be checked before any worker is asked: the body, the
+/// model, the prompt and the limits.
+fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Result<(Job, Params), ApiError> {
+    let body = ReqBody::parse(bytes)?;
+    let params = body.params(chat)?;
+    let model = gw.model(&body.model)?;
+    let tok = &model.tokenizer;
+    let prompt = if chat {
+        if body.prompt.is_some() {
+            return Err(ApiError::bad_request("chat completions take messages, not a prompt").param("prompt"));
+        }
+        let messages = body.messages.as_ref().ok_or_else(|| ApiError::bad_request("messages is required").param("messages"))?;
+        if messages.is_empty() {
+            return Err(ApiError::bad_request("messages must not be empty").param("messages"));
+        }
+        let mut chat_messages = Vec::with_capacity(messages.len());
+        for m in messages {
+            if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
+                return Err(ApiError::bad_request(format!("message role {:?} is not supported", m.role)).param("messages"));
+            }
+            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+            chat_messages.push(ChatMessage::new(role, m.text()?));
+        }
+        let text = tok
+            .apply_chat_template(&chat_messages, true)
+            .map_err(|e| ApiError::bad_request(format!("the chat template failed: {e}")).param("messages"))?;
+        tok.encode_prompt(&text).map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?
+    } else {
+        if body.messages.is_some() {
+            return Err(ApiError::bad_request("completions take a prompt, not messages").param("messages"));
+        }
+        match body.prompt.as_ref().ok_or_else(|| ApiError::bad_request("prompt is required").param("prompt"))? {
+            Prompt::Text(t) => tok.encode_prompt(t).map_err(|e| ApiError::bad_request(e.to_string()).param("prompt"))?,
+            Prompt::Texts(v) if v.len() == 1 => tok.encode_prompt(&v[0]).map_err(|e| ApiError::bad_request(e.to_string()).param("prompt"))?,
+            Prompt::Texts(_) => return Err(ApiError::bad_request("one prompt per request (n = 1)").param("prompt")),
+            Prompt::Tokens(ids) => {
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= tok.vocab_size()) {
+                    return Err(ApiError::bad_request(format!("token id {bad} is outside the vocabulary")).param("prompt"));
+                }
+                ids.clone()
+            }
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
+    }
+    let limits = &gw.cfg;
+    if prompt.len() > limits.max_prompt_tokens {
+        return Err(ApiError::bad_request(format!(
+            "the prompt has {} tokens; this gateway takes at most {}",
+            prompt.len(),
+            limits.max_prompt_tokens
+        ))
+        .code("context_length_exceeded"));
+    }
+    let room = model.context.saturating_sub(prompt.len());
+    let max_tokens = match params.max_tokens {
+        Some(n) if n as usize > limits.max_tokens_limit => {
+            return Err(ApiError::bad_request(format!("max_tokens {n} is over this gateway's limit of {}", limits.max_tokens_limit))
+                .param("max_tokens"))
+        }
+        Some(n) if n as usize > room => {
+            return Err(ApiError::bad_request(format!(
+                "{} prompt tokens + max_tokens {n} exceed the model's context of {}",
+                prompt.len(),
+                model.context
+            ))
+            .param("max_tokens")
+            .code("context_length_exceeded"))
+        }
+        Some(n) => n as usize,
+        // OpenAI's default for completions is 16; a chat runs until it ends or fills the room.
+        None if !chat => 16.min(room),
+        None => limits.max_tokens_limit.min(room),
+    };
+    if max_tokens == 0 {
+        return Err(ApiError::bad_request("the prompt fills the model's context").code("context_length_exceeded"));
+    }
+    let seed = params.seed.unwrap_or_else(|| {
+        let mut b = [0u8; 8];
+        let _ = getrandom::fill(&mut b);
+        u64::from_le_bytes(b)
+    });
+    let api_key = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    let job = Job {
+        model,
+        prompt,
+        max_tokens,
+        sampling: Sampling { temperature: params.temperature, top_k: params.top_k, top_p: params.top_p, seed },
+        logprobs: params.logprobs,
+        stops: params.stops.clone(),
+        ignore_eos: params.ignore_eos,
+        api_key,
+    };
+    Ok((job, params))
+}

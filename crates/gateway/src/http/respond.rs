@@ -1,0 +1,213 @@
+//! Turning a generation's pieces into an OpenAI response: one JSON body, or a stream of
+//! server-sent events ending with a usage chunk and `[DONE]`.
+
+use super::openai::Params;
+use super::service::{Piece, ServedModel};
+use axum::body::Body;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub struct Shape {
+    pub chat: bool,
+    pub model: Arc<ServedModel>,
+    pub params: Params,
+    pub created: u64,
+    pub prompt_tokens: usize,
+}
+
+fn new_id(chat: bool) -> String {
+    let mut b = [0u8; 12];
+    let _ = getrandom::fill(&mut b);
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    if chat {
+        format!("chatcmpl-{hex}")
+    } else {
+        format!("cmpl-{hex}")
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+}
+
+/// Logprobs of a run of tokens in the shape each endpoint uses, `offset` being the text length
+/// before the first of them.
+struct Logprobs<'a> {
+    shape: &'a Shape,
+    tokens: Vec<(u32, f32, Vec<(u32, f32)>)>,
+}
+
+impl Logprobs<'_> {
+    fn token_text(&self, id: u32) -> String {
+        String::from_utf8_lossy(&self.shape.model.tokenizer.token_bytes(id).unwrap_or_default()).into_owned()
+    }
+
+    fn render(&self, offset: usize) -> Value {
+        if self.shape.params.logprobs.is_none() {
+            return Value::Null;
+        }
+        if self.shape.chat {
+            let entry = |id: u32, lp: f32| {
+                let bytes = self.shape.model.tokenizer.token_bytes(id).unwrap_or_default();
+                json!({ "token": self.token_text(id), "logprob": lp, "bytes": bytes })
+            };
+            let content: Vec<Value> = self
+                .tokens
+                .iter()
+                .map(|(id, lp, top)| {
+                    let mut e = entry(*id, *lp);
+                    e["top_logprobs"] = top.iter().map(|(t, l)| entry(*t, *l)).collect();
+                    e
+                })
+                .collect();
+            return json!({ "content": content });
+        }
+        let mut at = offset;
+        let mut text_offset = Vec::new();
+        for (id, _, _) in &self.tokens {
+            text_offset.push(at);
+            at += self.token_text(*id).len();
+        }
+        json!({
+            "tokens": self.tokens.iter().map(|(id, _, _)| self.token_text(*id)).collect::<Vec<_>>(),
+            "token_logprobs": self.tokens.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
+            "top_logprobs": self.tokens.iter().map(|(_, _, top)| {
+                top.iter().map(|(t, l)| (self.token_text(*t), json!(l))).collect::<serde_json::Map<String, Value>>()
+            }).collect::<Vec<_>>(),
+            "text_offset": text_offset,
+        })
+    }
+}
+
+fn finish(reason: &str) -> &str {
+    // A cancelled generation had no client left to tell.
+    if reason == "cancelled" {
+        "stop"
+    } else {
+        reason
+    }
+}
+
+/// Waits for the whole generation and answers with one body.
+pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
+    let mut text = String::new();
+    let mut lp = Logprobs { shape: &shape, tokens: Vec::new() };
+    let (reason, completion) = loop {
+        match rx.recv().await {
+            Some(Piece::Token { id, text: t, logprob, top }) => {
+                text.push_str(&t);
+                lp.tokens.push((id, logprob, top));
+            }
+            Some(Piece::Done { text: tail, finish_reason, completion_tokens, error, .. }) => {
+                if let Some(e) = error {
+                    return e.into_response();
+                }
+                text.push_str(&tail);
+                break (finish_reason, completion_tokens);
+            }
+            None => return (StatusCode::INTERNAL_SERVER_ERROR, "the generation ended without a result").into_response(),
+        }
+    };
+    let logprobs = lp.render(0);
+    let choice = if shape.chat {
+        json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": logprobs, "finish_reason": finish(reason) })
+    } else {
+        json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish(reason) })
+    };
+    let object = if shape.chat { "chat.completion" } else { "text_completion" };
+    axum::Json(json!({
+        "id": new_id(shape.chat),
+        "object": object,
+        "created": shape.created,
+        "model": shape.model.name,
+        "choices": [choice],
+        "usage": usage(shape.prompt_tokens, completion),
+    }))
+    .into_response()
+}
+
+fn event(v: &Value) -> axum::body::Bytes {
+    axum::body::Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// Streams the generation as server-sent events. Dropping the stream (the client left) drops
+/// the receiver, which cancels the session on every stage.
+pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
+    let id = new_id(shape.chat);
+    let object = if shape.chat { "chat.completion.chunk" } else { "text_completion" };
+    let chunk = move |shape: &Shape, choice: Value| {
+        json!({ "id": id, "object": object, "created": shape.created, "model": shape.model.name, "choices": [choice] })
+    };
+    struct St<F> {
+        shape: Shape,
+        rx: UnboundedReceiver<Piece>,
+        chunk: F,
+        started: bool,
+        text_len: usize,
+        done: bool,
+    }
+    let st = St { shape, rx, chunk, started: false, text_len: 0, done: false };
+    let body = futures::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let mut out: Vec<u8> = Vec::new();
+        if st.shape.chat && !st.started {
+            let first = json!({ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null });
+            out.extend_from_slice(&event(&(st.chunk)(&st.shape, first)));
+        }
+        st.started = true;
+        // Tokens whose text is held back (a possible stop string, a split character) make no
+        // chunk: wait for one that does.
+        while out.is_empty() && !st.done {
+        match st.rx.recv().await {
+            Some(Piece::Token { id, text, logprob, top }) => {
+                let lp = Logprobs { shape: &st.shape, tokens: vec![(id, logprob, top)] }.render(st.text_len);
+                st.text_len += text.len();
+                if !text.is_empty() || !lp.is_null() {
+                    let choice = if st.shape.chat {
+                        json!({ "index": 0, "delta": { "content": text }, "logprobs": lp, "finish_reason": null })
+                    } else {
+                        json!({ "index": 0, "text": text, "logprobs": lp, "finish_reason": null })
+                    };
+                    out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
+                }
+            }
+            Some(Piece::Done { text, finish_reason, prompt_tokens, completion_tokens, error }) => {
+                st.done = true;
+                if let Some(e) = error {
+                    out.extend_from_slice(&event(&e.body()));
+                } else {
+                    let choice = if st.shape.chat {
+                        json!({ "index": 0, "delta": if text.is_empty() { json!({}) } else { json!({ "content": text }) },
+                                "logprobs": null, "finish_reason": finish(finish_reason) })
+                    } else {
+                        json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish(finish_reason) })
+                    };
+                    out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
+                    // The usage chunk (no choices), as OpenAI sends it with include_usage; dgr
+                    // always sends it, so every stream ends with its usage.
+                    let mut u = (st.chunk)(&st.shape, Value::Null);
+                    u["choices"] = json!([]);
+                    u["usage"] = usage(prompt_tokens, completion_tokens);
+                    out.extend_from_slice(&event(&u));
+                }
+                out.extend_from_slice(b"data: [DONE]\n\n");
+            }
+            None => {
+                st.done = true;
+                out.extend_from_slice(b"data: [DONE]\n\n");
+            }
+        }
+        }
+        Some((Ok::<_, std::convert::Infallible>(axum::body::Bytes::from(out)), st))
+    });
+    (
+        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}

@@ -1,0 +1,319 @@
+//! The gateway's state: the models it serves (tokenizer, identity and context, loaded once),
+//! warm connections to workers and to the tracker, admission, and the run of one generation.
+
+use super::admission::Admission;
+use super::error::ApiError;
+use super::metrics::HttpMetrics;
+use super::text::TextOut;
+use crate::{generate_on, tracker, DriveError, DriveOptions, Flow, GenRequest, Links, Route};
+use axum::http::StatusCode;
+use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError, TrackerClient};
+use dgr_tokenizer::Tokenizer;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    pub tracker: String,
+    /// GGUF files whose tokenizers and chat templates the gateway uses (the swarm serves the weights).
+    pub models: Vec<PathBuf>,
+    pub max_body_bytes: usize,
+    pub max_prompt_tokens: usize,
+    pub max_tokens_limit: usize,
+    /// Generations running at once; more wait in a queue of `queue` for up to `queue_timeout`.
+    pub max_running: usize,
+    pub queue: usize,
+    pub queue_timeout: Duration,
+    pub drive: DriveOptions,
+}
+
+impl GatewayConfig {
+    pub fn new(tracker: String, models: Vec<PathBuf>) -> GatewayConfig {
+        GatewayConfig {
+            tracker,
+            models,
+            max_body_bytes: 1 << 20,
+            max_prompt_tokens: 8192,
+            max_tokens_limit: 4096,
+            max_running: 64,
+            queue: 256,
+            queue_timeout: Duration::from_secs(30),
+            drive: DriveOptions::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("{path}: {source}")]
+    Model { path: PathBuf, source: Box<dyn std::error::Error + Send + Sync> },
+    #[error("no model given")]
+    NoModel,
+}
+
+pub struct ServedModel {
+    /// The name clients use: the file's stem.
+    pub name: String,
+    pub model_id: String,
+    pub tokenizer: Tokenizer,
+    pub context: usize,
+}
+
+pub struct Gateway {
+    pub cfg: GatewayConfig,
+    pub models: Vec<Arc<ServedModel>>,
+    pub links: Links,
+    pub admission: Admission,
+    pub metrics: HttpMetrics,
+    trackers: Mutex<Vec<TrackerClient>>,
+    swarm: Mutex<Option<(Instant, SwarmReply)>>,
+    pub started: Instant,
+}
+
+/// One generation, ready to run.
+pub struct Job {
+    pub model: Arc<ServedModel>,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub logprobs: Option<u32>,
+    pub stops: Vec<String>,
+    pub ignore_eos: bool,
+    pub api_key: String,
+}
+
+/// What a running generation sends its response.
+pub enum Piece {
+    Token { id: u32, text: String, logprob: f32, top: Vec<(u32, f32)> },
+    /// The end: text held back for a stop string that never came, why it ended, and usage.
+    Done { text: String, finish_reason: &'static str, prompt_tokens: usize, completion_tokens: usize, error: Option<ApiError> },
+}
+
+fn model_error(path: &std::path::Path, e: impl std::error::Error + Send + Sync + 'static) -> GatewayError {
+    GatewayError::Model { path: path.to_path_buf(), source: Box::new(e) }
+}
+
+impl Gateway {
+    pub fn open(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
+        if cfg.models.is_empty() {
+            return Err(GatewayError::NoModel);
+        }
+        let mut models = Vec::new();
+        for path in &cfg.models {
+            let g = dgr_gguf::Gguf::open(path).map_err(|e| model_error(path, e))?;
+            let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| model_error(path, e))?;
+            let arch = g.get_str("general.architecture").map_err(|e| model_error(path, e))?.to_string();
+            let context = g.get_u64(&format!("{arch}.context_length")).unwrap_or(2048).clamp(1, 1 << 24) as usize;
+            let model_id = dgr_gguf::model_id(path).map_err(|e| model_error(path, e))?;
+            let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model_id.clone());
+            let name = name.strip_suffix(".gguf").map(String::from).unwrap_or(name);
+            models.push(Arc::new(ServedModel { name, model_id, tokenizer, context }));
+        }
+        Ok(Gateway {
+            admission: Admission::new(cfg.max_running, cfg.queue, cfg.queue_timeout),
+            cfg,
+            models,
+            links: Links::new(),
+            metrics: HttpMetrics::default(),
+            trackers: Mutex::new(Vec::new()),
+            swarm: Mutex::new(None),
+            started: Instant::now(),
+        })
+    }
+
+    pub fn model(&self, name: &str) -> Result<Arc<ServedModel>, ApiError> {
+        self.models.iter().find(|m| m.name == name || m.model_id == name).cloned().ok_or_else(|| {
+            ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("the model {name:?} does not exist"))
+                .param("model")
+                .code("model_not_found")
+        })
+    }
+
+    /// One exchange with the tracker over a warm connection.
+    pub async fn tracker_call(&self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
+        let pooled = self.trackers.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut c = match pooled {
+            Some(c) => c,
+            None => TrackerClient::connect(&self.cfg.tracker, self.cfg.drive.connect_timeout).await?,
+        };
+        let r = c.call(body).await;
+        if !matches!(r, Err(TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. })) {
+            self.trackers.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        }
+        r
+    }
+
+    /// The swarm as the tracker sees it, at most a second old.
+    pub async fn swarm(&self) -> Option<SwarmReply> {
+        if let Some((at, r)) = self.swarm.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            if at.elapsed() < Duration::from_secs(1) {
+                return Some(r.clone());
+            }
+        }
+        match self.tracker_call(TrackerBody::SwarmQuery(SwarmQuery {})).await {
+            Ok(TrackerBody::SwarmReply(r)) => {
+                *self.swarm.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), r.clone()));
+                Some(r)
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether live workers cover every layer of `model_id`.
+    pub fn covered(swarm: &SwarmReply, model_id: &str) -> bool {
+        let live: Vec<(u32, u32, u32)> = swarm
+            .workers
+            .iter()
+            .filter(|w| w.last_seen_ms <= 3 * swarm.heartbeat_ms as u64)
+            .filter_map(|w| w.registration.as_ref())
+            .filter(|r| r.model_id == model_id)
+            .map(|r| (r.layer_start, r.layer_end, r.n_layers))
+            .collect();
+        let Some(&(_, _, n)) = live.first() else { return false };
+        (0..n).all(|l| live.iter().any(|&(a, b, _)| a <= l && l < b))
+    }
+
+    /// Admits the job, gets its route and ticket, and starts it; the receiver yields its pieces.
+    /// Every refusal (limits, key, quota, no route, a full queue) comes before any worker is used.
+    pub async fn start(self: &Arc<Self>, job: Job) -> Result<(mpsc::UnboundedReceiver<Piece>, Option<String>), ApiError> {
+        let permit = self.admission.enter().await?;
+        let request_id = tracker::new_request_id();
+        let ask = RouteRequest {
+            model_id: job.model.model_id.clone(),
+            budget_tokens: (job.prompt.len() + job.max_tokens) as u64,
+            api_key: job.api_key.clone(),
+            request_id: request_id.clone(),
+            ..Default::default()
+        };
+        let reply = match self.tracker_call(TrackerBody::RouteRequest(ask)).await {
+            Ok(TrackerBody::RouteReply(r)) => r,
+            Ok(_) => return Err(ApiError::new(StatusCode::BAD_GATEWAY, "api_error", "the tracker answered something else")),
+            Err(e) => return Err(refusal(e)),
+        };
+        let key_name = Some(reply.key_name.clone()).filter(|k| !k.is_empty());
+        let route = Route::from_tracker(&reply).map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", e.message))?;
+        let session: [u8; 16] = reply
+            .route
+            .as_ref()
+            .and_then(|t| t.session_id.as_slice().try_into().ok())
+            .ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", "a route without a session"))?;
+        let ticket = reply.ticket.ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", "a route without a ticket"))?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let gw = self.clone();
+        let key_label = key_name.clone().unwrap_or_else(|| "anonymous".into());
+        tokio::spawn(async move {
+            let _permit = permit;
+            gw.run(job, route, (ticket, session), request_id, key_label, tx).await;
+        });
+        Ok((rx, key_name))
+    }
+
+    async fn run(
+        &self,
+        job: Job,
+        route: Route,
+        ticket: (dgr_proto::SignedTicket, [u8; 16]),
+        request_id: String,
+        key: String,
+        tx: mpsc::UnboundedSender<Piece>,
+    ) {
+        let session = ticket.1;
+        let req = GenRequest {
+            prompt_tokens: job.prompt.clone(),
+            max_tokens: job.max_tokens,
+            sampling: job.sampling,
+            top_logprobs: job.logprobs.unwrap_or(0),
+            seam_dtype: SeamDtype::F32,
+            ticket: Some(ticket),
+        };
+        let mut text = TextOut::new(job.stops.clone());
+        let mut stopped_by_text = false;
+        let started = Instant::now();
+        let mut last: Option<Instant> = None;
+        let tok = &job.model.tokenizer;
+        let result = generate_on(&self.links, &route, &req, &self.cfg.drive, |t| {
+            let now = Instant::now();
+            match last {
+                None => self.metrics.ttft.observe(now.duration_since(started).as_secs_f64()),
+                Some(prev) => self.metrics.itl.observe(now.duration_since(prev).as_secs_f64()),
+            }
+            last = Some(now);
+            let eog = !job.ignore_eos && tok.is_eog(t.token);
+            let (piece, stop) = if eog { (String::new(), false) } else { text.push(&tok.token_bytes(t.token).unwrap_or_default()) };
+            let top = t.top.iter().map(|e| (e.id, e.logprob)).collect();
+            let sent = tx.send(Piece::Token { id: t.token, text: piece, logprob: t.logprob, top });
+            if sent.is_err() || tx.is_closed() {
+                // The client went away: cancel the session on every stage.
+                return Flow::Cancel;
+            }
+            if stop {
+                stopped_by_text = true;
+                return Flow::Stop;
+            }
+            if eog {
+                Flow::Stop
+            } else {
+                Flow::Continue
+            }
+        })
+        .await;
+        let usage = tracker::request_usage(&request_id, &job.api_key, &route, &session, job.prompt.len(), &result);
+        let (finish_reason, completion, error): (&'static str, usize, Option<ApiError>) = match &result {
+            Ok(c) => {
+                let reason = match c.finish_reason.as_str() {
+                    "cancelled" => "cancelled",
+                    "stop" => "stop",
+                    _ if stopped_by_text => "stop",
+                    _ => "length",
+                };
+                (reason, c.tokens.len(), None)
+            }
+            Err(e) => ("error", e.generated, Some(drive_error(e))),
+        };
+        self.metrics.finished(&job.model.name, &key, job.prompt.len(), completion, error.as_ref().map(|e| e.metric_kind()));
+        let tail = if stopped_by_text { String::new() } else { text.finish() };
+        let _ = tx.send(Piece::Done { text: tail, finish_reason, prompt_tokens: job.prompt.len(), completion_tokens: completion, error });
+        let tracker = self.cfg.tracker.clone();
+        tokio::spawn(async move {
+            let recorded = tracker::report(&tracker, usage).await;
+            if recorded != "recorded" {
+                eprintln!("dgr gateway: usage of request {request_id}: {recorded}");
+            }
+        });
+    }
+}
+
+/// A tracker refusal as the HTTP status a client should see.
+fn refusal(e: TrackerCallError) -> ApiError {
+    match e {
+        TrackerCallError::Refused(r) => {
+            let msg = r.message.clone();
+            match r.refusal_kind() {
+                RefusalKind::BadApiKey => {
+                    ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "invalid API key").code("invalid_api_key")
+                }
+                RefusalKind::QuotaExceeded => {
+                    ApiError::new(StatusCode::TOO_MANY_REQUESTS, "insufficient_quota", msg).code("insufficient_quota").retry_after(60)
+                }
+                RefusalKind::NoRoute => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg)
+                    .code("no_route")
+                    .retry_after(1),
+                RefusalKind::BadRequest => ApiError::bad_request(msg),
+                _ => ApiError::new(StatusCode::BAD_GATEWAY, "api_error", msg),
+            }
+        }
+        e => ApiError::new(StatusCode::BAD_GATEWAY, "api_error", format!("the tracker is unreachable: {e}")).code("tracker_unreachable"),
+    }
+}
+
+/// A failed route as an error naming the stage.
+fn drive_error(e: &DriveError) -> ApiError {
+    let status = if e.kind == "overloaded" { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::BAD_GATEWAY };
+    let at = match (e.stage, &e.addr) {
+        (Some(s), Some(a)) => format!(" at stage {s} ({a})"),
+        _ => String::new(),
+    };
+    ApiError::new(status, "api_error", format!("{}{at}: {}", e.kind, e.message)).code("route_failed")
+}
