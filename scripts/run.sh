@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# Sets up and runs dgr's main job on the default model: fetches SmolLM2-135M-Instruct Q4_1 into the
-# model cache, builds dgr in release mode, then generates through a local route of two worker
-# processes (layers 0..15 and 15..30). Extra arguments go to `dgr generate`.
+# Sets up and runs dgr's main job on the default model: builds dgr in release mode, then `dgr up`
+# fetches SmolLM2-135M-Instruct Q4_1 into the model cache if it is missing and serves it through
+# a local swarm (a tracker, a route of two worker processes, the OpenAI-compatible gateway on
+# http://127.0.0.1:8000/v1 with a dashboard at /) until Ctrl-C. Extra arguments go to `dgr up`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/fetch-model.sh >/dev/null
 cargo build --release --locked -p dgr
-prompt="The three most useful things to know about distributed inference are"
-if [ $# -eq 0 ]; then set -- --prompt "$prompt" --max-tokens 64; fi
-exec target/release/dgr generate --split 2 "$@"
+exec target/release/dgr up "$@"

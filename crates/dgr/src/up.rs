@@ -66,7 +66,9 @@ pub fn run(a: Args) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = rt.block_on(async {
         let shutdown = crate::worker::shutdown_signal()?;
-        register_keys(&gw, &a.keys).await?;
+        // Keys are registered with this swarm's own tracker, with its join token.
+        let keys = KeysArgs { join_token_file: Some(a.keys.join_token_file.clone().unwrap_or(tracker.token_file.clone())), ..a.keys.clone() };
+        register_keys(&gw, &keys).await?;
         // Serve once the swarm covers the model: every worker has joined.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

@@ -84,7 +84,7 @@ fn a_wrong_join_token_is_refused_and_counted() {
         .arg(common::model());
     let mut w = common::Proc::spawn(cmd);
     let start = Instant::now();
-    while metrics(&t.addr).0.get("dgr_tracker_refusals_total{kind=\"bad_join_token\"}").is_none() {
+    while !metrics(&t.addr).0.contains_key("dgr_tracker_refusals_total{kind=\"bad_join_token\"}") {
         assert!(start.elapsed() < Duration::from_secs(20), "no refusal counted: {}", t.log());
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -102,7 +102,9 @@ fn routes_over_overlapping_ranges_equal_one_process() {
     let seeded = ["--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0.9", "--seed", "7"];
     let want_greedy = one_process(&greedy[2..]);
     let want_seeded = one_process(&seeded[2..]);
-    let shapes: [(&str, &[((usize, usize), bool)]); 3] = [
+    // (what, [(held layers, relayed)])
+    type Shape<'a> = (&'a str, &'a [((usize, usize), bool)]);
+    let shapes: [Shape; 3] = [
         ("[0,20) and [16,30)", &[((0, 20), false), ((16, 30), false)]),
         ("[0,12), [8,22) and [20,30), the middle one relayed", &[((0, 12), false), ((8, 22), true), ((20, 30), false)]),
         ("[0,10) relayed and [5,30)", &[((0, 10), true), ((5, 30), false)]),

@@ -26,7 +26,9 @@ pub(crate) enum Event {
     Lost(u32, String),
 }
 
-type Subscribers = Mutex<HashMap<[u8; 16], (u32, mpsc::UnboundedSender<Event>)>>;
+/// Per session on the connection: its stage index in the route, and where its events go.
+type SubscriberMap = HashMap<[u8; 16], (u32, mpsc::UnboundedSender<Event>)>;
+type Subscribers = Mutex<SubscriberMap>;
 
 #[derive(Default)]
 struct LinkState {
@@ -48,7 +50,7 @@ pub struct Links {
     map: tokio::sync::Mutex<HashMap<String, Arc<Link>>>,
 }
 
-fn lock(s: &Subscribers) -> std::sync::MutexGuard<'_, HashMap<[u8; 16], (u32, mpsc::UnboundedSender<Event>)>> {
+fn lock(s: &Subscribers) -> std::sync::MutexGuard<'_, SubscriberMap> {
     s.lock().unwrap_or_else(|p| p.into_inner())
 }
 

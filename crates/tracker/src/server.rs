@@ -256,42 +256,42 @@ fn answer(body: TrackerBody, sh: &Arc<Shared>) -> TrackerBody {
         TrackerBody::SwarmQuery(_) => Ok(swarm(sh)),
         TrackerBody::UsageQuery(q) => usage(q, sh),
         TrackerBody::KeyAdd(k) => key_add(k, sh),
-        _ => Err(refused(RefusalKind::BadRequest, "not a request a client may send")),
+        _ => Err(Refused::new(RefusalKind::BadRequest, "not a request a client may send")),
     };
-    result.unwrap_or_else(|r| r)
+    result.unwrap_or_else(TrackerBody::Refused)
 }
 
-fn store_err(e: StoreError) -> TrackerBody {
-    refused(RefusalKind::Internal, e.to_string())
+fn store_err(e: StoreError) -> Refused {
+    Refused::new(RefusalKind::Internal, e.to_string())
 }
 
 /// The key's name for the ledger: API keys are required once any exists; without any, every
 /// request is "anonymous".
-fn authorize(sh: &Shared, api_key: &str, check_quota: bool) -> Result<String, TrackerBody> {
+fn authorize(sh: &Shared, api_key: &str, check_quota: bool) -> Result<String, Refused> {
     let store = lock(&sh.store);
     if !store.has_keys().map_err(store_err)? {
         return Ok("anonymous".into());
     }
-    let key = store.find_key(api_key).map_err(store_err)?.ok_or_else(|| refused(RefusalKind::BadApiKey, "unknown API key"))?;
+    let key = store.find_key(api_key).map_err(store_err)?.ok_or_else(|| Refused::new(RefusalKind::BadApiKey, "unknown API key"))?;
     if check_quota && key.quota_tokens > 0 {
         let used = store.key_used(&key.name).map_err(store_err)?;
         if used >= key.quota_tokens {
             let msg = format!("key {} has used {used} of its {} tokens", key.name, key.quota_tokens);
-            return Err(refused(RefusalKind::QuotaExceeded, msg));
+            return Err(Refused::new(RefusalKind::QuotaExceeded, msg));
         }
     }
     Ok(key.name)
 }
 
-fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
+fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
     let key_name = authorize(sh, &r.api_key, true)?;
     if r.budget_tokens == 0 || r.model_id.is_empty() {
-        return Err(refused(RefusalKind::BadRequest, "a route needs a model id and a token budget"));
+        return Err(Refused::new(RefusalKind::BadRequest, "a route needs a model id and a token budget"));
     }
     let started = Instant::now();
     let planned = lock(&sh.registry).plan_route(&r.model_id, &r.engine, &r.exclude);
     sh.metrics.planned(started.elapsed().as_micros() as u64);
-    let p = planned.ok_or_else(|| refused(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id)))?;
+    let p = planned.ok_or_else(|| Refused::new(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id)))?;
     let engine = {
         let reg = lock(&sh.registry);
         p.stages.first().and_then(|s| reg.workers.get(&s.worker_id)).map(|w| w.reg.engine.clone()).unwrap_or_default()
@@ -316,10 +316,10 @@ fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
     }))
 }
 
-fn request_usage(u: RequestUsage, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
+fn request_usage(u: RequestUsage, sh: &Shared) -> Result<TrackerBody, Refused> {
     let name = authorize(sh, &u.api_key, false)?;
     if u.request_id.is_empty() || u.request_id.len() > 256 || u.stages.len() > 1024 {
-        return Err(refused(RefusalKind::BadRequest, "a usage report needs a request id (≤ 256 bytes) and ≤ 1024 stages"));
+        return Err(Refused::new(RefusalKind::BadRequest, "a usage report needs a request id (≤ 256 bytes) and ≤ 1024 stages"));
     }
     let added = lock(&sh.store).record_request(&name, &u, unix_ms()).map_err(store_err)?;
     let counter = if added { &sh.metrics.usage_reports } else { &sh.metrics.usage_duplicates };
@@ -352,26 +352,26 @@ fn swarm(sh: &Shared) -> TrackerBody {
 
 
 
-fn usage(q: UsageQuery, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
+fn usage(q: UsageQuery, sh: &Shared) -> Result<TrackerBody, Refused> {
     let by_worker = match q.by.as_str() {
         "key" | "" => false,
         "worker" => true,
-        other => return Err(refused(RefusalKind::BadRequest, format!("usage by {other:?}: use key or worker"))),
+        other => return Err(Refused::new(RefusalKind::BadRequest, format!("usage by {other:?}: use key or worker"))),
     };
     let rows = lock(&sh.store).usage(by_worker).map_err(store_err)?;
     Ok(TrackerBody::UsageReply(UsageReply { rows }))
 }
 
-fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
+fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, Refused> {
     if !token_ok(&k.join_token, &sh.cfg.join_token) {
-        return Err(refused(RefusalKind::BadJoinToken, "adding a key needs the join token"));
+        return Err(Refused::new(RefusalKind::BadJoinToken, "adding a key needs the join token"));
     }
     if k.name.is_empty() || k.name.len() > 128 {
-        return Err(refused(RefusalKind::BadRequest, "a key needs a name of 1 to 128 bytes"));
+        return Err(Refused::new(RefusalKind::BadRequest, "a key needs a name of 1 to 128 bytes"));
     }
     if !k.key.is_empty() {
         if k.key.len() < 16 || k.key.len() > 256 {
-            return Err(refused(RefusalKind::BadRequest, "a chosen key must be 16 to 256 bytes"));
+            return Err(Refused::new(RefusalKind::BadRequest, "a chosen key must be 16 to 256 bytes"));
         }
         lock(&sh.store).put_key(&k.name, &k.key, k.quota_tokens, unix_ms()).map_err(store_err)?;
         return Ok(TrackerBody::KeyAdded(KeyAdded { key: k.key }));
@@ -379,7 +379,7 @@ fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, TrackerBody> {
     let key = format!("dgr-{}", random::<24>().iter().map(|b| format!("{b:02x}")).collect::<String>());
     lock(&sh.store).add_key(&k.name, &key, k.quota_tokens, unix_ms()).map_err(|e| match e {
         StoreError::Sql(rusqlite::Error::SqliteFailure(f, _)) if f.code == rusqlite::ErrorCode::ConstraintViolation => {
-            refused(RefusalKind::BadRequest, format!("a key named {:?} exists", k.name))
+            Refused::new(RefusalKind::BadRequest, format!("a key named {:?} exists", k.name))
         }
         e => store_err(e),
     })?;
@@ -409,7 +409,7 @@ async fn worker_session(mut stream: TcpStream, j: Join, nonce: &[u8], sh: &Arc<S
     let addr = if relayed { relay_addr(&lock(&sh.advertise), &id) } else { reg.addr.clone() };
     let joined = lock(&sh.store).worker_joined(&id, &reg, &addr, unix_ms());
     if let Err(e) = joined {
-        let _ = write_frame(&mut stream, &TrackerFrame::new(store_err(e))).await;
+        let _ = write_frame(&mut stream, &TrackerFrame::new(TrackerBody::Refused(store_err(e)))).await;
         return;
     }
     let conn_id = sh.next_conn.fetch_add(1, Relaxed);
@@ -479,7 +479,7 @@ async fn worker_loop(
                         let stored = lock(&sh.store).record_worker_usage(id, &reg.engine, &reg.model_id, &u, unix_ms());
                         let reply = match stored {
                             Ok(added) => TrackerBody::Ack(Ack { duplicate: !added }),
-                            Err(e) => store_err(e),
+                            Err(e) => TrackerBody::Refused(store_err(e)),
                         };
                         if !send(conn, reply).await {
                             return;

@@ -33,11 +33,13 @@ fn usage(prompt: usize, completion: usize) -> Value {
     json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
 }
 
-/// Logprobs of a run of tokens in the shape each endpoint uses, `offset` being the text length
-/// before the first of them.
+/// A sampled token, its logprob, and the most likely alternatives with theirs.
+type Scored = (u32, f32, Vec<(u32, f32)>);
+
+/// Logprobs of a run of tokens in the shape each endpoint uses.
 struct Logprobs<'a> {
     shape: &'a Shape,
-    tokens: Vec<(u32, f32, Vec<(u32, f32)>)>,
+    tokens: Vec<Scored>,
 }
 
 impl Logprobs<'_> {
@@ -45,6 +47,7 @@ impl Logprobs<'_> {
         String::from_utf8_lossy(&self.shape.model.tokenizer.token_bytes(id).unwrap_or_default()).into_owned()
     }
 
+    /// `offset`: the text's length before the first of the tokens.
     fn render(&self, offset: usize) -> Value {
         if self.shape.params.logprobs.is_none() {
             return Value::Null;

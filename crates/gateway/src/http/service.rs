@@ -131,14 +131,20 @@ impl Gateway {
         })
     }
 
-    /// One exchange with the tracker over a warm connection.
+    /// One exchange with the tracker over a warm connection; a pooled connection that turns out
+    /// broken (the tracker restarted) is replaced once.
     pub async fn tracker_call(&self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
         let pooled = self.trackers.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let fresh = pooled.is_none();
         let mut c = match pooled {
             Some(c) => c,
             None => TrackerClient::connect(&self.cfg.tracker, self.cfg.drive.connect_timeout).await?,
         };
-        let r = c.call(body).await;
+        let mut r = c.call(body.clone()).await;
+        if !fresh && matches!(r, Err(TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. })) {
+            c = TrackerClient::connect(&self.cfg.tracker, self.cfg.drive.connect_timeout).await?;
+            r = c.call(body).await;
+        }
         if !matches!(r, Err(TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. })) {
             self.trackers.lock().unwrap_or_else(|p| p.into_inner()).push(c);
         }

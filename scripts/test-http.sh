@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The gateway's acceptance suite (tests/http): the official `openai` Python client and headless
+# Chromium against a live `dgr up` swarm of the built target/release/dgr on the default model.
+# Sets up what it needs: a venv at target/http-venv with pinned packages, Debian's chromium when
+# /usr/bin/chromium is missing (as root, e.g. on a fresh CI machine). Nothing is skipped: a missing
+# binary, model, browser or package is a failure. Extra arguments go to pytest.
+# Leaves target/test-artifacts/: the dashboard screenshot, pytest's junit XML, dgr up's log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dgr=target/release/dgr
+[ -x "$dgr" ] || { echo "test-http: $dgr is missing: run cargo build --release -p dgr first" >&2; exit 1; }
+DGR_MODEL=${DGR_MODEL:-$(scripts/fetch-model.sh)}
+export DGR_MODEL DGR_BIN=$PWD/$dgr
+
+# Pinned: the official client and pytest, and what they resolve to.
+requirements='
+openai==3.57.0
+pytest==9.2.0
+annotated-types==0.8.0
+anyio==4.16.0
+h11==0.16.0
+httpcore2==2.16.2
+httpx2==2.16.2
+idna==3.20
+iniconfig==2.3.1
+jiter==0.19.0
+packaging==26.4
+pluggy==1.7.0
+pydantic==2.14.4
+pydantic_core==2.50.5
+Pygments==2.21.0
+sniffio==1.3.1
+truststore==0.10.5
+typing-inspection==0.4.5
+typing_extensions==4.16.0
+'
+venv=target/http-venv
+stamp=$venv/.requirements
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$requirements" ]; then
+    echo "test-http: setting up $venv" >&2
+    python3 -m venv --clear "$venv"
+    printf '%s' "$requirements" > "$venv/requirements.txt"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$venv/requirements.txt" >&2
+    printf '%s' "$requirements" > "$stamp"
+fi
+
+if [ ! -x /usr/bin/chromium ]; then
+    echo "test-http: installing Debian's chromium" >&2
+    sudo=
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >&2
+fi
+
+artifacts=target/test-artifacts
+mkdir -p "$artifacts"
+export DGR_TEST_ARTIFACTS=$PWD/$artifacts CHROMIUM=/usr/bin/chromium PYTHONDONTWRITEBYTECODE=1
+exec timeout 600 "$venv/bin/python" -m pytest tests/http -q -rfE --junitxml="$artifacts/http-junit.xml" "$@"

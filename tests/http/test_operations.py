@@ -1,0 +1,115 @@
+"""What an operator sees and relies on: /health, /metrics, a client that disconnects mid-stream
+(its session freed on every worker, what was generated billed), and the dashboard in a real
+browser (headless Chromium) showing every worker and its layer range."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import tempfile
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import ARTIFACTS, http_get, wait_until
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+
+
+def test_health_is_200_while_the_swarm_covers_the_model(swarm):
+    status, _, body = http_get(f"{swarm.root}/health")
+    assert status == 200, f"/health: {status} {body!r}"
+    assert swarm.model in body.decode(), f"/health does not name {swarm.model}: {body!r}"
+
+
+def test_gateway_metrics_count_requests_latency_and_errors(swarm, client):
+    client.completions.create(model=swarm.model, prompt="Hello", max_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=swarm.model, prompt="Hello", max_tokens=3, extra_body={"no_such_field": 1})
+    m = swarm.gateway_metrics()
+    requests = {k: v for k, v in m.items() if k.startswith("dgr_gateway_requests_total{")}
+    assert any('key="free"' in k and v >= 1 for k, v in requests.items()), f"no requests counted for the key 'free': {requests}"
+    assert m.get("dgr_gateway_ttft_seconds_count", 0) >= 1, "the TTFT histogram has no observation"
+    assert 'dgr_gateway_ttft_seconds_bucket{le="+Inf"}' in m, "the TTFT histogram has no +Inf bucket"
+    errors = {k: v for k, v in m.items() if k.startswith("dgr_gateway_errors_total{")}
+    assert sum(errors.values()) >= 1, f"the refused request is not among the errors: {errors}"
+
+
+def test_a_client_that_disconnects_mid_stream_frees_every_worker_and_is_billed(swarm):
+    client = swarm.client("stream")
+    assert "stream" not in swarm.usage(), "the key 'stream' is for this test only"
+    stream = client.completions.create(
+        model=swarm.model, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    for _ in range(3):
+        assert next(chunks).choices[0].text is not None
+    open_now = {addr: m["dgr_worker_sessions_open"] for addr, m in swarm.worker_metrics().items()}
+    assert all(n == 1 for n in open_now.values()), f"while streaming, sessions open per worker: {open_now}"
+    stream.close()  # closes the connection mid-stream
+    closed = time.monotonic()
+
+    def freed():
+        state = {a: (m["dgr_worker_sessions_open"], m["dgr_worker_kv_bytes_used"]) for a, m in swarm.worker_metrics().items()}
+        return all(v == (0, 0) for v in state.values()) and state
+
+    wait_until("every worker's sessions_open and kv_bytes_used to be 0", freed, timeout=1.0)
+    took = time.monotonic() - closed
+    row = wait_until("the ledger to record the disconnected request", lambda: swarm.usage().get("stream"), timeout=5)
+    assert row["requests"] == 1, row
+    assert 0 < row["completion_tokens"] < 400, f"billed {row['completion_tokens']} completion tokens of a stream cut after 3 chunks (freed in {took:.2f} s)"
+
+
+class WorkerRows(HTMLParser):
+    """The dashboard's <tr class="worker" data-worker=ID data-layers="A..B"> rows and body's data-ready."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[str, str] = {}
+        self.ready = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body":
+            self.ready = a.get("data-ready")
+        if tag == "tr" and "worker" in (a.get("class") or "").split():
+            self.rows[a.get("data-worker")] = a.get("data-layers")
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (scripts/test-http.sh installs Debian's chromium)"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           f"--user-data-dir={profile}", "--virtual-time-budget=5000", *args]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, f"chromium exited {r.returncode}: {r.stderr[-2000:]}"
+    return r
+
+
+def test_dashboard_shows_every_worker_and_its_layers_in_a_browser(swarm):
+    model = swarm.swarm_json()["models"][0]
+    expected = {w["worker_id"]: f"{w['layers'][0]}..{w['layers'][1]}" for w in model["workers"]}
+    assert len(expected) == 2, f"dgr up --workers 2 should list two workers: {expected}"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    shot.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dgr-chromium-") as profile:
+        dom = chromium("--dump-dom", swarm.root + "/", profile=Path(profile)).stdout
+        (ARTIFACTS / "dashboard.html").write_text(dom)
+        page = WorkerRows()
+        page.feed(dom)
+        assert page.ready == "1", "the dashboard's script did not render (no data-ready=1 on body)"
+        assert page.rows == expected, f"dashboard rows {page.rows} != the tracker's workers {expected}"
+        covered = f"{model['n_layers']} layers, covered"
+        assert covered in dom, f"the dashboard does not say {covered!r}"
+
+        chromium(f"--screenshot={shot}", "--window-size=1280,900", "--hide-scrollbars", swarm.root + "/", profile=Path(profile))
+    assert shot.is_file(), f"no screenshot at {shot}"
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", "the screenshot is not a PNG"
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (1280, 900), f"screenshot is {width}x{height}"
+    assert len(png) > 20_000, f"a {len(png)}-byte screenshot is too small to show a rendered page"
