@@ -37,7 +37,7 @@ typing_extensions==4.16.0
 '
 venv=target/http-venv
 stamp=$venv/.requirements
-if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$requirements" ]; then
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$(printf %s "$requirements")" ]; then
     echo "test-http: setting up $venv" >&2
     python3 -m venv --clear "$venv"
     printf '%s' "$requirements" > "$venv/requirements.txt"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test: fetches the default model into the cache (the acceptance suite runs on it),
-# then the whole workspace's tests in release mode (the real-model tests time real work), and
-# ends with one line that totals every suite.
+# Runs every test: fetches the default model into the cache (the acceptance suites run on it),
+# then the whole workspace's tests in release mode (the real-model tests time real work), then
+# the gateway's acceptance suite (scripts/test-http.sh: the official OpenAI client and headless
+# Chromium against a live `dgr up`), and ends with one line that totals every suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh >/dev/null
@@ -9,5 +10,32 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 cargo test --release --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
-awk '/^test result:/ { passed += $4; failed += $6 } END { printf "%d passed, %d failed\n", passed, failed }' "$log"
+read -r passed failed < <(awk '/^test result:/ { p += $4; f += $6 } END { print p + 0, f + 0 }' "$log")
+
+# The gateway suite runs the built binary; its counts come from pytest's junit XML (a test that
+# errored or was skipped counts as failed; a suite that could not run at all counts as one).
+junit=target/test-artifacts/http-junit.xml
+rm -f "$junit"
+http_status=0
+{ cargo build --release --locked -p dgr && scripts/test-http.sh; } || http_status=$?
+if [ -f "$junit" ]; then
+    read -r http_passed http_failed < <(python3 - "$junit" <<'PY'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+total = bad = 0
+for s in suites:
+    total += int(s.get("tests", 0))
+    bad += int(s.get("failures", 0)) + int(s.get("errors", 0)) + int(s.get("skipped", 0))
+print(total - bad, bad)
+PY
+    )
+else
+    http_passed=0 http_failed=1
+fi
+if [ "$http_status" -ne 0 ] && [ "$http_failed" -eq 0 ]; then
+    http_failed=1  # pytest passed every test it ran, yet the suite failed (setup, teardown, timeout)
+fi
+[ "$http_status" -eq 0 ] || [ "$status" -ne 0 ] || status=$http_status
+echo "$((passed + http_passed)) passed, $((failed + http_failed)) failed"
 exit "$status"

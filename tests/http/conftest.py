@@ -169,6 +169,7 @@ class Swarm:
     state_dir: Path
     log: Path
     clients: list = field(default_factory=list)
+    _worker_addrs: list = field(default_factory=list)
 
     @property
     def root(self) -> str:
@@ -201,13 +202,20 @@ class Swarm:
 
     # The workers' own view --------------------------------------------------------------------
 
+    def worker_addrs(self) -> list[str]:
+        """Where the workers listen, as the tracker lists them (asked once: they stay put)."""
+        if not self._worker_addrs:
+            self._worker_addrs = [w["addr"] for w in self.workers()]
+            assert len(self._worker_addrs) == 2 and all(self._worker_addrs), f"dgr up --workers 2 lists {self._worker_addrs}"
+        return self._worker_addrs
+
     def worker_metrics(self) -> dict[str, dict[str, float]]:
         """Each worker's /metrics samples, by worker address."""
         out = {}
-        for w in self.workers():
-            status, _, body = http_get(f"http://{w['addr']}/metrics")
-            assert status == 200, f"GET http://{w['addr']}/metrics: {status}"
-            out[w["addr"]] = parse_prometheus(body.decode())
+        for addr in self.worker_addrs():
+            status, _, body = http_get(f"http://{addr}/metrics")
+            assert status == 200, f"GET http://{addr}/metrics: {status}"
+            out[addr] = parse_prometheus(body.decode())
         return out
 
     def sessions_opened(self) -> dict[str, float]:

@@ -22,10 +22,13 @@ def test_a_bad_key_is_refused_with_401(swarm, no_worker_touched):
 
 
 def test_no_key_is_refused_with_401_once_keys_exist(swarm, no_worker_touched):
-    anonymous = swarm.client("unused").with_options(default_headers={"Authorization": openai.Omit()})
+    client = swarm.client("unused")
+    no_key = {"Authorization": openai.Omit()}  # the client sends no Authorization header at all
     for stream in (False, True):
         with no_worker_touched(), pytest.raises(openai.AuthenticationError) as e:
-            anonymous.chat.completions.create(model=swarm.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=stream)
+            client.chat.completions.create(
+                model=swarm.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=stream, extra_headers=no_key
+            )
         assert e.value.status_code == 401, e.value
         assert e.value.response.request.headers.get("authorization") is None, "the request did carry a key"
 
@@ -88,6 +91,7 @@ def test_a_key_over_its_quota_gets_429_with_retry_after(swarm, no_worker_touched
         "the ledger to bill the small key",
         lambda: (row := swarm.usage().get("small")) and row["prompt_tokens"] + row["completion_tokens"] >= used,
         timeout=5,
+        interval=0.1,
     )
     for stream in (False, True):
         with no_worker_touched(), pytest.raises(openai.RateLimitError) as e:

@@ -59,7 +59,7 @@ def test_a_client_that_disconnects_mid_stream_frees_every_worker_and_is_billed(s
 
     wait_until("every worker's sessions_open and kv_bytes_used to be 0", freed, timeout=1.0)
     took = time.monotonic() - closed
-    row = wait_until("the ledger to record the disconnected request", lambda: swarm.usage().get("stream"), timeout=5)
+    row = wait_until("the ledger to record the disconnected request", lambda: swarm.usage().get("stream"), timeout=5, interval=0.1)
     assert row["requests"] == 1, row
     assert 0 < row["completion_tokens"] < 400, f"billed {row['completion_tokens']} completion tokens of a stream cut after 3 chunks (freed in {took:.2f} s)"
 

@@ -3,7 +3,7 @@
 use crate::local::Request;
 use crate::swarm::LocalSwarm;
 use anyhow::{bail, Context, Result};
-use dgr_gateway::{tracker, Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
+use dgr_gateway::{generate_recovering, tracker, Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use std::path::Path;
 use std::time::Duration;
@@ -83,31 +83,44 @@ pub fn generate(
             },
             top_logprobs: req.top_logprobs as u32,
             seam_dtype,
-            ticket,
+            ticket: None,
         };
-        let result = dgr_gateway::generate(&route, &g, &opts, |t| {
+        let on_token = |t: &dgr_proto::TokenOut| {
             on_token(t.token);
             if !req.ignore_eos && is_eog(t.token) {
                 Flow::Stop
             } else {
                 Flow::Continue
             }
-        })
-        .await;
-        let ledger = match (&a.tracker, &g.ticket) {
-            (Some(t), Some((_, session))) => {
-                let usage = tracker::request_usage(&request_id, &a.api_key, &route, session, req.prompt_tokens.len(), &result);
+        };
+        // Through a tracker a failed stage is replaced and the session replayed; a ticketless
+        // route has no one to ask.
+        let replan = |exclude: Vec<String>, budget: u64| {
+            let (tracker, model_id, key, request_id) = (a.tracker.clone(), model_id.clone(), a.api_key.clone(), request_id.clone());
+            async move {
+                let t = tracker.ok_or_else(|| DriveError::new("route", None, None, "no tracker"))?;
+                tracker::route(&t, &model_id, budget, &key, &request_id, &exclude).await.map(|(r, t)| (r, Some(t)))
+            }
+        };
+        let replays = if a.tracker.is_some() { 3 } else { 0 };
+        let links = dgr_gateway::Links::new();
+        let rec = generate_recovering(&links, (route, ticket), &g, &opts, on_token, replan, replays).await;
+        let ledger = match &a.tracker {
+            Some(t) => {
+                let usage = tracker::request_usage(&request_id, &a.api_key, &model_id, req.prompt_tokens.len(), &rec.result, &rec.attempts);
                 Some(tracker::report(t, usage).await)
             }
-            _ => None,
+            None => None,
         };
-        let out = result?;
+        let Some(route) = rec.attempts.last().map(|x| x.route.clone()) else { return rec.result.map(|c| (c, serde_json::Value::Null)) };
+        let out = rec.result?;
         let extra = serde_json::json!({
             "route": route.addrs(),
             "layers": route.stages.iter().map(|s| [s.info.layer_start, s.info.layer_end]).collect::<Vec<_>>(),
             "worker_ids": route.stages.iter().map(|s| s.worker_id.clone()).collect::<Vec<_>>(),
             "request_id": request_id,
             "ledger": ledger,
+            "recoveries": rec.recoveries,
             "seam_dtype": seam_dtype.name(),
             "seams": out.seams,
             "stages": out.stages,

@@ -326,7 +326,12 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             }
         })
         .await;
-        let usage = tracker::request_usage(&request_id, &alice, &route, &session, prompt.len(), &result);
+        let attempts = [dgr_gateway::Attempt {
+            route,
+            session,
+            usage: result.as_ref().map(|c| c.usage.clone()).unwrap_or_default(),
+        }];
+        let usage = tracker::request_usage(&request_id, &alice, &model_id, prompt.len(), &result, &attempts);
         assert_eq!(tracker::report(&t.addr, usage.clone()).await, "recorded");
         // Sent again: acknowledged, not counted twice.
         assert_eq!(tracker::report(&t.addr, usage.clone()).await, "recorded");

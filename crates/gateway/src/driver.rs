@@ -5,7 +5,7 @@ use crate::links::{Event, Link, Links};
 use crate::report::{quantile, Completion, SeamReport, StageReport, UsageReport};
 use crate::{DriveError, Route};
 use dgr_proto::{
-    Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut, STAGE_UNKNOWN,
+    Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Ping, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut, STAGE_UNKNOWN,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,6 +25,10 @@ pub struct GenRequest {
 pub struct DriveOptions {
     /// Longest wait for any one step (the first token, or each next one).
     pub step_timeout: Duration,
+    /// A route quiet this long is pinged; a stage that does not answer within `probe_wait` is
+    /// silent.
+    pub probe_after: Duration,
+    pub probe_wait: Duration,
     pub connect_timeout: Duration,
     pub max_frame: usize,
 }
@@ -33,6 +37,8 @@ impl Default for DriveOptions {
     fn default() -> Self {
         DriveOptions {
             step_timeout: Duration::from_secs(5),
+            probe_after: Duration::from_millis(500),
+            probe_wait: Duration::from_millis(500),
             connect_timeout: Duration::from_secs(5),
             max_frame: dgr_proto::DEFAULT_MAX_FRAME,
         }
@@ -75,17 +81,55 @@ impl Session<'_> {
         r.map_err(|e| self.err("connection_lost", stage, e))
     }
 
-    /// The next event, turned into an error unless it is a frame this session expects.
-    async fn next(&mut self, timeout: Duration) -> Result<(u32, Body), DriveError> {
-        match tokio::time::timeout(timeout, self.events.recv()).await {
-            Err(_) => Err(DriveError::new("timeout", None, None, format!("no answer from the route within {timeout:?}"))),
-            Ok(None) => Err(DriveError::new("connection_lost", None, None, "every connection closed")),
-            Ok(Some(Event::Lost(stage, why))) => Err(self.err("connection_lost", stage, why)),
-            Ok(Some(Event::Frame(stage, Body::Error(e)))) => {
-                let at = if e.stage == STAGE_UNKNOWN { stage } else { e.stage };
-                Err(self.err(e.error_kind().name(), at, e.message))
+    /// The next event, turned into an error unless it is a frame this session expects. While
+    /// the route is quiet for `probe_after`, every stage is pinged; one that does not answer
+    /// within `probe_wait` is reported silent (a stopped process), long before `timeout`.
+    async fn next(&mut self, timeout: Duration, opts: &DriveOptions) -> Result<(u32, Body), DriveError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut probe: Option<(tokio::time::Instant, Vec<bool>)> = None;
+        loop {
+            let wake = match &probe {
+                None => tokio::time::Instant::now() + opts.probe_after,
+                Some((sent, _)) => *sent + opts.probe_wait,
+            };
+            let event = match tokio::time::timeout_at(wake.min(deadline), self.events.recv()).await {
+                Ok(ev) => ev,
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    return Err(DriveError::new("timeout", None, None, format!("no answer from the route within {timeout:?}")))
+                }
+                Err(_) => match probe.take() {
+                    None => {
+                        for i in 0..self.links.len() as u32 {
+                            self.send(i, Body::Ping(Ping { nonce: 0 })).await?;
+                        }
+                        probe = Some((tokio::time::Instant::now(), vec![false; self.links.len()]));
+                        continue;
+                    }
+                    Some((_, answered)) => match answered.iter().position(|a| !a) {
+                        Some(i) => {
+                            let msg = format!("no answer to a ping within {:?}: the worker is stopped or unreachable", opts.probe_wait);
+                            return Err(self.err("silent", i as u32, msg));
+                        }
+                        // Every stage is there, only busy: keep waiting.
+                        None => continue,
+                    },
+                },
+            };
+            match event {
+                None => return Err(DriveError::new("connection_lost", None, None, "every connection closed")),
+                Some(Event::Lost(stage, why)) => return Err(self.err("connection_lost", stage, why)),
+                Some(Event::Frame(stage, Body::Pong(_))) => {
+                    if let Some(a) = probe.as_mut().and_then(|(_, answered)| answered.get_mut(stage as usize)) {
+                        *a = true;
+                    }
+                }
+                Some(Event::Frame(_, Body::Ping(_))) => {}
+                Some(Event::Frame(stage, Body::Error(e))) => {
+                    let at = if e.stage == STAGE_UNKNOWN { stage } else { e.stage };
+                    return Err(self.err(e.error_kind().name(), at, e.message));
+                }
+                Some(Event::Frame(stage, body)) => return Ok((stage, body)),
             }
-            Ok(Some(Event::Frame(stage, body))) => Ok((stage, body)),
         }
     }
 
@@ -222,7 +266,7 @@ async fn drive(
     }
     let mut opened = 0;
     while opened < n {
-        match s.next(opts.connect_timeout).await? {
+        match s.next(opts.connect_timeout, opts).await? {
             (_, Body::Opened(_)) => opened += 1,
             (stage, _) => return Err(s.err("protocol", stage, "expected Opened")),
         }
@@ -236,7 +280,7 @@ async fn drive(
     loop {
         let f = Forward { session_id: s.id.to_vec(), position, tokens: input.clone(), sample: true, ..Default::default() };
         s.send(0, Body::Forward(f)).await?;
-        let t = match s.next(opts.step_timeout).await? {
+        let t = match s.next(opts.step_timeout, opts).await? {
             (_, Body::Token(t)) if t.session_id == s.id => t,
             (stage, _) => return Err(s.err("protocol", stage, "unexpected frame while waiting for a token")),
         };

@@ -6,12 +6,14 @@ mod driver;
 mod error;
 pub mod http;
 mod links;
+mod recover;
 mod report;
 mod route;
 pub mod tracker;
 
 pub use driver::{generate, generate_on, DriveOptions, Flow, GenRequest};
 pub use links::Links;
+pub use recover::{generate_recovering, Attempt, Recovered, Recovery, Ticketed};
 pub use error::DriveError;
 pub use report::{Completion, SeamReport, StageReport, Timings, UsageReport};
 pub use route::{Route, StageEndpoint};

@@ -1,7 +1,7 @@
 //! A driver's dealings with a tracker: asking for a route and its ticket, and reporting what a
 //! request used, once, under its request id.
 
-use crate::{Completion, DriveError, Route, UsageReport};
+use crate::{Attempt, Completion, DriveError, Route};
 use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, TrackerClient};
 use std::time::{Duration, Instant};
 
@@ -9,7 +9,7 @@ const CONNECT: Duration = Duration::from_secs(5);
 /// How long a usage report keeps trying (a tracker may be restarting).
 const REPORT_FOR: Duration = Duration::from_secs(20);
 
-fn tracker_error(e: TrackerCallError) -> DriveError {
+pub fn tracker_error(e: TrackerCallError) -> DriveError {
     match e {
         TrackerCallError::Refused(r) => DriveError::new(r.refusal_kind().name(), None, None, r.message),
         e => DriveError::new("tracker", None, None, e.to_string()),
@@ -42,7 +42,12 @@ pub async fn route(
         exclude: exclude.to_vec(),
         ..Default::default()
     };
-    let TrackerBody::RouteReply(reply) = c.call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)? else {
+    routed(c.call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)?)
+}
+
+/// The route, ticket and session id in a tracker's answer to a RouteRequest.
+pub fn routed(answer: TrackerBody) -> Result<(Route, (SignedTicket, [u8; 16])), DriveError> {
+    let TrackerBody::RouteReply(reply) = answer else {
         return Err(DriveError::new("tracker", None, None, "the tracker answered something else"));
     };
     let route = Route::from_tracker(&reply)?;
@@ -52,40 +57,44 @@ pub async fn route(
     Ok((route, (ticket, session)))
 }
 
-/// The driver's account of a request: tokens in and out, and what each stage reported.
+/// The driver's account of a request: tokens in and out, and what each stage of each of its
+/// sessions (more than one after a recovery) reported computing.
 pub fn request_usage(
     request_id: &str,
     api_key: &str,
-    route: &Route,
-    session: &[u8; 16],
+    model_id: &str,
     prompt_tokens: usize,
     result: &Result<Completion, DriveError>,
+    attempts: &[Attempt],
 ) -> RequestUsage {
-    let (status, completion, usage): (&str, usize, &[UsageReport]) = match result {
-        Ok(c) if c.finish_reason == "cancelled" => ("cancelled", c.tokens.len(), &c.usage),
-        Ok(c) => ("completed", c.tokens.len(), &c.usage),
-        Err(e) => ("failed", e.generated, &e.usage),
+    let (status, completion) = match result {
+        Ok(c) if c.finish_reason == "cancelled" => ("cancelled", c.tokens.len()),
+        Ok(c) => ("completed", c.tokens.len()),
+        Err(e) => ("failed", e.generated),
     };
-    RequestUsage {
-        request_id: request_id.into(),
-        api_key: api_key.into(),
-        model_id: route.model_id().into(),
-        engine: String::new(),
-        prompt_tokens: prompt_tokens as u64,
-        completion_tokens: completion as u64,
-        status: status.into(),
-        stages: usage
-            .iter()
-            .filter_map(|u| {
+    let stages = attempts
+        .iter()
+        .flat_map(|a| {
+            a.usage.iter().filter_map(|u| {
                 Some(StageUsage {
-                    worker_id: route.stages.get(u.stage as usize)?.worker_id.clone(),
-                    session_id: session.to_vec(),
+                    worker_id: a.route.stages.get(u.stage as usize)?.worker_id.clone(),
+                    session_id: a.session.to_vec(),
                     tokens_prefilled: u.tokens_prefilled,
                     tokens_decoded: u.tokens_decoded,
                     layer_tokens: u.layer_tokens,
                 })
             })
-            .collect(),
+        })
+        .collect();
+    RequestUsage {
+        request_id: request_id.into(),
+        api_key: api_key.into(),
+        model_id: model_id.into(),
+        engine: String::new(),
+        prompt_tokens: prompt_tokens as u64,
+        completion_tokens: completion as u64,
+        status: status.into(),
+        stages,
     }
 }
 

@@ -3,7 +3,7 @@
 /// One frame on the wire.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Frame {
-    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9")]
+    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11")]
     pub body: Option<Body>,
 }
 
@@ -36,6 +36,18 @@ pub enum Body {
     /// Stage → driver, when a session is closed or cancelled: what it computed there.
     #[prost(message, tag = "9")]
     Usage(Usage),
+    /// Driver → stage: are you there? Answered at once by the connection, not the scheduler,
+    /// so a busy stage answers and a stopped one does not.
+    #[prost(message, tag = "10")]
+    Ping(Ping),
+    #[prost(message, tag = "11")]
+    Pong(Ping),
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Ping {
+    #[prost(uint64, tag = "1")]
+    pub nonce: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, prost::Enumeration)]

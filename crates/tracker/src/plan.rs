@@ -173,55 +173,41 @@ fn undominated(n: u32, cands: &[Candidate], pieces: &[Piece], layers: u64) -> Ve
     if (u64::from(n) + 1).saturating_mul(u64::from(n) + 1) > layers {
         return pieces.to_vec();
     }
-    // champion[a·w + b]: of the candidates seen holding [a, b), the cheapest there.
-    let none = Champion { per: f64::INFINITY, fixed: f64::INFINITY, id: u32::MAX };
-    let mut champion = vec![none; w * w];
+    // champion[a·w + b]: of the candidates seen holding [a, b), the cheapest there, the first seen
+    // on a tie (u32::MAX: none yet).
+    let cheaper = |x: u32, y: u32, len: u32| {
+        let cost = |id: u32| cands[id as usize].cost(0, len);
+        if x == u32::MAX || (y != u32::MAX && cost(y) < cost(x)) {
+            y
+        } else {
+            x
+        }
+    };
+    let mut champion = vec![u32::MAX; w * w];
     for p in pieces {
-        let (c, cell) = (&cands[p.id as usize], p.start as usize * w + p.end as usize);
-        let challenger = Champion { per: c.per_layer, fixed: c.fixed, id: p.id };
-        champion[cell] = champion[cell].or(challenger, p.end - p.start);
+        let cell = p.start as usize * w + p.end as usize;
+        champion[cell] = cheaper(champion[cell], p.id, p.end - p.start);
     }
     // Whatever holds [a, b + 1), then whatever holds [a − 1, b), holds [a, b) too. The inner loops
     // carry no dependency from one step to the next.
     for b in (1..n as usize).rev() {
         for a in 0..b {
-            champion[a * w + b] = champion[a * w + b].or(champion[a * w + b + 1], (b - a) as u32);
+            champion[a * w + b] = cheaper(champion[a * w + b], champion[a * w + b + 1], (b - a) as u32);
         }
     }
     for a in 1..n as usize {
         for b in a + 1..w {
-            champion[a * w + b] = champion[a * w + b].or(champion[(a - 1) * w + b], (b - a) as u32);
+            champion[a * w + b] = cheaper(champion[a * w + b], champion[(a - 1) * w + b], (b - a) as u32);
         }
     }
     let beaten = |p: &Piece| {
-        let (q, d) = (champion[p.start as usize * w + p.end as usize], &cands[p.id as usize]);
         // q won p's own cell, which pieces entered in index order: it is no dearer over p's whole
         // range (of lower index on a tie). Costs are linear in the length, so if it is no dearer
         // for one layer too, it is for any hop p could serve.
-        q.id != p.id && q.per + q.fixed <= d.per_layer + d.fixed
+        let q = champion[p.start as usize * w + p.end as usize];
+        q != p.id && cands[q as usize].cost(0, 1) <= cands[p.id as usize].cost(0, 1)
     };
     pieces.iter().filter(|p| !beaten(p)).copied().collect()
-}
-
-/// A candidate's costs, in the table of [`undominated`].
-#[derive(Clone, Copy)]
-struct Champion {
-    per: f64,
-    fixed: f64,
-    /// `u32::MAX` for none, with infinite costs.
-    id: u32,
-}
-
-impl Champion {
-    /// The cheaper of the two over `len` layers; `self` on a tie.
-    fn or(self, other: Champion, len: u32) -> Champion {
-        let (mine, theirs) = (self.per * f64::from(len) + self.fixed, other.per * f64::from(len) + other.fixed);
-        if theirs < mine {
-            other
-        } else {
-            self
-        }
-    }
 }
 
 /// The pieces with `w` limited to `[lo, hi)`, or with `force`, with `w` made the only one able to

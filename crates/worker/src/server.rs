@@ -337,9 +337,13 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                 Cmd::Open { conn, open, reply: out.clone(), next, request_id }
             }
             Body::Forward(f) => Cmd::Forward { f, recv_us: unix_us(), at: Instant::now(), reply: out.clone() },
+            Body::Ping(p) => {
+                let _ = out.try_send(Frame::new(Body::Pong(p)));
+                continue;
+            }
             Body::Cancel(r) => Cmd::Cancel { id: r.session_id },
             Body::Close(r) => Cmd::Close { id: r.session_id },
-            Body::Hello(_) | Body::Opened(_) | Body::Token(_) | Body::Error(_) | Body::Usage(_) => {
+            Body::Hello(_) | Body::Opened(_) | Body::Token(_) | Body::Error(_) | Body::Usage(_) | Body::Pong(_) => {
                 refuse(&out, &[], ErrorKind::BadFrame, "a frame a worker does not accept".into());
                 continue;
             }

@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long)]
     peer_model: Option<String>,
     /// The peer's bearer token [default: --api-key]
-    #[arg(long, hide_env_values = true)]
+    #[arg(long)]
     peer_api_key: Option<String>,
     /// Requests kept in flight at once
     #[arg(long, short = 'c', default_value_t = 8)]
@@ -224,9 +224,10 @@ const WORDS: &[&str] = &[
 ];
 
 /// A prompt of about `tokens` tokens, different for each `id` from its first token on, so no
-/// prefix cache serves one request from another.
+/// prefix cache serves one request from another. The id has a fixed width so that every prompt
+/// has the same length, whichever endpoint it goes to.
 pub fn prompt_text(id: usize, tokens: usize) -> String {
-    let mut s = format!("{id}:"); // digits are one token each in llama-3 style vocabularies
+    let mut s = format!("{id:08}:");
     let words = tokens.saturating_sub(s.len()).max(1);
     for w in WORDS.iter().cycle().take(words) {
         s.push(' ');
@@ -299,6 +300,9 @@ async fn phase(ep: &Endpoint, load: &Load, model: Option<&str>, ids: Range<usize
     (wall, samples)
 }
 
+/// Request ids of one endpoint: below this, so that ids keep their width (see `prompt_text`).
+const ID_SPAN: usize = 10_000_000;
+
 /// One endpoint under measurement.
 struct Contender {
     label: String,
@@ -320,7 +324,7 @@ impl Contender {
             ep: Endpoint::parse(url, api_key)?,
             model,
             models: Value::Null,
-            id_base: index * 100_000_000,
+            id_base: index * ID_SPAN,
             rounds: Vec::new(),
         })
     }
@@ -381,6 +385,9 @@ pub fn run(a: Args) -> Result<()> {
     let rounds = a.rounds.unwrap_or(if a.peer_url.is_some() { 3 } else { 1 });
     if a.concurrency == 0 || a.requests == 0 || a.max_tokens == 0 || rounds == 0 {
         bail!("--concurrency, --requests, --max-tokens and --rounds must be positive");
+    }
+    if a.warmup + rounds * a.requests >= ID_SPAN {
+        bail!("at most {ID_SPAN} requests per endpoint");
     }
     let load = Load { chat: a.chat, prompt_tokens: a.prompt_tokens, max_tokens: a.max_tokens, timeout: Duration::from_secs(a.timeout) };
     let mut cs = vec![Contender::new(&a.url, a.label.clone(), a.model.clone(), a.api_key.clone(), 0)?];
@@ -528,19 +535,21 @@ fn plot(series: &[(&str, Vec<f64>, Vec<f64>)]) -> String {
         2.0 * pw,
         ph + 20.0 * series.len() as f64
     );
-    for (panel, title) in ["time to first token (ms)", "inter-token latency (ms)"].iter().enumerate() {
+    let titles = ["time to first token: share of requests within x", "inter-token latency: share of gaps within x"];
+    for (panel, title) in titles.iter().enumerate() {
         let x0 = pw * panel as f64;
         let data: Vec<(&str, &Vec<f64>)> = series.iter().map(|s| (s.0, if panel == 0 { &s.1 } else { &s.2 })).collect();
         let xmax = data.iter().filter_map(|(_, v)| v.last().copied()).fold(0.0, f64::max).max(1e-3) * 1.05;
         let x = |v: f64| x0 + m + (pw - 1.5 * m) * v / xmax;
-        let y = |q: f64| ph - m - (ph - 1.5 * m) * q;
+        let y = |q: f64| ph - m - (ph - 2.0 * m) * q;
         let _ = writeln!(svg, "<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>", x(0.0), y(0.0), x(xmax), y(0.0));
         let _ = writeln!(svg, "<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>", x(0.0), y(0.0), x(0.0), y(1.0));
-        let _ = writeln!(svg, "<text x='{}' y='{}' text-anchor='middle'>{title}</text>", x(xmax / 2.0), ph - 12.0);
-        let _ = writeln!(svg, "<text x='{}' y='{}' text-anchor='middle'>fraction of samples at or below</text>", x(xmax / 2.0), m * 0.6);
+        let _ = writeln!(svg, "<text x='{}' y='{}' text-anchor='middle'>{title}</text>", x(xmax / 2.0), m * 0.6);
+        let _ = writeln!(svg, "<text x='{}' y='{}' text-anchor='middle'>x (ms)</text>", x(xmax / 2.0), ph - 12.0);
+        let digits = if xmax < 20.0 { 1 } else { 0 };
         for k in 0..=4 {
             let v = xmax * k as f64 / 4.0;
-            let _ = writeln!(svg, "<text x='{:.1}' y='{}' text-anchor='middle'>{v:.0}</text>", x(v), y(0.0) + 16.0);
+            let _ = writeln!(svg, "<text x='{:.1}' y='{}' text-anchor='middle'>{v:.digits$}</text>", x(v), y(0.0) + 16.0);
             let q = k as f64 / 4.0;
             let _ = writeln!(svg, "<text x='{}' y='{:.1}' text-anchor='end'>{q:.2}</text>", x(0.0) - 4.0, y(q) + 4.0);
         }
@@ -580,8 +589,9 @@ mod tests {
     #[test]
     fn prompts_differ_from_the_first_token() {
         let (a, b) = (prompt_text(3, 128), prompt_text(4, 128));
-        assert!(a.starts_with("3: the quick") && b.starts_with("4: the quick"));
-        assert_eq!(a.split(' ').count(), 1 + 126);
+        assert!(a.starts_with("00000003: the quick") && b.starts_with("00000004: the quick"));
+        assert_eq!(a.split(' ').count(), 1 + 128 - 9);
+        assert_eq!(prompt_text(10_000_123, 128).split(' ').count(), a.split(' ').count());
         assert_eq!(prompt_text(123456, 2).split(' ').count(), 2);
         let body: Value = serde_json::from_slice(&request_body(Some("m"), true, "hi", 5)).unwrap();
         assert_eq!(

@@ -5,7 +5,7 @@ use super::admission::Admission;
 use super::error::ApiError;
 use super::metrics::HttpMetrics;
 use super::text::TextOut;
-use crate::{generate_on, tracker, DriveError, DriveOptions, Flow, GenRequest, Links, Route};
+use crate::{generate_recovering, tracker, DriveError, DriveOptions, Flow, GenRequest, Links, Ticketed};
 use axum::http::StatusCode;
 use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError, TrackerClient};
 use dgr_tokenizer::Tokenizer;
@@ -193,53 +193,37 @@ impl Gateway {
             request_id: request_id.clone(),
             ..Default::default()
         };
-        let reply = match self.tracker_call(TrackerBody::RouteRequest(ask)).await {
-            Ok(TrackerBody::RouteReply(r)) => r,
-            Ok(_) => return Err(ApiError::new(StatusCode::BAD_GATEWAY, "api_error", "the tracker answered something else")),
-            Err(e) => return Err(refusal(e)),
+        let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(refusal)?;
+        let key_name = match &answer {
+            TrackerBody::RouteReply(r) => Some(r.key_name.clone()).filter(|k| !k.is_empty()),
+            _ => None,
         };
-        let key_name = Some(reply.key_name.clone()).filter(|k| !k.is_empty());
-        let route = Route::from_tracker(&reply).map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", e.message))?;
-        let session: [u8; 16] = reply
-            .route
-            .as_ref()
-            .and_then(|t| t.session_id.as_slice().try_into().ok())
-            .ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", "a route without a session"))?;
-        let ticket = reply.ticket.ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", "a route without a ticket"))?;
+        let (route, ticket) = tracker::routed(answer).map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", e.message))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let gw = self.clone();
         let key_label = key_name.clone().unwrap_or_else(|| "anonymous".into());
         tokio::spawn(async move {
             let _permit = permit;
-            gw.run(job, route, (ticket, session), request_id, key_label, tx).await;
+            gw.run(job, (route, Some(ticket)), request_id, key_label, tx).await;
         });
         Ok((rx, key_name))
     }
 
-    async fn run(
-        &self,
-        job: Job,
-        route: Route,
-        ticket: (dgr_proto::SignedTicket, [u8; 16]),
-        request_id: String,
-        key: String,
-        tx: mpsc::UnboundedSender<Piece>,
-    ) {
-        let session = ticket.1;
+    async fn run(&self, job: Job, first: Ticketed, request_id: String, key: String, tx: mpsc::UnboundedSender<Piece>) {
         let req = GenRequest {
             prompt_tokens: job.prompt.clone(),
             max_tokens: job.max_tokens,
             sampling: job.sampling,
             top_logprobs: job.logprobs.unwrap_or(0),
             seam_dtype: SeamDtype::F32,
-            ticket: Some(ticket),
+            ticket: None,
         };
         let mut text = TextOut::new(job.stops.clone());
         let mut stopped_by_text = false;
         let started = Instant::now();
         let mut last: Option<Instant> = None;
         let tok = &job.model.tokenizer;
-        let result = generate_on(&self.links, &route, &req, &self.cfg.drive, |t| {
+        let on_token = |t: &dgr_proto::TokenOut| {
             let now = Instant::now();
             match last {
                 None => self.metrics.ttft.observe(now.duration_since(started).as_secs_f64()),
@@ -263,9 +247,29 @@ impl Gateway {
             } else {
                 Flow::Continue
             }
-        })
-        .await;
-        let usage = tracker::request_usage(&request_id, &job.api_key, &route, &session, job.prompt.len(), &result);
+        };
+        // A failed stage is replaced by a route that avoids it; the session's tokens replay.
+        let replan = |exclude: Vec<String>, budget: u64| {
+            let ask = RouteRequest {
+                model_id: job.model.model_id.clone(),
+                budget_tokens: budget,
+                api_key: job.api_key.clone(),
+                request_id: request_id.clone(),
+                exclude,
+                ..Default::default()
+            };
+            async move {
+                let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(tracker::tracker_error)?;
+                tracker::routed(answer).map(|(r, t)| (r, Some(t)))
+            }
+        };
+        let rec = generate_recovering(&self.links, first, &req, &self.cfg.drive, on_token, replan, MAX_REPLAYS).await;
+        let result = rec.result;
+        for r in &rec.recoveries {
+            eprintln!("dgr gateway: request {request_id} recovered from {} at stage {:?} ({:?}) after {} tokens; stall {:.0} ms", r.kind, r.stage, r.addr, r.at_token, r.stall_ms);
+            self.metrics.error(&format!("recovered_{}", r.kind));
+        }
+        let usage = tracker::request_usage(&request_id, &job.api_key, &job.model.model_id, job.prompt.len(), &result, &rec.attempts);
         let (finish_reason, completion, error): (&'static str, usize, Option<ApiError>) = match &result {
             Ok(c) => {
                 let reason = match c.finish_reason.as_str() {
@@ -290,6 +294,9 @@ impl Gateway {
         });
     }
 }
+
+/// Stage failures one request may recover from.
+const MAX_REPLAYS: usize = 3;
 
 /// A tracker refusal as the HTTP status a client should see.
 fn refusal(e: TrackerCallError) -> ApiError {

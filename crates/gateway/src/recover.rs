@@ -1,0 +1,142 @@
+//! Recovery by replay. A session's tokens so far are its whole state, and sampling depends only
+//! on (seed, position), so when a stage fails (its connection drops, it goes silent, it refuses)
+//! the driver asks for a route that avoids the failed worker, replays the prompt and the tokens
+//! generated so far as a prefill on it, and goes on: the client's stream is the same token for
+//! token as without the fault.
+
+use crate::{generate_on, Completion, DriveError, DriveOptions, Flow, GenRequest, Links, Route, UsageReport};
+use dgr_proto::{SignedTicket, TokenOut};
+use serde::Serialize;
+use std::future::Future;
+use std::time::Instant;
+
+/// One session of a request: its route, its id, and what its stages reported computing.
+#[derive(Clone, Debug)]
+pub struct Attempt {
+    pub route: Route,
+    pub session: [u8; 16],
+    pub usage: Vec<UsageReport>,
+}
+
+/// A failure the request got past.
+#[derive(Clone, Debug, Serialize)]
+pub struct Recovery {
+    pub kind: String,
+    pub stage: Option<u32>,
+    pub addr: Option<String>,
+    pub worker_id: Option<String>,
+    /// Tokens already delivered when it failed (replayed as a prefill).
+    pub at_token: usize,
+    /// From the failure's detection to the replacement route's first token.
+    pub stall_ms: f64,
+}
+
+pub struct Recovered {
+    pub result: Result<Completion, DriveError>,
+    pub attempts: Vec<Attempt>,
+    pub recoveries: Vec<Recovery>,
+}
+
+/// Failures a fresh route gets past: the stage is gone, silent, or will not take the session.
+fn recoverable(e: &DriveError) -> bool {
+    matches!(e.kind.as_str(), "connection_lost" | "connect_failed" | "silent" | "timeout" | "next_stage" | "shutting_down" | "overloaded")
+}
+
+/// A route and the ticket for one session on it.
+pub type Ticketed = (Route, Option<(SignedTicket, [u8; 16])>);
+
+/// Generates along `first`, recovering from up to `max_replays` stage failures with routes from
+/// `replan(workers to avoid, token budget)`.
+pub async fn generate_recovering<F, Fut>(
+    links: &Links,
+    first: Ticketed,
+    req: &GenRequest,
+    opts: &DriveOptions,
+    mut on_token: impl FnMut(&TokenOut) -> Flow,
+    mut replan: F,
+    max_replays: usize,
+) -> Recovered
+where
+    F: FnMut(Vec<String>, u64) -> Fut,
+    Fut: Future<Output = Result<Ticketed, DriveError>>,
+{
+    let started = Instant::now();
+    let mut merged = Completion::default();
+    let mut first_token: Option<Instant> = None;
+    let (mut attempts, mut recoveries) = (Vec::new(), Vec::<Recovery>::new());
+    let mut exclude: Vec<String> = Vec::new();
+    let (mut route, mut ticket) = first;
+    loop {
+        let session = ticket.as_ref().map(|(_, id)| *id).unwrap_or_default();
+        let mut prompt = req.prompt_tokens.clone();
+        prompt.extend_from_slice(&merged.tokens);
+        let sub = GenRequest {
+            prompt_tokens: prompt,
+            max_tokens: req.max_tokens - merged.tokens.len(),
+            sampling: req.sampling,
+            top_logprobs: req.top_logprobs,
+            seam_dtype: req.seam_dtype,
+            ticket: ticket.take(),
+        };
+        let result = generate_on(links, &route, &sub, opts, |t| {
+            let now = Instant::now();
+            first_token.get_or_insert(now);
+            if let Some(r) = recoveries.last_mut().filter(|r| r.stall_ms < 0.0) {
+                r.stall_ms += (now - started).as_secs_f64() * 1e3;
+            }
+            merged.tokens.push(t.token);
+            merged.logprobs.push(t.logprob);
+            merged.top_logprobs.push(t.top.iter().map(|e| (e.id, e.logprob)).collect());
+            on_token(t)
+        })
+        .await;
+        match result {
+            Ok(c) => {
+                attempts.push(Attempt { route, session, usage: c.usage.clone() });
+                let decoded = merged.tokens.len().saturating_sub(1);
+                let (tokens, logprobs, top) = (merged.tokens, merged.logprobs, merged.top_logprobs);
+                let mut out = Completion { tokens, logprobs, top_logprobs: top, ..c };
+                if let Some(ft) = first_token {
+                    out.timings.first_token(started, req.prompt_tokens.len());
+                    out.timings.ttft_ms = (ft - started).as_secs_f64() * 1e3;
+                    out.timings.prefill_ms = out.timings.ttft_ms;
+                    out.timings.prefill_tok_per_s = req.prompt_tokens.len() as f64 / (ft - started).as_secs_f64();
+                    out.timings.decoded(ft, decoded);
+                }
+                return Recovered { result: Ok(out), attempts, recoveries };
+            }
+            Err(mut e) => {
+                attempts.push(Attempt { route: route.clone(), session, usage: std::mem::take(&mut e.usage) });
+                let done = merged.tokens.len() >= req.max_tokens;
+                if !recoverable(&e) || recoveries.len() >= max_replays || done {
+                    e.generated = merged.tokens.len();
+                    return Recovered { result: Err(e), attempts, recoveries };
+                }
+                let worker_id = e.stage.and_then(|i| route.stages.get(i as usize)).map(|s| s.worker_id.clone()).filter(|w| !w.is_empty());
+                exclude.extend(worker_id.clone());
+                // Negative until the replacement's first token: then the stall (see above).
+                let detected_ms = (Instant::now() - started).as_secs_f64() * 1e3;
+                let budget = (req.prompt_tokens.len() + req.max_tokens) as u64;
+                match replan(exclude.clone(), budget).await {
+                    Ok((r, t)) => {
+                        recoveries.push(Recovery {
+                            kind: e.kind.clone(),
+                            stage: e.stage,
+                            addr: e.addr.clone(),
+                            worker_id,
+                            at_token: merged.tokens.len(),
+                            stall_ms: -detected_ms,
+                        });
+                        route = r;
+                        ticket = t;
+                    }
+                    Err(why) => {
+                        e.message = format!("{} (no replacement route: {})", e.message, why.message);
+                        e.generated = merged.tokens.len();
+                        return Recovered { result: Err(e), attempts, recoveries };
+                    }
+                }
+            }
+        }
+    }
+}
