@@ -13,6 +13,15 @@ dgr=target/release/dgr
 DGR_MODEL=${DGR_MODEL:-$(scripts/fetch-model.sh)}
 export DGR_MODEL DGR_BIN=$PWD/$dgr
 
+# Installs Debian packages (CI runs as root on a fresh Debian machine).
+apt_install() {
+    echo "test-http: installing Debian's $*" >&2
+    local sudo=
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update -qq >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >&2
+}
+
 # Pinned: the official client and pytest, and what they resolve to.
 requirements='
 openai==3.57.0
@@ -39,19 +48,14 @@ venv=target/http-venv
 stamp=$venv/.requirements
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$(printf %s "$requirements")" ]; then
     echo "test-http: setting up $venv" >&2
-    python3 -m venv --clear "$venv"
+    # Debian's python3 makes venvs only with its python3-venv package.
+    python3 -m venv --clear "$venv" >/dev/null 2>&1 || { apt_install python3-venv && python3 -m venv --clear "$venv"; }
     printf '%s' "$requirements" > "$venv/requirements.txt"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$venv/requirements.txt" >&2
     printf '%s' "$requirements" > "$stamp"
 fi
 
-if [ ! -x /usr/bin/chromium ]; then
-    echo "test-http: installing Debian's chromium" >&2
-    sudo=
-    [ "$(id -u)" -eq 0 ] || sudo=sudo
-    $sudo apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >&2
-fi
+[ -x /usr/bin/chromium ] || apt_install chromium
 
 artifacts=target/test-artifacts
 mkdir -p "$artifacts"

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Runs every test: fetches the default model into the cache (the acceptance suites run on it),
-# then the whole workspace's tests in release mode (the real-model tests time real work), then
+# Runs every test: lints, fetches the default model into the cache (the acceptance suites run on
+# it), then the whole workspace's tests in release mode (the real-model tests time real work), then
 # the gateway's acceptance suite (scripts/test-http.sh: the official OpenAI client and headless
 # Chromium against a live `dgr up`), and ends with one line that totals every suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Plain `cargo test` runs what needs no download; these features add the suites on the real
+# default model, and workers that can be told to lie (for the spot-check test).
+features=dgr/real-model,dgr-gguf/real-model,dgr-tokenizer/real-model,dgr/fault-injection
+# Lints before any test, failing the run at once: formatting, then clippy with warnings as errors.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release --locked --features "$features" -- -D warnings
 scripts/fetch-model.sh >/dev/null
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --release --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
+cargo test --release --workspace --locked --features "$features" "$@" 2>&1 | tee "$log" || status=$?
 read -r passed failed < <(awk '/^test result:/ { p += $4; f += $6 } END { print p + 0, f + 0 }' "$log")
+if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
+    failed=1  # cargo failed with no failing test to show for it (a build or doctest compile error)
+fi
 
 # The gateway suite runs the built binary; its counts come from pytest's junit XML (a test that
 # errored or was skipped counts as failed; a suite that could not run at all counts as one).

@@ -268,7 +268,7 @@ def start_swarm(workdir: Path) -> Swarm:
     while not line.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0 or not sel.select(timeout=left):
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"dgr up printed no ready line within 60 s; its log:\n{log.read_text()}")
         chunk = os.read(proc.stdout.fileno(), 4096)
         if not chunk:
@@ -276,7 +276,9 @@ def start_swarm(workdir: Path) -> Swarm:
             raise AssertionError(f"dgr up exited ({proc.returncode}) before it was ready; its log:\n{log.read_text()}")
         line += chunk
     ready = json.loads(line)
-    assert set(ready) >= {"base_url", "model", "tracker"}, f"unexpected ready line: {ready}"
+    if not set(ready) >= {"base_url", "model", "tracker"}:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"unexpected ready line from dgr up: {ready}")
     return Swarm(proc, ready["base_url"], ready["model"], ready["tracker"], state, log)
 
 

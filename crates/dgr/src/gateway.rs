@@ -32,9 +32,16 @@ pub struct KeysArgs {
     /// tracker, which then requires a key for every request and bills and limits each
     #[arg(long)]
     pub api_keys: Option<PathBuf>,
-    /// The tracker's join token (needed to register --api-keys)
+    /// The tracker's join token: registers --api-keys, and lets spot checks quarantine a worker
     #[arg(long)]
     pub join_token_file: Option<PathBuf>,
+}
+
+impl KeysArgs {
+    /// The join token, if a file was given.
+    pub fn join_token(&self) -> Result<Option<String>> {
+        self.join_token_file.as_deref().map(read_secret).transpose()
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -60,6 +67,10 @@ pub struct LimitArgs {
     /// Seconds to wait for any one step of a generation before failing it
     #[arg(long, default_value_t = 10.0)]
     pub step_timeout: f64,
+    /// Fraction of sessions spot-checked: one step recomputed per stage on another replica and
+    /// compared bit for bit; a worker caught lying is quarantined (needs the join token)
+    #[arg(long, default_value_t = 0.02)]
+    pub verify_fraction: f64,
 }
 
 impl LimitArgs {
@@ -75,6 +86,10 @@ impl LimitArgs {
         cfg.queue = self.queue;
         cfg.queue_timeout = secs(self.queue_timeout, "queue-timeout")?;
         cfg.drive.step_timeout = secs(self.step_timeout, "step-timeout")?;
+        if !(0.0..=1.0).contains(&self.verify_fraction) {
+            bail!("--verify-fraction must be in [0, 1]");
+        }
+        cfg.verify_fraction = self.verify_fraction;
         Ok(cfg)
     }
 }
@@ -120,7 +135,12 @@ pub async fn register_keys(gw: &Gateway, keys: &KeysArgs) -> Result<usize> {
 
 pub fn run(a: Args) -> Result<()> {
     let models = if a.model.is_empty() { vec![crate::model::ModelArg { model: None }.path()?] } else { a.model.clone() };
-    let gw = Arc::new(Gateway::open(a.limits.config(a.tracker.clone(), models)?)?);
+    let mut cfg = a.limits.config(a.tracker.clone(), models)?;
+    cfg.join_token = a.keys.join_token()?;
+    if cfg.join_token.is_none() && cfg.verify_fraction > 0.0 {
+        eprintln!("dgr gateway: without --join-token-file, spot checks report a lying worker but cannot quarantine it");
+    }
+    let gw = Arc::new(Gateway::open(cfg)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let shutdown = crate::worker::shutdown_signal()?;

@@ -84,6 +84,7 @@ pub fn generate(
             top_logprobs: req.top_logprobs as u32,
             seam_dtype,
             ticket: None,
+            hash_rows: false,
         };
         let on_token = |t: &dgr_proto::TokenOut| {
             on_token(t.token);

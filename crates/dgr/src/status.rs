@@ -59,10 +59,14 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
     }
     for m in models {
         let cover: Vec<u64> = m["replicas_per_layer"].as_array().into_iter().flatten().filter_map(|c| c.as_u64()).collect();
-        let map: String = cover.iter().map(|c| if *c == 0 { '.' } else { char::from_digit((*c).min(9) as u32, 10).unwrap_or('9') }).collect();
+        let map: String =
+            cover.iter().map(|c| if *c == 0 { '.' } else { char::from_digit((*c).min(9) as u32, 10).unwrap_or('9') }).collect();
         let state = if m["covered"].as_bool() == Some(true) { "covered" } else { "NOT covered" };
         println!("model {} ({} layers, {state})\n  replicas per layer: {map}", m["model_id"].as_str().unwrap_or(""), cover.len());
-        println!("  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>11} {:>7}", "worker", "addr", "layers", "state", "sessions", "queue", "us/layer", "routes");
+        println!(
+            "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>11} {:>7}",
+            "worker", "addr", "layers", "state", "sessions", "queue", "us/layer", "routes"
+        );
         for w in m["workers"].as_array().into_iter().flatten() {
             let id = w["worker_id"].as_str().unwrap_or("");
             println!(
@@ -70,7 +74,13 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
                 &id[..id.len().min(16)],
                 w["addr"].as_str().unwrap_or(""),
                 format!("{}..{}", w["layers"][0], w["layers"][1]),
-                if w["live"].as_bool() == Some(true) { "live" } else { "silent" },
+                if w["quarantined"] == true {
+                    "QUAR."
+                } else if w["live"] == true {
+                    "live"
+                } else {
+                    "silent"
+                },
                 w["sessions"],
                 w["queue_depth"],
                 w["step_us_per_layer"].as_f64().unwrap_or(0.0),
@@ -119,7 +129,10 @@ pub fn usage(a: UsageArgs) -> Result<()> {
             );
         }
     } else {
-        println!("{:<18} {:<18} {:>8} {:>10} {:>10} {:>14} {:>8}", "worker", "model", "sessions", "prefilled", "decoded", "layer_tokens", "disagree");
+        println!(
+            "{:<18} {:<18} {:>8} {:>10} {:>10} {:>14} {:>8}",
+            "worker", "model", "sessions", "prefilled", "decoded", "layer_tokens", "disagree"
+        );
         for u in &r.rows {
             println!(
                 "{:<18} {:<18} {:>8} {:>10} {:>10} {:>14} {:>8}",

@@ -56,18 +56,26 @@ pub fn run(a: Args) -> Result<()> {
     let mut swarms = Vec::new();
     for r in 0..a.replicas {
         let desc: Vec<String> = ranges.iter().map(|x| format!("{}..{}", x.start, x.end)).collect();
-        eprint!("dgr up: replica {}/{}: {} worker(s), layers {}, {threads} thread(s) each … ", r + 1, a.replicas, a.workers, desc.join(" + "));
+        eprint!(
+            "dgr up: replica {}/{}: {} worker(s), layers {}, {threads} thread(s) each … ",
+            r + 1,
+            a.replicas,
+            a.workers,
+            desc.join(" + ")
+        );
         let t0 = Instant::now();
         swarms.push(LocalSwarm::start(&model, &ranges, threads, &flags)?);
         eprintln!("ready ({:.1} s)", t0.elapsed().as_secs_f64());
     }
-    let cfg = a.limits.config(tracker.addr.clone(), vec![model.clone()])?;
+    let mut cfg = a.limits.config(tracker.addr.clone(), vec![model.clone()])?;
+    cfg.join_token = Some(crate::state::read_secret(&tracker.token_file)?);
     let gw = Arc::new(Gateway::open(cfg)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = rt.block_on(async {
         let shutdown = crate::worker::shutdown_signal()?;
         // Keys are registered with this swarm's own tracker, with its join token.
-        let keys = KeysArgs { join_token_file: Some(a.keys.join_token_file.clone().unwrap_or(tracker.token_file.clone())), ..a.keys.clone() };
+        let keys =
+            KeysArgs { join_token_file: Some(a.keys.join_token_file.clone().unwrap_or(tracker.token_file.clone())), ..a.keys.clone() };
         register_keys(&gw, &keys).await?;
         // Serve once the swarm covers the model: every worker has joined.
         let deadline = Instant::now() + Duration::from_secs(30);

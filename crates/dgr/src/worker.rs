@@ -27,6 +27,17 @@ pub struct Args {
     /// Seconds open sessions get to finish after SIGTERM before they are cancelled
     #[arg(long, default_value_t = 10.0)]
     drain_timeout: f64,
+    /// Most connections served at once (drivers, previous stages, /metrics); past it a new
+    /// connection is closed at once
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds a connection that holds no session may stay silent before it is closed (a
+    /// driver's warm connection with sessions on it is kept however quiet)
+    #[arg(long, default_value_t = 300.0)]
+    conn_idle_timeout: f64,
+    /// Seconds a new connection has to say Hello (or send its HTTP request)
+    #[arg(long, default_value_t = 10.0, hide = true)]
+    handshake_timeout: f64,
     /// Most rows computed in one scheduler step (the token budget)
     #[arg(long, default_value_t = 8192)]
     step_tokens: usize,
@@ -76,6 +87,14 @@ fn secs(v: f64, name: &str) -> Result<Duration> {
     Duration::try_from_secs_f64(v).map_err(|_| anyhow::anyhow!("--{name} must be a non-negative number of seconds"))
 }
 
+fn positive(v: f64, name: &str) -> Result<Duration> {
+    let d = secs(v, name)?;
+    if d.is_zero() {
+        bail!("--{name} must be more than 0 seconds");
+    }
+    Ok(d)
+}
+
 pub fn run(a: Args) -> Result<()> {
     let mut cfg = WorkerConfig::new(a.model.path()?, parse_layers(&a.layers)?);
     cfg.threads = a.threads.get();
@@ -83,6 +102,9 @@ pub fn run(a: Args) -> Result<()> {
     cfg.kv_budget_tokens = a.kv_tokens.max(1);
     cfg.idle_timeout = secs(a.idle_timeout, "idle-timeout")?;
     cfg.drain_timeout = secs(a.drain_timeout, "drain-timeout")?;
+    cfg.max_connections = a.max_connections.max(1);
+    cfg.conn_idle_timeout = positive(a.conn_idle_timeout, "conn-idle-timeout")?;
+    cfg.handshake_timeout = positive(a.handshake_timeout, "handshake-timeout")?;
     cfg.policy = dgr_worker::Policy {
         step_tokens: a.step_tokens.max(1),
         prefill_chunk: a.prefill_chunk.max(1),

@@ -1,5 +1,6 @@
 //! Accuracy on the real model: teacher-forced log-probabilities held against the exact float64
 //! computation of the same quantized weights, and against llama.cpp's.
+#![cfg(feature = "real-model")]
 
 mod common;
 use common::*;

@@ -15,6 +15,7 @@
 //! Every spawned process is killed when its guard drops and every wait has a deadline. Each
 //! check runs over all its shapes and reports every mismatch at the end. Run with --nocapture
 //! to see the figures.
+#![cfg(feature = "real-model")]
 
 mod common;
 use common::*;
@@ -93,6 +94,7 @@ impl Spec {
             top_logprobs: self.top_logprobs,
             seam_dtype: self.seam_dtype,
             ticket: None,
+            hash_rows: false,
         }
     }
 }

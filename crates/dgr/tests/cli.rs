@@ -1,6 +1,7 @@
 //! The command line's contract, on the real model: what each subcommand prints, that it agrees
 //! with the llama.cpp reference, that it is deterministic, and that bad input ends in a clean
 //! error (non-zero exit, a message, no panic) rather than a crash or a hang.
+#![cfg(feature = "real-model")]
 
 mod common;
 use common::*;

@@ -2,6 +2,7 @@
 //! mid-generation is replaced by a replica, the session's tokens replay as a prefill, and the
 //! output equals a fault-free run token for token (greedy and seeded); without a replica the
 //! request fails with an error naming the failed stage, before its deadline.
+#![cfg(feature = "real-model")]
 
 mod common;
 
@@ -51,6 +52,7 @@ fn run_with_fault(
             top_logprobs: 0,
             seam_dtype: SeamDtype::F32,
             ticket: None,
+            hash_rows: false,
         };
         let mut streamed = Vec::new();
         let on_token = |tok: &dgr_proto::TokenOut| {
@@ -85,11 +87,8 @@ fn a_killed_or_stopped_worker_is_replaced_without_changing_a_token() {
     ];
     for (what, stage, fault, sampling, want) in cases {
         let t = Tracker::start("recovery", &[]);
-        let workers: Vec<Worker> = [(0, 15), (0, 15), (15, 30), (15, 30)]
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Worker::start(&t, *r, &format!("w{i}"), &[]))
-            .collect();
+        let workers: Vec<Worker> =
+            [(0, 15), (0, 15), (15, 30), (15, 30)].iter().enumerate().map(|(i, r)| Worker::start(&t, *r, &format!("w{i}"), &[])).collect();
         let ids_: Vec<&str> = workers.iter().map(|w| w.id.as_str()).collect();
         t.wait_live(&ids_, Duration::from_secs(5), "joined");
         let (rec, streamed) = run_with_fault(&t, &workers, &prompt, sampling, stage, 30, fault);

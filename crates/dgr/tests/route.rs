@@ -8,7 +8,7 @@
 //! Every check runs over both splits, [0,15)+[15,30) and [0,10)+[10,20)+[20,30). Every spawned
 //! process is killed when its guard drops (so a failing test leaves nothing running) and every
 //! wait has a deadline (so no test can hang). Run with --nocapture to see the figures.
-
+#![cfg(feature = "real-model")]
 #![allow(clippy::needless_range_loop)] // workers, their metrics and their logs share one index
 
 mod common;
@@ -148,6 +148,7 @@ impl Raw {
             top_logprobs: 0,
             max_positions: 64,
             ticket: None,
+            hash_rows: false,
         }
     }
 
@@ -319,6 +320,7 @@ fn gen_request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         top_logprobs: 5,
         seam_dtype: SeamDtype::F32,
         ticket: None,
+        hash_rows: false,
     }
 }
 

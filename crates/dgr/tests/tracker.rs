@@ -2,6 +2,7 @@
 //! registration and liveness, routes over overlapping ranges (bitwise equal to one process,
 //! direct and relayed), ticket forgeries, the ledger across a restart, quotas, and sessions that
 //! outlive a tracker restart.
+#![cfg(feature = "real-model")]
 
 mod common;
 
@@ -9,8 +10,8 @@ use bytes::Bytes;
 use common::swarm::{Tracker, Worker};
 use common::{dgr_json, metrics, serial};
 use dgr_proto::{
-    codec, sign_ticket, Body, BoundarySchema, ErrorKind, Frame, Hello, OpenSession, Role, RouteRequest, SignedTicket,
-    Ticket, TrackerBody, TrackerClient, PROTOCOL_VERSION,
+    codec, sign_ticket, Body, BoundarySchema, ErrorKind, Frame, Hello, OpenSession, Role, RouteRequest, SignedTicket, Ticket, TrackerBody,
+    TrackerClient, PROTOCOL_VERSION,
 };
 use futures::{SinkExt, StreamExt};
 use prost::Message;
@@ -315,6 +316,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             top_logprobs: 0,
             seam_dtype: dgr_proto::SeamDtype::F32,
             ticket: Some(ticket),
+            hash_rows: false,
         };
         let mut n = 0;
         let result = dgr_gateway::generate(&route, &req, &DriveOptions::default(), |_| {
@@ -326,11 +328,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             }
         })
         .await;
-        let attempts = [dgr_gateway::Attempt {
-            route,
-            session,
-            usage: result.as_ref().map(|c| c.usage.clone()).unwrap_or_default(),
-        }];
+        let attempts = [dgr_gateway::Attempt { route, session, usage: result.as_ref().map(|c| c.usage.clone()).unwrap_or_default() }];
         let usage = tracker::request_usage(&request_id, &alice, &model_id, prompt.len(), &result, &attempts);
         assert_eq!(tracker::report(&t.addr, usage.clone()).await, "recorded");
         // Sent again: acknowledged, not counted twice.

@@ -1,4 +1,5 @@
 //! A worker's own life: it holds only its layers, and SIGTERM drains it and exits 0.
+#![cfg(feature = "real-model")]
 
 mod common;
 use common::*;
@@ -17,6 +18,7 @@ fn request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         top_logprobs: 0,
         seam_dtype: SeamDtype::F32,
         ticket: None,
+        hash_rows: false,
     }
 }
 

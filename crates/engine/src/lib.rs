@@ -4,11 +4,11 @@
 
 mod config;
 mod error;
-pub mod kernels;
+mod kernels;
 mod kv;
 mod matrix;
-pub mod ops;
-pub mod pool;
+mod ops;
+mod pool;
 mod sample;
 mod stage;
 pub mod synth;

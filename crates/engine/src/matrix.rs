@@ -109,12 +109,14 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &Disjoint, 
     while c0 < n {
         let g = kernels::group((n - c0).min(tile));
         let xs: [&[f32]; kernels::MAX_COLS] = std::array::from_fn(|j| if j < g { &x[(c0 + j) * k..(c0 + j + 1) * k] } else { &[] });
-        // SAFETY (both calls below): the caller alone writes rows `rows` of columns c0..c0 + g
-        // of `out`, which `matmul`'s assert keeps in bounds.
+        // This call alone writes rows `rows` of columns c0..c0 + g of `out` (`matmul` hands each
+        // row to one chunk), and `matmul`'s assert keeps them inside the buffer.
         let dst = out.at(c0 * w.rows + rows.start);
         match w.fast {
             Some(ty) => {
                 let bytes = &file[w.offset + rows.start * w.row_bytes..w.offset + rows.end * w.row_bytes];
+                // SAFETY: the kernel writes `dst[c * w.rows + r]` for c < g and r < rows.len():
+                // exactly the outputs this call alone owns (above).
                 unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes, n_rows: rows.len() }, k, &xs[..g], dst, w.rows) };
             }
             None => {
@@ -125,6 +127,8 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &Disjoint, 
                         scratch.iter_mut().for_each(|v| *v = f32::NAN); // unreachable: checked at load
                     }
                     let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k, n_rows: 1 };
+                    // SAFETY: one row: the kernel writes `dst[(r - rows.start) + c * w.rows]` for
+                    // c < g, outputs of row `r`, which this call alone owns (above).
                     unsafe { kernels::gemv(isa, &f, k, &xs[..g], dst.add(r - rows.start), w.rows) };
                 }
             }
@@ -134,6 +138,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &Disjoint, 
 }
 
 fn as_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding or invalid bit patterns, and u8 has alignment 1.
+    // SAFETY: the bytes of `v` are initialized (f32 has no padding), every byte pattern is a
+    // valid u8, u8 has alignment 1, and the slice borrows `v` for its lifetime.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }

@@ -3,6 +3,8 @@
 
 use crate::config::RopeStyle;
 use crate::kernels::Isa;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::Level;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -57,25 +59,6 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// A dot product in sixteen fixed lanes. Plain multiply-adds, not `mul_add`: without FMA in the
-/// compile target that would be a libm call, and the order is fixed either way.
-#[inline(always)]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let n = a.len().min(b.len());
-    let whole = n / 16 * 16;
-    for (ca, cb) in a[..whole].chunks_exact(16).zip(b[..whole].chunks_exact(16)) {
-        for l in 0..16 {
-            lanes[l] += ca[l] * cb[l];
-        }
-    }
-    let mut s = crate::kernels::reduce16(&lanes);
-    for i in whole..n {
-        s += a[i] * b[i];
-    }
-    s
-}
-
 /// Causal attention of one query head over the first `n_ctx` cached positions of one KV head,
 /// whose slice starts at `offset` of each key and value row: keys transposed (`kt`, rows of
 /// `cap` positions), values row-major (rows of `stride` floats).
@@ -100,16 +83,22 @@ pub fn attend(
     assert!(n_ctx >= 1 && n_ctx <= cap && kt.len() >= (offset + hd) * cap && v.len() >= (n_ctx - 1) * stride + offset + hd);
     scores.clear();
     scores.resize(n_ctx, 0.0);
-    match isa {
-        // SAFETY: `isa` was detected on this CPU.
+    match isa.level() {
+        // SAFETY: an `Isa` at the AVX-512 level exists only where detection found AVX-512F/BW,
+        // FMA and F16C on this CPU (its field is private); the body itself is safe code.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { attend_avx512(q, kt, cap, v, stride, offset, scores, out) },
+        Level::Avx512 => unsafe { attend_avx512(q, kt, cap, v, stride, offset, scores, out) },
+        // SAFETY: likewise, detection found AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { attend_avx2(q, kt, cap, v, stride, offset, scores, out) },
+        Level::Avx2 => unsafe { attend_avx2(q, kt, cap, v, stride, offset, scores, out) },
         _ => attend_body(q, kt, cap, v, stride, offset, scores, out),
     }
 }
 
+/// `attend_body` compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -117,6 +106,10 @@ unsafe fn attend_avx512(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: us
     attend_body(q, kt, cap, v, stride, offset, s, out)
 }
 
+/// `attend_body` compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -213,7 +206,7 @@ mod tests {
         let kt = [0.5f32, 0.5, 9.0, 9.0];
         let v = [7.0f32, -1.0, 3.0, 4.0];
         let mut out = [0f32; 2];
-        attend(Isa::Scalar, &q, &kt, 1, &v, 1, 4, 2, &mut Vec::new(), &mut out);
+        attend(Isa::SCALAR, &q, &kt, 1, &v, 1, 4, 2, &mut Vec::new(), &mut out);
         assert_eq!(out, [3.0, 4.0]);
     }
 

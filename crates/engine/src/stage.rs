@@ -405,8 +405,10 @@ impl Stage {
                 for job in chunk {
                     let (t, head) = (job / cfg.n_head, job % cfg.n_head);
                     let (kt, cap, vc) = caches[seq_of[t]];
-                    // SAFETY: job (t, head) alone writes att[t*h + head*hd ..][..hd].
-                    let dst = unsafe { std::slice::from_raw_parts_mut(out.at(t * h + head * hd), hd) };
+                    // SAFETY: job (t, head) alone touches att[t*h + head*hd ..][..hd] (heads of a
+                    // row are `hd` apart and rows `h = n_head * hd` apart), and `slice` checks the
+                    // bounds.
+                    let dst = unsafe { out.slice(t * h + head * hd, hd) };
                     let qh = &q[t * h + head * hd..t * h + (head + 1) * hd];
                     ops::attend(self.isa, qh, kt, cap, vc, pos_of[t] + 1, kvd, (head / group) * hd, scores, dst);
                 }

@@ -94,7 +94,7 @@ fn bits(v: &[Vec<Vec<f32>>]) -> Vec<Vec<Vec<u32>>> {
 
 /// Each sequence alone, unsplit, one thread, scalar kernels: the reference.
 fn solo(g: &Arc<Gguf>, ps: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
-    ps.iter().map(|p| run(g, &Shape::split(&[]), 1, Isa::Scalar, std::slice::from_ref(p), 3).remove(0)).collect()
+    ps.iter().map(|p| run(g, &Shape::split(&[]), 1, Isa::SCALAR, std::slice::from_ref(p), 3).remove(0)).collect()
 }
 
 #[test]

@@ -19,6 +19,8 @@ pub struct GenRequest {
     pub seam_dtype: SeamDtype,
     /// A tracker's signed route and the session id it names; None on a ticketless route.
     pub ticket: Option<(SignedTicket, [u8; 16])>,
+    /// Have every stage report a hash of each step's last output row (for spot checks).
+    pub hash_rows: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -261,6 +263,7 @@ async fn drive(
             top_logprobs: req.top_logprobs,
             max_positions,
             ticket: req.ticket.as_ref().map(|(t, _)| t.clone()),
+            hash_rows: req.hash_rows,
         };
         s.send(i, Body::Open(open)).await?;
     }

@@ -77,6 +77,7 @@ where
             top_logprobs: req.top_logprobs,
             seam_dtype: req.seam_dtype,
             ticket: ticket.take(),
+            hash_rows: req.hash_rows,
         };
         let result = generate_on(links, &route, &sub, opts, |t| {
             let now = Instant::now();

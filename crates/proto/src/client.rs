@@ -35,12 +35,8 @@ impl TrackerClient {
         let s = tokio::time::timeout(timeout, TcpStream::connect(addr)).await.map_err(|_| io("connect timed out".into()))?;
         let s = s.map_err(|e| io(e.to_string()))?;
         let _ = s.set_nodelay(true);
-        let mut c = TrackerClient {
-            addr: addr.into(),
-            framed: Framed::new(s, codec(TRACKER_MAX_FRAME)),
-            timeout,
-            challenge: Challenge::default(),
-        };
+        let mut c =
+            TrackerClient { addr: addr.into(), framed: Framed::new(s, codec(TRACKER_MAX_FRAME)), timeout, challenge: Challenge::default() };
         match c.call(crate::TrackerHello::body()).await? {
             TrackerBody::Challenge(ch) => c.challenge = ch,
             _ => return Err(TrackerCallError::Protocol { addr: addr.into() }),

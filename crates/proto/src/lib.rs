@@ -17,12 +17,14 @@ mod tracker;
 pub use check::{check_forward, check_open, session_id, ProtoError, SessionId};
 pub use client::{TrackerCallError, TrackerClient, TRACKER_MAX_FRAME};
 pub use codec::{codec, DEFAULT_MAX_FRAME};
+pub use ed25519_dalek::{SigningKey, VerifyingKey};
 pub use messages::*;
 pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
-pub use ticket::{check_ticket_open, new_signing_key, sign_ticket, verify_ticket, verifying_key, worker_id, SignedTicket, Ticket, TicketError};
+pub use ticket::{
+    check_ticket_open, new_signing_key, sign_ticket, verify_ticket, verifying_key, worker_id, SignedTicket, Ticket, TicketError,
+};
 pub use tracker::*;
-pub use ed25519_dalek::{SigningKey, VerifyingKey};
 
 /// Bumped on any incompatible change to the messages or their meaning.
 pub const PROTOCOL_VERSION: u32 = 2;

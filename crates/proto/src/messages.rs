@@ -147,6 +147,9 @@ pub struct OpenSession {
     /// The tracker's signed route; required by a worker that joined a tracker.
     #[prost(message, optional, tag = "9")]
     pub ticket: Option<crate::SignedTicket>,
+    /// Report a hash of each step's last output row in the trace (for spot checks).
+    #[prost(bool, tag = "10")]
+    pub hash_rows: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -173,6 +176,14 @@ pub struct Hop {
     pub recv_unix_us: u64,
     #[prost(uint64, tag = "6")]
     pub sent_unix_us: u64,
+    /// For a session opened with `hash_rows`: a hash of this step's last output row (the hidden
+    /// row sent on, or the logits sampled from on the last stage; 0 when there is none), and
+    /// that row's position. Another replica of the same layers computes the same row bit for
+    /// bit, so a spot check compares these.
+    #[prost(uint64, tag = "7")]
+    pub last_row_hash: u64,
+    #[prost(uint64, tag = "8")]
+    pub last_row_position: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

@@ -13,10 +13,7 @@ use crate::SignedTicket;
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct TrackerFrame {
-    #[prost(
-        oneof = "TrackerBody",
-        tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22"
-    )]
+    #[prost(oneof = "TrackerBody", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23")]
     pub body: Option<TrackerBody>,
 }
 
@@ -78,6 +75,20 @@ pub enum TrackerBody {
     /// Anyone → tracker, the first frame of every connection (HTTP clients say "GET " instead).
     #[prost(message, tag = "22")]
     Hello(TrackerHello),
+    /// Gateway → tracker (with the join token): a spot check caught this worker; quarantine it.
+    #[prost(message, tag = "23")]
+    Suspect(Suspect),
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Suspect {
+    #[prost(string, tag = "1")]
+    pub join_token: String,
+    #[prost(string, tag = "2")]
+    pub worker_id: String,
+    /// What the check found, for the operator.
+    #[prost(string, tag = "3")]
+    pub evidence: String,
 }
 
 #[derive(Clone, Copy, PartialEq, prost::Message)]
@@ -223,6 +234,10 @@ pub struct RouteRequest {
     /// Workers not to use (a failed stage).
     #[prost(string, repeated, tag = "6")]
     pub exclude: Vec<String>,
+    /// When given, the route's stages exactly: each segment's layers, served by the named worker
+    /// or, where the id is empty, by the cheapest live one holding them (a spot check's route).
+    #[prost(message, repeated, tag = "7")]
+    pub fixed: Vec<RouteStage>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -320,6 +335,9 @@ pub struct WorkerStatus {
     pub recent_routes: u32,
     #[prost(uint64, tag = "7")]
     pub routes_total: u64,
+    /// Caught by a spot check: never routed to again.
+    #[prost(string, tag = "8")]
+    pub quarantined: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

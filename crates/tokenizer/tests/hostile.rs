@@ -1,4 +1,5 @@
 //! Arbitrary input never panics and stays fast.
+#![cfg(feature = "real-model")]
 
 mod common;
 

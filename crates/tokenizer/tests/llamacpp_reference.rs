@@ -1,4 +1,5 @@
 //! The SmolLM2 tokenizer against token ids recorded from llama.cpp.
+#![cfg(feature = "real-model")]
 
 mod common;
 

@@ -2,8 +2,8 @@
 //! route planning over replicas and overlapping ranges, signed route tickets, the usage ledger
 //! and the relay. It is never on the data path (except as a relay for a worker that asks).
 
-pub mod plan;
 mod metrics;
+pub mod plan;
 mod registry;
 mod server;
 mod store;

@@ -16,6 +16,7 @@ pub struct Metrics {
     pub relay_sessions: AtomicU64,
     pub connections_open: AtomicU64,
     pub connections_refused: AtomicU64,
+    pub quarantined: AtomicU64,
     /// Refusals by kind (bad join token, no route, quota, ...).
     refusals: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -46,6 +47,7 @@ impl Metrics {
         line("dgr_tracker_relay_sessions_total", "Connections spliced through the relay.", "counter", get(&self.relay_sessions));
         line("dgr_tracker_connections_open", "Connections open now.", "gauge", get(&self.connections_open));
         line("dgr_tracker_connections_refused_total", "Connections refused at the cap.", "counter", get(&self.connections_refused));
+        line("dgr_tracker_workers_quarantined", "Workers quarantined by spot checks (never routed to).", "gauge", get(&self.quarantined));
         out.push_str("# HELP dgr_tracker_refusals_total Requests refused, by kind.\n# TYPE dgr_tracker_refusals_total counter\n");
         for (kind, n) in self.refusals.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             out.push_str(&format!("dgr_tracker_refusals_total{{kind=\"{kind}\"}} {n}\n"));

@@ -34,6 +34,8 @@ pub struct LiveWorker {
 
 pub struct Registry {
     pub workers: HashMap<String, LiveWorker>,
+    /// Workers a spot check caught, with the evidence: never routed to.
+    pub quarantined: HashMap<String, String>,
     pub heartbeat: Duration,
     /// Jitter state for breaking ties between equal chains.
     rng: u64,
@@ -65,7 +67,7 @@ impl Registry {
     pub fn new(heartbeat: Duration) -> Registry {
         let mut seed = [0u8; 8];
         let _ = getrandom::fill(&mut seed);
-        Registry { workers: HashMap::new(), heartbeat, rng: u64::from_le_bytes(seed) | 1 }
+        Registry { workers: HashMap::new(), quarantined: HashMap::new(), heartbeat, rng: u64::from_le_bytes(seed) | 1 }
     }
 
     fn jitter(&mut self) -> f64 {
@@ -102,6 +104,7 @@ impl Registry {
                     && (engine.is_empty() || w.reg.engine == engine)
                     && w.alive(hb, now)
                     && !exclude.contains(&w.id)
+                    && !self.quarantined.contains_key(&w.id)
                     && (w.load.sessions as usize + w.unseen_routes()) < w.reg.max_sessions.max(1) as usize
             })
             .map(|w| &w.id)
@@ -132,6 +135,53 @@ impl Registry {
             w.issued.push_back(now);
             w.routes_total += 1;
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start: h.start, layer_end: h.end });
+        }
+        Some(Planned { stages, hidden, n_layers, vocab })
+    }
+
+    /// A route with exactly the stages `fixed` names: each segment served by its named worker
+    /// (which must be live and hold it), or by the cheapest live one that holds it and is not
+    /// excluded. None when a segment cannot be served or the segments do not cover the model.
+    pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String]) -> Option<Planned> {
+        let now = Instant::now();
+        let hb = self.heartbeat;
+        let usable = |w: &LiveWorker, s: &RouteStage| {
+            w.reg.model_id == model_id
+                && w.alive(hb, now)
+                && !self.quarantined.contains_key(&w.id)
+                && w.reg.layer_start <= s.layer_start
+                && s.layer_end <= w.reg.layer_end
+                && s.layer_start < s.layer_end
+        };
+        let mut ids = Vec::with_capacity(fixed.len());
+        for s in fixed {
+            let id = if s.worker_id.is_empty() {
+                let cost = |w: &LiveWorker| w.reg.step_us_per_layer * (1.0 + w.load.sessions as f64 + w.unseen_routes() as f64);
+                self.workers
+                    .values()
+                    .filter(|w| usable(w, s) && !exclude.contains(&w.id) && !ids.contains(&w.id))
+                    .min_by(|a, b| cost(a).total_cmp(&cost(b)))?
+                    .id
+                    .clone()
+            } else {
+                self.workers.get(&s.worker_id).filter(|w| usable(w, s))?.id.clone()
+            };
+            ids.push(id);
+        }
+        let first = self.workers.get(ids.first()?)?;
+        let (n_layers, hidden, vocab) = (first.reg.n_layers, first.reg.hidden, first.reg.vocab);
+        let covers = fixed.first()?.layer_start == 0
+            && fixed.last()?.layer_end == n_layers
+            && fixed.windows(2).all(|p| p[0].layer_end == p[1].layer_start);
+        if !covers {
+            return None;
+        }
+        let mut stages = Vec::with_capacity(fixed.len());
+        for (id, s) in ids.iter().zip(fixed) {
+            let w = self.workers.get_mut(id)?;
+            w.issued.push_back(now);
+            w.routes_total += 1;
+            stages.push(RouteStage { worker_id: id.clone(), addr: w.addr.clone(), layer_start: s.layer_start, layer_end: s.layer_end });
         }
         Some(Planned { stages, hidden, n_layers, vocab })
     }

@@ -9,9 +9,9 @@ use crate::registry::{LiveWorker, Registry};
 use crate::store::{key_hash, Store, StoreError};
 use bytes::Bytes;
 use dgr_proto::{
-    codec, read_frame, relay_addr, sign_ticket, verifying_key, worker_id, write_frame, Ack, Challenge, Join, Joined, KeyAdd,
-    KeyAdded, Load, RefusalKind, Refused, RelayConnect, RelayDial, RequestUsage, RouteReply, RouteRequest, SigningKey,
-    Registration, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, PROTOCOL_VERSION, TRACKER_MAX_FRAME,
+    codec, read_frame, relay_addr, sign_ticket, verifying_key, worker_id, write_frame, Ack, Challenge, Join, Joined, KeyAdd, KeyAdded,
+    Load, RefusalKind, Refused, Registration, RelayConnect, RelayDial, RequestUsage, RouteReply, RouteRequest, SigningKey, Suspect,
+    SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, PROTOCOL_VERSION, TRACKER_MAX_FRAME,
 };
 use ed25519_dalek::Signature;
 use futures::{SinkExt, StreamExt};
@@ -47,13 +47,7 @@ pub struct TrackerConfig {
 
 impl TrackerConfig {
     pub fn new(db: PathBuf, join_token: String) -> TrackerConfig {
-        TrackerConfig {
-            db,
-            join_token,
-            heartbeat: Duration::from_millis(1000),
-            ticket_ttl: Duration::from_secs(60),
-            max_connections: 4096,
-        }
+        TrackerConfig { db, join_token, heartbeat: Duration::from_millis(1000), ticket_ttl: Duration::from_secs(60), max_connections: 4096 }
     }
 }
 
@@ -108,8 +102,10 @@ impl Tracker {
         }
         let store = Store::open(&cfg.db)?;
         let key = store.signing_key()?;
+        let mut registry = Registry::new(cfg.heartbeat);
+        registry.quarantined = store.quarantined()?.into_iter().collect();
         let shared = Shared {
-            registry: Mutex::new(Registry::new(cfg.heartbeat)),
+            registry: Mutex::new(registry),
             cfg,
             store: Mutex::new(store),
             key,
@@ -186,11 +182,8 @@ async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
         Err(_) => return,
     }
     let nonce = random::<32>().to_vec();
-    let challenge = Challenge {
-        protocol_version: PROTOCOL_VERSION,
-        nonce: nonce.clone(),
-        tracker_key: sh.key.verifying_key().to_bytes().to_vec(),
-    };
+    let challenge =
+        Challenge { protocol_version: PROTOCOL_VERSION, nonce: nonce.clone(), tracker_key: sh.key.verifying_key().to_bytes().to_vec() };
     if write_frame(&mut stream, &TrackerFrame::new(TrackerBody::Challenge(challenge))).await.is_err() {
         return;
     }
@@ -256,6 +249,7 @@ fn answer(body: TrackerBody, sh: &Arc<Shared>) -> TrackerBody {
         TrackerBody::SwarmQuery(_) => Ok(swarm(sh)),
         TrackerBody::UsageQuery(q) => usage(q, sh),
         TrackerBody::KeyAdd(k) => key_add(k, sh),
+        TrackerBody::Suspect(q) => suspect(q, sh),
         _ => Err(Refused::new(RefusalKind::BadRequest, "not a request a client may send")),
     };
     result.unwrap_or_else(TrackerBody::Refused)
@@ -289,7 +283,13 @@ fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
         return Err(Refused::new(RefusalKind::BadRequest, "a route needs a model id and a token budget"));
     }
     let started = Instant::now();
-    let planned = lock(&sh.registry).plan_route(&r.model_id, &r.engine, &r.exclude);
+    let planned = if r.fixed.is_empty() {
+        lock(&sh.registry).plan_route(&r.model_id, &r.engine, &r.exclude)
+    } else if r.fixed.len() > 1024 {
+        return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 fixed stages"));
+    } else {
+        lock(&sh.registry).plan_fixed(&r.model_id, &r.fixed, &r.exclude)
+    };
     sh.metrics.planned(started.elapsed().as_micros() as u64);
     let p = planned.ok_or_else(|| Refused::new(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id)))?;
     let engine = {
@@ -341,6 +341,7 @@ fn swarm(sh: &Shared) -> TrackerBody {
             relayed: w.relayed,
             recent_routes: w.unseen_routes() as u32,
             routes_total: w.routes_total,
+            quarantined: reg.quarantined.get(&w.id).cloned().unwrap_or_default(),
         })
         .collect();
     workers.sort_by(|a, b| {
@@ -349,8 +350,6 @@ fn swarm(sh: &Shared) -> TrackerBody {
     });
     TrackerBody::SwarmReply(SwarmReply { workers, heartbeat_ms: reg.heartbeat.as_millis() as u32 })
 }
-
-
 
 fn usage(q: UsageQuery, sh: &Shared) -> Result<TrackerBody, Refused> {
     let by_worker = match q.by.as_str() {
@@ -384,6 +383,20 @@ fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, Refused> {
         e => store_err(e),
     })?;
     Ok(TrackerBody::KeyAdded(KeyAdded { key }))
+}
+
+/// A spot check caught a worker: it is out of every route from now on, also after a restart.
+fn suspect(q: Suspect, sh: &Shared) -> Result<TrackerBody, Refused> {
+    if !token_ok(&q.join_token, &sh.cfg.join_token) {
+        return Err(Refused::new(RefusalKind::BadJoinToken, "a quarantine needs the join token"));
+    }
+    if q.worker_id.is_empty() || q.worker_id.len() > 128 || q.evidence.len() > 4096 {
+        return Err(Refused::new(RefusalKind::BadRequest, "a worker id and at most 4 KiB of evidence"));
+    }
+    lock(&sh.store).quarantine(&q.worker_id, &q.evidence, unix_ms()).map_err(store_err)?;
+    eprintln!("dgr tracker: quarantined worker {}: {}", q.worker_id, q.evidence);
+    lock(&sh.registry).quarantined.insert(q.worker_id, q.evidence);
+    Ok(TrackerBody::Ack(Ack::default()))
 }
 
 /// Compares secrets by their hashes, so the time taken says nothing about the token.
@@ -443,13 +456,7 @@ async fn worker_session(mut stream: TcpStream, j: Join, nonce: &[u8], sh: &Arc<S
     }
 }
 
-async fn worker_loop(
-    conn: &mut Conn,
-    control: &mut mpsc::Receiver<TrackerFrame>,
-    id: &str,
-    reg: &Registration,
-    sh: &Arc<Shared>,
-) {
+async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>, id: &str, reg: &Registration, sh: &Arc<Shared>) {
     // A connection silent for this long is dead, even if TCP has not noticed.
     let silent = 30 * sh.cfg.heartbeat;
     loop {
@@ -581,6 +588,7 @@ async fn http(mut stream: TcpStream, mut head: Vec<u8>, sh: &Shared) {
                 reg.workers.values().filter(|w| w.alive(reg.heartbeat, now)).count()
             };
             sh.metrics.workers_live.store(live as u64, Relaxed);
+            sh.metrics.quarantined.store(lock(&sh.registry).quarantined.len() as u64, Relaxed);
             ("200 OK", sh.metrics.render())
         }
         b"/health" => ("200 OK", "ok\n".to_string()),

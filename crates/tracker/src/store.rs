@@ -32,6 +32,7 @@ pub struct ApiKey {
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantine (worker_id TEXT PRIMARY KEY, evidence TEXT NOT NULL, at_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS workers (
     id TEXT PRIMARY KEY, engine TEXT NOT NULL, model_id TEXT NOT NULL,
     layer_start INTEGER NOT NULL, layer_end INTEGER NOT NULL, addr TEXT NOT NULL,
@@ -70,8 +71,7 @@ impl Store {
     /// The tracker's signing key, made on first start and kept, so that tickets issued before a
     /// restart stay valid and workers keep trusting the same key.
     pub fn signing_key(&self) -> Result<SigningKey, StoreError> {
-        let stored: Option<Vec<u8>> =
-            self.db.query_row("SELECT value FROM meta WHERE key = 'signing_key'", [], |r| r.get(0)).optional()?;
+        let stored: Option<Vec<u8>> = self.db.query_row("SELECT value FROM meta WHERE key = 'signing_key'", [], |r| r.get(0)).optional()?;
         if let Some(bytes) = stored {
             let seed: [u8; 32] = bytes.as_slice().try_into().map_err(|_| StoreError::BadKey)?;
             return Ok(SigningKey::from_bytes(&seed));
@@ -91,6 +91,21 @@ impl Store {
             params![id, reg.engine, reg.model_id, reg.layer_start, reg.layer_end, addr, now_ms as i64],
         )?;
         Ok(self.db.query_row("SELECT joins FROM workers WHERE id = ?1", [id], |r| r.get::<_, i64>(0))? as u64)
+    }
+
+    /// Quarantines a worker for good (a restart keeps it out).
+    pub fn quarantine(&self, worker_id: &str, evidence: &str, now_ms: u64) -> Result<(), StoreError> {
+        self.db.execute(
+            "INSERT OR IGNORE INTO quarantine (worker_id, evidence, at_ms) VALUES (?1, ?2, ?3)",
+            params![worker_id, evidence, now_ms as i64],
+        )?;
+        Ok(())
+    }
+
+    pub fn quarantined(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let mut stmt = self.db.prepare("SELECT worker_id, evidence FROM quarantine")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     pub fn add_key(&self, name: &str, key: &str, quota_tokens: u64, now_ms: u64) -> Result<(), StoreError> {

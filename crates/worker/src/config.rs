@@ -16,6 +16,15 @@ pub struct WorkerConfig {
     pub idle_timeout: Duration,
     /// After SIGTERM, how long open sessions may take to finish before they are cancelled.
     pub drain_timeout: Duration,
+    /// Most connections served at once (stage protocol and HTTP); past it a new one is closed
+    /// at once.
+    pub max_connections: usize,
+    /// A connection must complete its handshake (Hello, or an HTTP request's first bytes)
+    /// within this long.
+    pub handshake_timeout: Duration,
+    /// A connection that holds no session (none driven through it, none whose rows arrive on
+    /// it) and sends nothing for this long is closed.
+    pub conn_idle_timeout: Duration,
     pub max_frame: usize,
     /// Seam dtypes this worker accepts.
     pub seam_dtypes: Vec<SeamDtype>,
@@ -46,6 +55,9 @@ impl WorkerConfig {
             kv_budget_tokens: 1 << 16,
             idle_timeout: Duration::from_secs(120),
             drain_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+            handshake_timeout: Duration::from_secs(10),
+            conn_idle_timeout: Duration::from_secs(300),
             max_frame: dgr_proto::DEFAULT_MAX_FRAME,
             seam_dtypes: vec![SeamDtype::F32, SeamDtype::F16, SeamDtype::Bf16],
             policy: crate::plan::Policy::default(),

@@ -6,8 +6,8 @@
 use crate::{Metrics, TrackerLink};
 use bytes::Bytes;
 use dgr_proto::{
-    Heartbeat, Join, Leave, Load, RefusalKind, Registration, TrackerBody, TrackerCallError, TrackerClient, TrackerFrame,
-    VerifyingKey, WorkerUsage,
+    Heartbeat, Join, Leave, Load, RefusalKind, Registration, TrackerBody, TrackerCallError, TrackerClient, TrackerFrame, VerifyingKey,
+    WorkerUsage,
 };
 use ed25519_dalek::Signer;
 use futures::{SinkExt, StreamExt};
@@ -186,9 +186,10 @@ pub fn load_or_create_identity(path: &std::path::Path) -> std::io::Result<dgr_pr
     use std::io::{Error, ErrorKind};
     match std::fs::read(path) {
         Ok(bytes) => {
-            let seed: [u8; 32] = bytes.as_slice().try_into().map_err(|_| {
-                Error::new(ErrorKind::InvalidData, format!("{}: an identity key file holds 32 bytes", path.display()))
-            })?;
+            let seed: [u8; 32] = bytes
+                .as_slice()
+                .try_into()
+                .map_err(|_| Error::new(ErrorKind::InvalidData, format!("{}: an identity key file holds 32 bytes", path.display())))?;
             Ok(dgr_proto::SigningKey::from_bytes(&seed))
         }
         Err(e) if e.kind() == ErrorKind::NotFound => {

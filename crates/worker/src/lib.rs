@@ -7,6 +7,8 @@
 
 mod compat;
 mod config;
+#[cfg(feature = "fault-injection")]
+mod fault;
 mod join;
 mod metrics;
 mod plan;

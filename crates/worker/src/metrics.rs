@@ -22,6 +22,16 @@ pub struct Metrics {
     pub last_batch_sessions: AtomicU64,
     pub sessions_opened: AtomicU64,
     pub sessions_closed: AtomicU64,
+    /// Connections being served now (stage protocol and HTTP), at most `max_connections`.
+    pub connections_open: AtomicU64,
+    /// Connections closed at once because `max_connections` were open.
+    pub connections_refused: AtomicU64,
+    /// Connections closed for sending no handshake within the handshake timeout.
+    pub handshake_timeouts: AtomicU64,
+    /// Connections closed for holding no session and sending nothing for the connection idle timeout.
+    pub idle_closed: AtomicU64,
+    /// Frames of hidden rows refused for holding a NaN or an infinity.
+    pub nonfinite_frames: AtomicU64,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
     tickets_refused: Mutex<Vec<(TicketError, u64)>>,
     batches: Mutex<Vec<BatchCount>>,
@@ -84,6 +94,24 @@ impl Metrics {
             "counter",
             &get(&self.sessions_closed),
         );
+        line("dgr_worker_connections_open", "Connections open now.", "gauge", &get(&self.connections_open));
+        line(
+            "dgr_worker_connections_refused_total",
+            "Connections closed at once because --max-connections were open.",
+            "counter",
+            &get(&self.connections_refused),
+        );
+        line(
+            "dgr_worker_nonfinite_frames_total",
+            "Frames of hidden rows refused for NaN or infinite values.",
+            "counter",
+            &get(&self.nonfinite_frames),
+        );
+        out.push_str(
+            "# HELP dgr_worker_connections_closed_total Connections the worker closed, by reason.\n# TYPE dgr_worker_connections_closed_total counter\n",
+        );
+        out.push_str(&format!("dgr_worker_connections_closed_total{{reason=\"handshake_timeout\"}} {}\n", get(&self.handshake_timeouts)));
+        out.push_str(&format!("dgr_worker_connections_closed_total{{reason=\"idle\"}} {}\n", get(&self.idle_closed)));
         out.push_str(
             "# HELP dgr_worker_batches_total Batched forwards by phase and seam dtype.\n# TYPE dgr_worker_batches_total counter\n",
         );

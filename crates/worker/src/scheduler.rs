@@ -7,11 +7,11 @@ use crate::plan::{plan, Batch, Policy, Ready};
 use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
 use dgr_proto::{
-    check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, SeamDtype,
-    SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
+    check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, ProtoError,
+    SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
 };
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -23,9 +23,36 @@ pub(crate) type ConnId = u64;
 /// Frames a session may have waiting before it is refused more.
 const MAX_PENDING: usize = 64;
 
+/// How many sessions keep a connection in use: the server closes a connection for idleness
+/// only while none does. A session holds its driver's connection and the one its rows last
+/// arrived on (a previous stage's), so neither is closed under it however quiet it is.
+#[derive(Clone, Default)]
+pub(crate) struct ConnUse(Arc<AtomicUsize>);
+
+impl ConnUse {
+    pub fn in_use(&self) -> bool {
+        self.0.load(Relaxed) > 0
+    }
+
+    fn hold(&self) -> Hold {
+        self.0.fetch_add(1, Relaxed);
+        Hold(self.0.clone())
+    }
+}
+
+/// One session's hold on a connection, released when the session is dropped.
+struct Hold(Arc<AtomicUsize>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
 pub(crate) enum Cmd {
     Open {
         conn: ConnId,
+        uses: ConnUse,
         open: OpenSession,
         reply: Outbox,
         next: Option<(String, Outbox)>,
@@ -37,6 +64,9 @@ pub(crate) enum Cmd {
         recv_us: u64,
         at: Instant,
         reply: Outbox,
+        /// The connection the frame arrived on.
+        conn: ConnId,
+        uses: ConnUse,
     },
     Cancel {
         id: Vec<u8>,
@@ -75,6 +105,10 @@ struct Pending {
 struct Session {
     id: SessionId,
     driver: ConnId,
+    /// Keeps the driver's connection from being closed for idleness.
+    _driver_hold: Hold,
+    /// The connection the session's rows last arrived on, kept likewise.
+    feed: Option<(ConnId, Hold)>,
     reply: Outbox,
     next: Option<(String, Outbox)>,
     /// Over the layers the session runs here: a part of the stage's, named at open.
@@ -92,6 +126,8 @@ struct Session {
     last_active: Instant,
     usage: Usage,
     request_id: String,
+    /// Report a hash of each step's last output row (a spot-checked session).
+    hash_rows: bool,
     /// On the last stage: hops of prompt chunks run since the last token, sent with the next one.
     carry: Vec<Hop>,
     /// Past the prompt: a frame that asked for a token has run. Before, every row is prefill
@@ -132,6 +168,16 @@ pub(crate) type LedgerTx = tokio::sync::mpsc::Sender<WorkerUsage>;
 
 fn unix_us() -> u64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+/// 64 bits of the SHA-256 of a row's f32 bytes.
+fn row_hash(row: &[f32]) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for x in row {
+        h.update(x.to_le_bytes());
+    }
+    u64::from_le_bytes(h.finalize()[..8].try_into().unwrap_or_default())
 }
 
 fn send(to: &Outbox, body: Body) -> bool {
@@ -243,10 +289,10 @@ impl Scheduler {
 
     fn handle(&mut self, c: Cmd) {
         match c {
-            Cmd::Open { conn, open, reply, next, request_id } => self.open(conn, open, reply, next, request_id),
-            Cmd::Forward { f, recv_us, at, reply } => {
+            Cmd::Open { conn, uses, open, reply, next, request_id } => self.open(conn, uses, open, reply, next, request_id),
+            Cmd::Forward { f, recv_us, at, reply, conn, uses } => {
                 self.last_arrival = at;
-                self.forward(f, recv_us, at, reply)
+                self.forward(f, recv_us, at, reply, (conn, uses))
             }
             Cmd::Cancel { id } | Cmd::Close { id } => {
                 if let Some(s) = session_id(&id).ok().and_then(|id| self.remove(&id)) {
@@ -281,7 +327,7 @@ impl Scheduler {
         }
     }
 
-    fn open(&mut self, conn: ConnId, open: OpenSession, reply: Outbox, next: Option<(String, Outbox)>, request_id: String) {
+    fn open(&mut self, conn: ConnId, uses: ConnUse, open: OpenSession, reply: Outbox, next: Option<(String, Outbox)>, request_id: String) {
         let stage_index = open.stage_index;
         let refuse = |me: &Self, kind, msg: String| me.error_to(&reply, &open.session_id, kind, stage_index, msg);
         if self.drain.is_some() {
@@ -324,6 +370,8 @@ impl Scheduler {
         let session = Session {
             id,
             driver: conn,
+            _driver_hold: uses.hold(),
+            feed: None,
             reply: reply.clone(),
             next,
             kv,
@@ -343,6 +391,7 @@ impl Scheduler {
             last_active: Instant::now(),
             usage: Usage { session_id: id.to_vec(), stage: stage_index, ..Default::default() },
             request_id,
+            hash_rows: open.hash_rows,
             carry: Vec::new(),
             decoding: false,
         };
@@ -352,7 +401,7 @@ impl Scheduler {
         send(&reply, Body::Opened(SessionRef { session_id: id.to_vec() }));
     }
 
-    fn forward(&mut self, f: Forward, recv_us: u64, at: Instant, reply: Outbox) {
+    fn forward(&mut self, f: Forward, recv_us: u64, at: Instant, reply: Outbox, (conn, uses): (ConnId, ConnUse)) {
         let me = STAGE_UNKNOWN;
         let id = match session_id(&f.session_id) {
             Ok(id) => id,
@@ -364,19 +413,30 @@ impl Scheduler {
             return self.error_to(&reply, &id, ErrorKind::UnknownSession, me, "no such session on this stage");
         };
         let stage_index = s.stage_index;
-        let checked = check_forward(&f, s.first, hidden, s.dtype, max_rows).map_err(|e| (e.kind(), e.to_string())).and_then(|rows| {
-            let expected = s.kv.len() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
-            if f.position as usize != expected {
-                Err((ErrorKind::BadInput, format!("rows at position {} but the session is at {expected}", f.position)))
-            } else if s.pending.len() >= MAX_PENDING {
-                Err((ErrorKind::Overloaded, format!("more than {MAX_PENDING} frames waiting")))
-            } else {
-                Ok(rows)
-            }
-        });
+        let nonfinite = &self.metrics.nonfinite_frames;
+        let checked = check_forward(&f, s.first, hidden, s.dtype, max_rows)
+            .map_err(|e| {
+                if matches!(e, ProtoError::NonFinite { .. }) {
+                    nonfinite.fetch_add(1, Relaxed);
+                }
+                (e.kind(), e.to_string())
+            })
+            .and_then(|rows| {
+                let expected = s.kv.len() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
+                if f.position as usize != expected {
+                    Err((ErrorKind::BadInput, format!("rows at position {} but the session is at {expected}", f.position)))
+                } else if s.pending.len() >= MAX_PENDING {
+                    Err((ErrorKind::Overloaded, format!("more than {MAX_PENDING} frames waiting")))
+                } else {
+                    Ok(rows)
+                }
+            });
         match checked {
             Ok(rows) => {
                 s.last_active = Instant::now();
+                if s.feed.as_ref().map(|(c, _)| *c) != Some(conn) {
+                    s.feed = Some((conn, uses.hold()));
+                }
                 s.pending.push_back(Pending { f, rows, done: 0, recv_us, at });
             }
             Err((kind, msg)) => {
@@ -384,7 +444,8 @@ impl Scheduler {
                 self.error_to(&reply, &id, kind, stage_index, msg.clone());
                 if let Some(s) = self.remove(&id) {
                     if !s.reply.same_channel(&reply) {
-                        self.error_to(&s.reply, &id, kind, stage_index, msg);
+                        // Counted once, above.
+                        send(&s.reply, Body::Error(ErrorMsg::new(&id, kind, stage_index, msg)));
                     }
                 }
             }
@@ -512,7 +573,17 @@ impl Scheduler {
                 self.end(s, Some((ErrorKind::BadInput, msg)));
                 continue;
             }
-            let out = outputs.next().unwrap_or_default();
+            #[allow(unused_mut)]
+            let mut out = outputs.next().unwrap_or_default();
+            #[cfg(feature = "fault-injection")]
+            crate::fault::corrupt(&mut out.hidden);
+            let h = self.stage.config().hidden;
+            let last_row_hash = match (s.hash_rows, s.next.is_some(), wants[i]) {
+                (false, _, _) => 0,
+                (true, true, _) => row_hash(&out.hidden[(n - 1) * h..n * h]),
+                (true, false, true) => row_hash(&out.logits),
+                (true, false, false) => 0,
+            };
             let prefill = batch.key.phase == Phase::Prefill;
             let counter = if prefill { &self.metrics.tokens_prefilled } else { &self.metrics.tokens_decoded };
             counter.fetch_add(n as u64, Relaxed);
@@ -536,6 +607,8 @@ impl Scheduler {
                 bytes_out: 0,
                 recv_unix_us: p.recv_us,
                 sent_unix_us: 0,
+                last_row_hash,
+                last_row_position: chunk_start + n as u64 - 1,
             };
             let delivered = match &s.next {
                 Some((_, next)) => {
@@ -648,7 +721,8 @@ mod tests {
             max_positions: positions,
             ..Default::default()
         };
-        s.handle(Cmd::Open { conn: 1, open, reply, next: next.map(|n| ("next".to_string(), n.clone())), request_id: String::new() });
+        let next = next.map(|n| ("next".to_string(), n.clone()));
+        s.handle(Cmd::Open { conn: 1, uses: ConnUse::default(), open, reply, next, request_id: String::new() });
         (inbox.try_recv().unwrap().body.unwrap(), inbox)
     }
 
@@ -661,7 +735,7 @@ mod tests {
 
     fn forward(s: &mut Scheduler, f: Forward) {
         let (reply, _) = channel(1);
-        s.handle(Cmd::Forward { f, recv_us: 0, at: Instant::now(), reply });
+        s.handle(Cmd::Forward { f, recv_us: 0, at: Instant::now(), reply, conn: 1, uses: ConnUse::default() });
         s.step();
     }
 
@@ -708,5 +782,108 @@ mod tests {
         assert_eq!((layer_tokens(2, &mut back_inbox), layer_tokens(3, &mut whole_inbox)), (9, 18));
         s.handle(Cmd::Close { id: vec![1; 16] });
         assert_eq!(s.reserved, 0);
+    }
+
+    /// Drives session 1 through `front` [0,3) and `back` [3,6) of the synthetic model for
+    /// `tokens` greedy tokens; `meddle(back, t)` runs after the rows of token `t` reach `back`,
+    /// before its step. Returns each token with its logprob's bits.
+    fn drive_split(tokens: usize, mut meddle: impl FnMut(&mut Scheduler, usize)) -> Vec<(u32, u32)> {
+        let (mut front, mut back) = (scheduler(0..3, 64), scheduler(3..6, 64));
+        let (hop, mut hop_inbox) = channel(8);
+        assert!(matches!(open(&mut front, 1, 0..3, 32, Some(&hop)).0, Body::Opened(_)));
+        let (opened, mut inbox) = open(&mut back, 1, 3..6, 32, None);
+        assert!(matches!(opened, Body::Opened(_)));
+        let mut f = Forward { session_id: vec![1; 16], tokens: vec![5, 6, 7], sample: true, ..Default::default() };
+        let mut out = Vec::new();
+        for t in 0..tokens {
+            forward(&mut front, f);
+            let Body::Forward(rows) = hop_inbox.try_recv().unwrap().body.unwrap() else { panic!("expected hidden rows") };
+            let (reply, _) = channel(1);
+            back.handle(Cmd::Forward { f: rows, recv_us: 0, at: Instant::now(), reply, conn: 2, uses: ConnUse::default() });
+            meddle(&mut back, t);
+            back.step();
+            let tok = token(&mut inbox);
+            out.push((tok.token, tok.logprob.to_bits()));
+            f = Forward { session_id: vec![1; 16], position: tok.position, tokens: vec![tok.token], sample: true, ..Default::default() };
+        }
+        out
+    }
+
+    #[test]
+    fn non_finite_rows_fail_only_their_session() {
+        let solo = drive_split(4, |_, _| {});
+        let mut heard = Vec::new();
+        let alongside = drive_split(4, |back, t| {
+            if t != 1 {
+                return;
+            }
+            // Session 9 opens beside session 1 and sends a NaN at column 7 of its second row, in
+            // the step where session 1 decodes.
+            let (opened, mut driver) = open(back, 9, 3..6, 16, None);
+            assert!(matches!(opened, Body::Opened(_)));
+            let hidden = back.stage.config().hidden;
+            let mut rows = vec![0.25f32; 2 * hidden];
+            rows[hidden + 7] = f32::NAN;
+            let f = Forward {
+                session_id: vec![9; 16],
+                hidden: dgr_proto::encode_rows(&rows, SeamDtype::F32),
+                dtype: SeamDtype::F32 as i32,
+                n_rows: 2,
+                sample: true,
+                ..Default::default()
+            };
+            let (reply, mut sender) = channel(4);
+            let uses = ConnUse::default();
+            back.handle(Cmd::Forward { f, recv_us: 0, at: Instant::now(), reply, conn: 3, uses: uses.clone() });
+            for inbox in [&mut sender, &mut driver] {
+                match inbox.try_recv().unwrap().body.unwrap() {
+                    Body::Error(e) => {
+                        assert_eq!((e.error_kind(), e.session_id.as_slice()), (ErrorKind::BadInput, &[9u8; 16][..]));
+                        assert!(e.message.contains("non-finite activations at row 1"), "{}", e.message);
+                        heard.push(e.message);
+                    }
+                    other => panic!("expected an error, got {other:?}"),
+                }
+            }
+            assert!(!back.sessions.contains_key(&[9; 16]) && !uses.in_use(), "the failed session is freed");
+            let m = back.metrics.render();
+            assert!(m.contains("dgr_worker_nonfinite_frames_total 1\n"), "{m}");
+            assert!(m.contains("dgr_worker_failures_total{kind=\"bad_input\"} 1\n"), "{m}");
+        });
+        assert_eq!(heard.len(), 2, "the sender and the driver each hear the error once");
+        assert_eq!(alongside, solo, "session 1 beside the bad rows differs from its solo run");
+    }
+
+    #[test]
+    fn sessions_hold_the_connections_they_use() {
+        let mut s = scheduler(3..6, 64);
+        let (driver, feeder, other) = (ConnUse::default(), ConnUse::default(), ConnUse::default());
+        let (reply, _inbox) = channel(8);
+        let schema = BoundarySchema { layer_start: 3, layer_end: 6, ..s.schema.clone() };
+        let open = OpenSession {
+            session_id: vec![1; 16],
+            schema: Some(schema),
+            n_stages: 2,
+            stage_index: 1,
+            max_positions: 8,
+            ..Default::default()
+        };
+        s.handle(Cmd::Open { conn: 1, uses: driver.clone(), open, reply: reply.clone(), next: None, request_id: String::new() });
+        assert!(driver.in_use() && !feeder.in_use());
+        let h = s.stage.config().hidden;
+        let rows = |position: u64| Forward {
+            session_id: vec![1; 16],
+            position,
+            hidden: dgr_proto::encode_rows(&vec![0.5; h], SeamDtype::F32),
+            n_rows: 1,
+            ..Default::default()
+        };
+        s.handle(Cmd::Forward { f: rows(0), recv_us: 0, at: Instant::now(), reply: reply.clone(), conn: 2, uses: feeder.clone() });
+        assert!(driver.in_use() && feeder.in_use());
+        // Rows from another connection move the hold there.
+        s.handle(Cmd::Forward { f: rows(1), recv_us: 0, at: Instant::now(), reply: reply.clone(), conn: 3, uses: other.clone() });
+        assert!(!feeder.in_use() && other.in_use());
+        s.handle(Cmd::Close { id: vec![1; 16] });
+        assert!(!driver.in_use() && !feeder.in_use() && !other.in_use());
     }
 }

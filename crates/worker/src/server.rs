@@ -3,12 +3,12 @@
 //! same port (a connection that starts with "GET " is an HTTP request).
 
 use crate::join::{Joiner, TicketGate};
-use crate::scheduler::{Cmd, ConnId, Outbox, Scheduler};
+use crate::scheduler::{Cmd, ConnId, ConnUse, Outbox, Scheduler};
 use crate::{Metrics, WorkerConfig};
 use bytes::Bytes;
 use dgr_engine::{Stage, StageOptions};
 use dgr_proto::{
-    Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, OpenSession, Registration, Role, SeamDtype, StageInfo, TicketError,
+    Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, OpenSession, Ping, Registration, Role, SeamDtype, StageInfo, TicketError,
     WorkerUsage, PROTOCOL_VERSION, STAGE_UNKNOWN,
 };
 use futures::{SinkExt, StreamExt};
@@ -27,7 +27,13 @@ use tokio_util::codec::Framed;
 const OUTBOX: usize = 1024;
 /// Commands waiting for the scheduler.
 const COMMANDS: usize = 4096;
+/// Dialing and greeting a next stage.
 const HANDSHAKE: Duration = Duration::from_secs(10);
+/// Longest one frame may take to write: a peer that stops reading for this long is cut off,
+/// so a writer never waits on it forever.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an HTTP client has to send its request head, and to take the answer.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -153,9 +159,7 @@ impl Worker {
             let reg = self.registration(link.advertise.clone().unwrap_or_default());
             let joiner = Joiner { link, reg, gate, metrics: self.metrics.clone(), usage, leave: leave_rx };
             let relay_shared = shared.clone();
-            tokio::spawn(joiner.run(move |stream| {
-                tokio::spawn(connection(stream, relay_shared.clone()));
-            }));
+            tokio::spawn(joiner.run(move |stream| admit(stream, &relay_shared)));
         }
         // The scheduler returns once a drain completes; waiting for it runs on a blocking thread.
         let handle = self.scheduler;
@@ -175,8 +179,7 @@ impl Worker {
                 _ = &mut stopped => break,
                 accepted = accept(listener.as_ref()) => {
                     if let Ok((stream, _)) = accepted {
-                        let _ = stream.set_nodelay(true);
-                        tokio::spawn(connection(stream, shared.clone()));
+                        admit(stream, &shared);
                     }
                 }
             }
@@ -203,6 +206,30 @@ impl Worker {
             version: i.version.clone(),
         }
     }
+}
+
+/// Serves a new connection, unless `max_connections` are open already: then it is closed at
+/// once (and counted), so idle or hostile connections cannot take unbounded tasks and sockets.
+fn admit(stream: TcpStream, shared: &Arc<Shared>) {
+    let open = &shared.metrics.connections_open;
+    let max = shared.cfg.max_connections as u64;
+    if open.fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1)).is_err() {
+        shared.metrics.connections_refused.fetch_add(1, Relaxed);
+        return;
+    }
+    let _ = stream.set_nodelay(true);
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        // Released however the connection ends, a panic included.
+        struct Admitted(Arc<Metrics>);
+        impl Drop for Admitted {
+            fn drop(&mut self) {
+                self.0.connections_open.fetch_sub(1, Relaxed);
+            }
+        }
+        let _admitted = Admitted(shared.metrics.clone());
+        connection(stream, shared).await;
+    });
 }
 
 async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
@@ -237,7 +264,7 @@ where
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Frame>(OUTBOX);
     tokio::spawn(async move {
         while let Some(f) = rx.recv().await {
-            if sink.send(encode(&f)).await.is_err() {
+            if !matches!(tokio::time::timeout(WRITE_TIMEOUT, sink.send(encode(&f))).await, Ok(Ok(()))) {
                 break;
             }
         }
@@ -251,8 +278,13 @@ fn hello(info: Option<StageInfo>) -> Frame {
 }
 
 async fn connection(stream: TcpStream, shared: Arc<Shared>) {
+    // One deadline for the whole handshake: the first bytes, then the Hello frame.
+    let handshake = tokio::time::Instant::now() + shared.cfg.handshake_timeout;
+    let timed_out = || {
+        shared.metrics.handshake_timeouts.fetch_add(1, Relaxed);
+    };
     let mut head = [0u8; 4];
-    let peeked = tokio::time::timeout(HANDSHAKE, async {
+    let peeked = tokio::time::timeout_at(handshake, async {
         loop {
             match stream.peek(&mut head).await {
                 Ok(n) if n >= 4 => return true,
@@ -262,13 +294,16 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
         }
     })
     .await;
-    if peeked != Ok(true) {
-        return;
+    match peeked {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(_) => return timed_out(),
     }
     if &head == b"GET " {
         return http(stream, &shared.metrics).await;
     }
     let conn: ConnId = shared.next_conn.fetch_add(1, Relaxed);
+    let uses = ConnUse::default();
     let (sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
     let out = spawn_writer(sink);
     let refuse = |out: &Outbox, id: &[u8], kind, msg: String| {
@@ -276,7 +311,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
         let _ = out.try_send(Frame::new(Body::Error(ErrorMsg::new(id, kind, STAGE_UNKNOWN, msg))));
     };
     // The handshake: the peer's Hello first, with our protocol version.
-    match tokio::time::timeout(HANDSHAKE, frames.next()).await {
+    match tokio::time::timeout_at(handshake, frames.next()).await {
         Ok(Some(Ok(bytes))) => match Frame::decode(bytes) {
             Ok(Frame { body: Some(Body::Hello(h)) }) if h.protocol_version == PROTOCOL_VERSION => {
                 let _ = out.try_send(hello(Some(shared.info.clone())));
@@ -287,9 +322,37 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             }
             _ => return refuse(&out, &[], ErrorKind::BadFrame, "expected Hello as the first frame".into()),
         },
-        _ => return,
+        Ok(_) => return,
+        Err(_) => return timed_out(),
     }
-    while let Some(next) = frames.next().await {
+    // Past the handshake, a connection stays while any session holds it (its driver's, or the
+    // one its rows arrive on); holding none, it is closed after `conn_idle_timeout` of silence.
+    let idle = shared.cfg.conn_idle_timeout;
+    let mut last_frame = Instant::now();
+    let mut wait = idle;
+    loop {
+        let next = match tokio::time::timeout(wait, frames.next()).await {
+            Ok(Some(next)) => {
+                last_frame = Instant::now();
+                wait = idle;
+                next
+            }
+            Ok(None) => break,
+            Err(_) => {
+                let quiet = last_frame.elapsed();
+                if uses.in_use() {
+                    // Look again soon: the sessions may end at any time.
+                    wait = idle.min(Duration::from_secs(1));
+                    continue;
+                }
+                if quiet >= idle {
+                    shared.metrics.idle_closed.fetch_add(1, Relaxed);
+                    break;
+                }
+                wait = idle - quiet;
+                continue;
+            }
+        };
         let bytes = match next {
             Ok(b) => b,
             Err(e) => {
@@ -334,9 +397,9 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                         }
                     }
                 };
-                Cmd::Open { conn, open, reply: out.clone(), next, request_id }
+                Cmd::Open { conn, uses: uses.clone(), open, reply: out.clone(), next, request_id }
             }
-            Body::Forward(f) => Cmd::Forward { f, recv_us: unix_us(), at: Instant::now(), reply: out.clone() },
+            Body::Forward(f) => Cmd::Forward { f, recv_us: unix_us(), at: Instant::now(), reply: out.clone(), conn, uses: uses.clone() },
             Body::Ping(p) => {
                 let _ = out.try_send(Frame::new(Body::Pong(p)));
                 continue;
@@ -371,6 +434,9 @@ fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<String, TicketErr
 async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
     let mut peers = shared.peers.lock().await;
     if let Some(tx) = peers.get(addr).filter(|tx| !tx.is_closed()) {
+        // A frame now restarts the next stage's idle clock for this connection, so it is not
+        // closed for idleness before the new session's first rows travel on it.
+        let _ = tx.try_send(Frame::new(Body::Ping(Ping { nonce: 0 })));
         return Ok(tx.clone());
     }
     let stream = dgr_proto::dial(addr, HANDSHAKE).await.map_err(|e| e.to_string())?;
@@ -385,7 +451,7 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
         _ => return Err("no Hello from the next stage".into()),
     }
     let tx = spawn_writer(sink);
-    let (cmds, owned) = (shared.cmds.clone(), addr.to_string());
+    let (cmds, owned, mine, shared) = (shared.cmds.clone(), addr.to_string(), tx.clone(), shared.clone());
     tokio::spawn(async move {
         let mut why = "connection closed".to_string();
         while let Some(next) = frames.next().await {
@@ -400,6 +466,14 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
                 }
             }
         }
+        // The next session to go there opens a fresh connection (this one may have been
+        // closed by the next stage for idleness, with no session on it). The loss is queued
+        // under the lock, so it reaches the scheduler before any session on a fresh one.
+        let mut peers = shared.peers.lock().await;
+        if peers.get(&owned).is_some_and(|tx| tx.same_channel(&mine)) {
+            peers.remove(&owned);
+        }
+        drop(mine);
         let _ = cmds.send(Cmd::PeerLost { addr: owned, why });
     });
     peers.insert(addr.to_string(), tx.clone());
@@ -407,11 +481,11 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
 }
 
 /// A minimal HTTP/1.1 responder for GET /metrics; anything else is 404. One request per
-/// connection, head capped at 8 KiB, 5 s to send it.
+/// connection, head capped at 8 KiB, 5 s to send it and 5 s to take the answer.
 async fn http(mut stream: TcpStream, metrics: &Metrics) {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
-    let read = tokio::time::timeout(Duration::from_secs(5), async {
+    let read = tokio::time::timeout(HTTP_TIMEOUT, async {
         while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
             match stream.read(&mut buf).await {
                 Ok(0) | Err(_) => return false,
@@ -430,8 +504,12 @@ async fn http(mut stream: TcpStream, metrics: &Metrics) {
         "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
-    let _ = stream.write_all(resp.as_bytes()).await;
-    let _ = stream.shutdown().await;
+    // A client that does not read the answer is not waited on.
+    let _ = tokio::time::timeout(HTTP_TIMEOUT, async {
+        let _ = stream.write_all(resp.as_bytes()).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
 }
 
 /// Binds `addr` (port 0 picks a free port) and reports the address it got.

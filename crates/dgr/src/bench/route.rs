@@ -92,6 +92,7 @@ pub fn run(a: Args) -> Result<()> {
         top_logprobs: 0,
         seam_dtype: SeamDtype::F32,
         ticket: None,
+        hash_rows: false,
     };
     let routed = || rt.block_on(dgr_gateway::generate(&route, &greq, &DriveOptions::default(), |_| Flow::Continue));
     local::generate(&stage, |_| false, &req, |_| {})?; // warm-up

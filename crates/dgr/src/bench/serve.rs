@@ -223,11 +223,13 @@ const WORDS: &[&str] = &[
     "barn", "on", "a", "cold", "day",
 ];
 
-/// A prompt of about `tokens` tokens, different for each `id` from its first token on, so no
-/// prefix cache serves one request from another. The id has a fixed width so that every prompt
-/// has the same length, whichever endpoint it goes to.
+/// A prompt of about `tokens` tokens that starts with the digits of `id`, least significant
+/// first, so that prompts differ within their first tokens and no prefix cache serves one
+/// request from another. The id has a fixed width so that every prompt has the same length,
+/// whichever endpoint it goes to.
 pub fn prompt_text(id: usize, tokens: usize) -> String {
-    let mut s = format!("{id:08}:");
+    let mut s: String = format!("{id:08}").chars().rev().collect();
+    s.push(':');
     let words = tokens.saturating_sub(s.len()).max(1);
     for w in WORDS.iter().cycle().take(words) {
         s.push(' ');
@@ -589,7 +591,7 @@ mod tests {
     #[test]
     fn prompts_differ_from_the_first_token() {
         let (a, b) = (prompt_text(3, 128), prompt_text(4, 128));
-        assert!(a.starts_with("00000003: the quick") && b.starts_with("00000004: the quick"));
+        assert!(a.starts_with("30000000: the quick") && b.starts_with("40000000: the quick"));
         assert_eq!(a.split(' ').count(), 1 + 128 - 9);
         assert_eq!(prompt_text(10_000_123, 128).split(' ').count(), a.split(' ').count());
         assert_eq!(prompt_text(123456, 2).split(' ').count(), 2);

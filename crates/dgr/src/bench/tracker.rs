@@ -61,6 +61,7 @@ pub fn run(a: Args) -> Result<()> {
         top_logprobs: 0,
         seam_dtype: SeamDtype::F32,
         ticket,
+        hash_rows: false,
     };
     let sample = |c: Completion, route_ms: f64| Sample {
         decode_tok_s: c.timings.decode_tok_per_s,
@@ -119,11 +120,16 @@ pub fn run(a: Args) -> Result<()> {
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     println!("decode tg{}, {} thread(s) per worker, route {}", a.gen_tokens, a.threads, split.join(" + "));
     println!("{:<34} {:>10} {:>14}", "route", "tok/s", "seam p50 ms");
-    for (name, v) in [("--route (ticketless)", &listed_s), ("tracker-planned, ticketed", &planned_s), ("tracker-planned, relayed hop", &relay_s)] {
+    for (name, v) in
+        [("--route (ticketless)", &listed_s), ("tracker-planned, ticketed", &planned_s), ("tracker-planned, relayed hop", &relay_s)]
+    {
         println!("{name:<34} {:>10.1} {:>14.3}", median(&field(v, |s| s.decode_tok_s)), median(&field(v, |s| s.seam_p50_ms)));
     }
     println!("tracker-planned / --route: {planned_vs_listed:.3}   relayed / direct: {relay_vs_direct:.3}");
-    println!("relay adds {added:.3} ms per step at its hop (p50); a route and ticket take {:.2} ms", median(&field(&planned_s, |s| s.route_ms)));
+    println!(
+        "relay adds {added:.3} ms per step at its hop (p50); a route and ticket take {:.2} ms",
+        median(&field(&planned_s, |s| s.route_ms))
+    );
     let path = record::write(
         &a.out,
         "tracker",

@@ -284,7 +284,7 @@ pub fn metrics(addr: &str) -> Metrics {
 pub fn try_metrics(addr: &str) -> std::io::Result<Metrics> {
     let mut s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
     let (head, body) = resp.split_once("\r\n\r\n").unwrap_or_else(|| panic!("GET {addr}/metrics: no HTTP head in {resp:?}"));

@@ -33,9 +33,8 @@ fn spawn_ready(mut cmd: std::process::Command, what: &str) -> (Child, Value, Arc
         }
     });
     let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} not ready within 60 s"));
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| {
-        panic!("{what}: no ready line ({e}): {line:?}; stderr: {}", String::from_utf8_lossy(&log.lock().unwrap()))
-    });
+    let v: Value = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("{what}: no ready line ({e}): {line:?}; stderr: {}", String::from_utf8_lossy(&log.lock().unwrap())));
     (child, v, log)
 }
 
@@ -157,8 +156,14 @@ pub struct Worker {
 impl Worker {
     /// A worker of layers a..b joined to `t`, with its identity in `key` (under the tracker's
     /// dir), one thread, and `extra` flags.
-    pub fn start(t: &Tracker, (a, b): (usize, usize), key: &str, extra: &[&str]) -> Worker {
+    pub fn start(t: &Tracker, layers: (usize, usize), key: &str, extra: &[&str]) -> Worker {
+        Worker::start_with_env(t, layers, key, extra, &[])
+    }
+
+    /// As `start`, with extra environment variables.
+    pub fn start_with_env(t: &Tracker, (a, b): (usize, usize), key: &str, extra: &[&str], env: &[(&str, &str)]) -> Worker {
         let mut cmd = dgr();
+        cmd.envs(env.iter().copied());
         cmd.args(["worker", "--threads", "1", "--layers", &format!("{a}..{b}"), "--tracker", &t.addr, "--join-token-file"])
             .arg(&t.token_file)
             .arg("--key-file")

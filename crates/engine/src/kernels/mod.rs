@@ -18,6 +18,7 @@ mod isa;
 mod scalar;
 
 pub use isa::Isa;
+pub(crate) use isa::Level;
 
 use dgr_gguf::GgmlType;
 
@@ -70,20 +71,26 @@ pub(crate) struct Rows<'a> {
 }
 
 /// `out[c * stride + r] = row r · xs[c]` for every row of `w` and every column, where each row
-/// has `k` elements (`k` a multiple of 32 for block types).
+/// has `k` elements (`k` a multiple of 32 for block types). Panics if `w.bytes` holds fewer than
+/// `w.n_rows` rows of `k` elements or a column fewer than `k` floats.
 ///
 /// # Safety
 /// `out` is valid for writes at every such index, and nothing else accesses those elements
 /// during the call (other threads may write other rows of the same buffer).
 pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
-    match xs.len() {
-        8 => dispatch::<8>(isa, w, k, xs, out, stride),
-        4 => dispatch::<4>(isa, w, k, xs, out, stride),
-        2 => dispatch::<2>(isa, w, k, xs, out, stride),
-        1 => dispatch::<1>(isa, w, k, xs, out, stride),
-        n => {
-            for c in 0..n {
-                dispatch::<1>(isa, w, k, &xs[c..c + 1], out.add(c * stride), stride);
+    // SAFETY: the caller's contract is passed on unchanged, except that the last arm hands
+    // column `c` alone, whose outputs start at `out + c * stride`, inside what the caller vouched
+    // for.
+    unsafe {
+        match xs.len() {
+            8 => dispatch::<8>(isa, w, k, xs, out, stride),
+            4 => dispatch::<4>(isa, w, k, xs, out, stride),
+            2 => dispatch::<2>(isa, w, k, xs, out, stride),
+            1 => dispatch::<1>(isa, w, k, xs, out, stride),
+            n => {
+                for c in 0..n {
+                    dispatch::<1>(isa, w, k, &xs[c..c + 1], out.add(c * stride), stride);
+                }
             }
         }
     }
@@ -104,24 +111,36 @@ pub(crate) fn group(n: usize) -> usize {
 unsafe fn dispatch<const N: usize>(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
     let nb = k / 32;
     let n_rows = w.n_rows;
+    assert!(N > 0 && xs.len() == N && xs.iter().all(|x| x.len() >= k));
+    // At most 4 bytes an element, and a column of `k` floats exists, so this cannot overflow.
     let row_len = nb * w.ty.chunk_bytes() + (k - nb * 32) * w.ty.chunk_bytes() / 32;
-    assert!(xs.len() == N && xs.iter().all(|x| x.len() >= k));
-    assert!(n_rows == 0 || w.bytes.len() >= (n_rows - 1) * w.row_bytes + row_len);
+    // Checked arithmetic: a wrapped product must not let a short buffer through.
+    let needed = n_rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(w.row_bytes).and_then(|b| b.checked_add(row_len)));
+    assert!(needed.is_some_and(|n| w.bytes.len() >= n), "{n_rows} rows of {row_len} bytes every {} in {}", w.row_bytes, w.bytes.len());
     let xp: [*const f32; N] = std::array::from_fn(|i| xs[i].as_ptr());
     let (p, rb) = (w.bytes.as_ptr(), w.row_bytes);
-    // The asserts above bound every read, the caller every write; `isa` was detected on this CPU.
-    match isa {
-        Isa::Avx512 => avx512::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
-        Isa::Avx2 => avx2::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
-        Isa::Scalar => scalar::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+    // SAFETY: the asserts above keep every read in bounds (each of the `n_rows` rows holds `nb`
+    // whole chunks, each column `32 * nb` floats); the caller vouches for every write; and an
+    // `Isa` above scalar exists only where detection found that set on this CPU (its field is
+    // private), so the instructions each kernel is compiled for are present.
+    unsafe {
+        match isa.level() {
+            Level::Avx512 => avx512::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+            Level::Avx2 => avx2::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+            Level::Scalar => scalar::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+        }
     }
     // Plain rows whose length is not a multiple of 32 finish sequentially.
     for r in 0..n_rows {
         let row = &w.bytes[r * rb..r * rb + row_len];
         for (c, x) in xs.iter().enumerate() {
             for j in nb * 32..k {
-                let o = out.add(c * stride + r);
-                *o = scalar::element(w.ty, row, j).mul_add(x[j], *o);
+                // SAFETY: `c < N` and `r < n_rows`, so this is one of the outputs the caller
+                // vouched for, and no other thread touches it during the call.
+                unsafe {
+                    let o = out.add(c * stride + r);
+                    *o = scalar::element(w.ty, row, j).mul_add(x[j], *o);
+                }
             }
         }
     }

@@ -56,7 +56,8 @@ fn every_isa_and_every_batch_width_gives_identical_bits_close_to_exact() {
             let rows = |n: usize| Rows { ty: fast, bytes: &all_rows[..n * row.len()], row_bytes: row.len(), n_rows: n };
             let mut alone = vec![0f32; xs.len()];
             for (c, x) in xs.iter().enumerate() {
-                unsafe { gemv(Isa::Scalar, &rows(1), k, &[x], alone[c..].as_mut_ptr(), 1) };
+                // SAFETY: one row, one column: the only output is `alone[c]`, which exists.
+                unsafe { gemv(Isa::SCALAR, &rows(1), k, &[x], alone[c..].as_mut_ptr(), 1) };
                 let exact: f64 = w.iter().zip(x.iter()).map(|(a, b)| *a as f64 * *b as f64).sum();
                 let mag: f64 = w.iter().zip(x.iter()).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
                 assert!((alone[c] as f64 - exact).abs() <= 1e-6 * mag + 1e-30, "{ty:?} k={k}: {} vs {exact}", alone[c]);
@@ -68,6 +69,8 @@ fn every_isa_and_every_batch_width_gives_identical_bits_close_to_exact() {
                     let mut c = 0;
                     while c < width {
                         let n = group(width - c);
+                        // SAFETY: outputs `(c + j) * 3 + r` for j < n ≤ width - c and r < 3, all
+                        // inside `out` (width * 3 floats), which nothing else touches meanwhile.
                         unsafe { gemv(isa, &rows(3), k, &xs[c..c + n], out[c * 3..].as_mut_ptr(), 3) };
                         c += n;
                     }

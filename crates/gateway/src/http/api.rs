@@ -27,6 +27,10 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such route").code("not_found") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "this route does not take that method")
+                .code("method_not_allowed")
+        })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(gw)
 }
@@ -65,7 +69,11 @@ async fn models(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
     Json(json!({ "object": "list", "data": data }))
 }
 
-async fn completions(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Response {
+async fn completions(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
     serve(gw, headers, body, false).await
 }
 
@@ -77,7 +85,12 @@ async fn chat_completions(
     serve(gw, headers, body, true).await
 }
 
-async fn serve(gw: Arc<Gateway>, headers: HeaderMap, body: Result<Bytes, axum::extract::rejection::BytesRejection>, chat: bool) -> Response {
+async fn serve(
+    gw: Arc<Gateway>,
+    headers: HeaderMap,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+    chat: bool,
+) -> Response {
     let prepared = match body {
         Ok(b) => prepare(&gw, &headers, &b, chat),
         Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
@@ -146,7 +159,10 @@ fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Resul
         }
         match body.prompt.as_ref().ok_or_else(|| ApiError::bad_request("prompt is required").param("prompt"))? {
             Prompt::Text(t) => tok.encode_prompt(t).map_err(|e| ApiError::bad_request(e.to_string()).param("prompt"))?,
-            Prompt::Texts(v) if v.len() == 1 => tok.encode_prompt(&v[0]).map_err(|e| ApiError::bad_request(e.to_string()).param("prompt"))?,
+            Prompt::Texts(v) if v.is_empty() => return Err(ApiError::bad_request("the prompt is empty").param("prompt")),
+            Prompt::Texts(v) if v.len() == 1 => {
+                tok.encode_prompt(&v[0]).map_err(|e| ApiError::bad_request(e.to_string()).param("prompt"))?
+            }
             Prompt::Texts(_) => return Err(ApiError::bad_request("one prompt per request (n = 1)").param("prompt")),
             Prompt::Tokens(ids) => {
                 if let Some(bad) = ids.iter().find(|&&t| t as usize >= tok.vocab_size()) {

@@ -11,7 +11,7 @@ pub fn swarm_json(r: &SwarmReply) -> Value {
     let mut models: BTreeMap<String, (Vec<u32>, Vec<Value>)> = BTreeMap::new();
     for w in &r.workers {
         let Some(reg) = &w.registration else { continue };
-        let live = w.last_seen_ms <= 3 * r.heartbeat_ms as u64;
+        let live = w.last_seen_ms <= 3 * r.heartbeat_ms as u64 && w.quarantined.is_empty();
         let load = w.load.unwrap_or_default();
         let (cover, workers) = models.entry(reg.model_id.clone()).or_insert_with(|| (vec![0; reg.n_layers as usize], Vec::new()));
         if live {
@@ -35,6 +35,8 @@ pub fn swarm_json(r: &SwarmReply) -> Value {
             "recent_step_us": load.recent_step_us,
             "threads": reg.threads,
             "routes_total": w.routes_total,
+            "quarantined": !w.quarantined.is_empty(),
+            "quarantine_evidence": w.quarantined,
         }));
     }
     let models: Vec<Value> = models
@@ -66,8 +68,10 @@ pub async fn state(gw: &Gateway) -> Value {
         Ok(TrackerBody::UsageReply(u)) => u
             .rows
             .iter()
-            .map(|r| json!({ "key": r.who, "model_id": r.model_id, "requests": r.requests,
-                             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens }))
+            .map(|r| {
+                json!({ "key": r.who, "model_id": r.model_id, "requests": r.requests,
+                             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens })
+            })
             .collect(),
         _ => Vec::new(),
     };

@@ -47,6 +47,8 @@ pub struct HttpMetrics {
     /// Per (model, key).
     tallies: Mutex<BTreeMap<(String, String), Tally>>,
     errors: Mutex<BTreeMap<String, u64>>,
+    /// Spot checks by result (agree, quarantined, undecided, ...).
+    checks: Mutex<BTreeMap<String, u64>>,
     /// Completion tokens in the last seconds, for the dashboard's tokens/s: (unix second, tokens).
     recent: Mutex<Vec<(u64, u64)>>,
 }
@@ -58,6 +60,10 @@ fn unix_secs() -> u64 {
 impl HttpMetrics {
     pub fn error(&self, kind: &str) {
         *self.errors.lock().unwrap_or_else(|p| p.into_inner()).entry(kind.to_string()).or_default() += 1;
+    }
+
+    pub fn check(&self, result: &str) {
+        *self.checks.lock().unwrap_or_else(|p| p.into_inner()).entry(result.to_string()).or_default() += 1;
     }
 
     pub fn finished(&self, model: &str, key: &str, prompt: usize, completion: usize, error: Option<&str>) {
@@ -106,6 +112,10 @@ impl HttpMetrics {
         out.push_str("# HELP dgr_gateway_errors_total Requests refused or failed, by kind.\n# TYPE dgr_gateway_errors_total counter\n");
         for (kind, n) in self.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             out.push_str(&format!("dgr_gateway_errors_total{{kind=\"{}\"}} {n}\n", escape(kind)));
+        }
+        out.push_str("# HELP dgr_gateway_spot_checks_total Stage spot checks, by result.\n# TYPE dgr_gateway_spot_checks_total counter\n");
+        for (result, n) in self.checks.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            out.push_str(&format!("dgr_gateway_spot_checks_total{{result=\"{}\"}} {n}\n", escape(result)));
         }
         out.push_str(&format!(
             "# HELP dgr_gateway_queue_depth Requests waiting for admission.\n# TYPE dgr_gateway_queue_depth gauge\ndgr_gateway_queue_depth {queue_depth}\n"

@@ -166,7 +166,9 @@ impl Body {
             (None | Some(Value::Null), _) => None,
             (Some(Value::Bool(false)), true) => None,
             (Some(Value::Bool(true)), true) => Some(self.top_logprobs.unwrap_or(0)),
-            (Some(Value::Number(n)), false) => Some(n.as_u64().filter(|k| *k <= 5).ok_or_else(|| bad("logprobs", "logprobs must be 0..=5"))? as u32),
+            (Some(Value::Number(n)), false) => {
+                Some(n.as_u64().filter(|k| *k <= 5).ok_or_else(|| bad("logprobs", "logprobs must be 0..=5"))? as u32)
+            }
             _ => return Err(bad("logprobs", if chat { "logprobs must be a boolean" } else { "logprobs must be an integer" })),
         };
         if self.top_logprobs.is_some() && (!chat || logprobs.is_none()) {
@@ -223,8 +225,9 @@ mod tests {
         let p = parse(r#"{"model":"m","prompt":"hi","max_tokens":5,"stop":["a","b"],"logprobs":2,"seed":-1,"top_k":40,"ignore_eos":true}"#)
             .unwrap();
         assert_eq!((p.max_tokens, p.stops.len(), p.logprobs, p.top_k, p.ignore_eos), (Some(5), 2, Some(2), 40, true));
-        let p = parse(r#"{"model":"m","messages":[],"logprobs":true,"top_logprobs":3,"stream":true,"stream_options":{"include_usage":true}}"#)
-            .unwrap();
+        let p =
+            parse(r#"{"model":"m","messages":[],"logprobs":true,"top_logprobs":3,"stream":true,"stream_options":{"include_usage":true}}"#)
+                .unwrap();
         assert_eq!((p.logprobs, p.stream), (Some(3), true));
     }
 

@@ -141,9 +141,7 @@ fn event(v: &Value) -> axum::body::Bytes {
 pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
     let id = new_id(shape.chat);
     let object = if shape.chat { "chat.completion.chunk" } else { "text_completion" };
-    let chunk = move |shape: &Shape, choice: Value| {
-        json!({ "id": id, "object": object, "created": shape.created, "model": shape.model.name, "choices": [choice] })
-    };
+    let chunk = move |shape: &Shape, choice: Value| json!({ "id": id, "object": object, "created": shape.created, "model": shape.model.name, "choices": [choice] });
     struct St<F> {
         shape: Shape,
         rx: UnboundedReceiver<Piece>,
@@ -166,51 +164,47 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
         // Tokens whose text is held back (a possible stop string, a split character) make no
         // chunk: wait for one that does.
         while out.is_empty() && !st.done {
-        match st.rx.recv().await {
-            Some(Piece::Token { id, text, logprob, top }) => {
-                let lp = Logprobs { shape: &st.shape, tokens: vec![(id, logprob, top)] }.render(st.text_len);
-                st.text_len += text.len();
-                if !text.is_empty() || !lp.is_null() {
-                    let choice = if st.shape.chat {
-                        json!({ "index": 0, "delta": { "content": text }, "logprobs": lp, "finish_reason": null })
-                    } else {
-                        json!({ "index": 0, "text": text, "logprobs": lp, "finish_reason": null })
-                    };
-                    out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
+            match st.rx.recv().await {
+                Some(Piece::Token { id, text, logprob, top }) => {
+                    let lp = Logprobs { shape: &st.shape, tokens: vec![(id, logprob, top)] }.render(st.text_len);
+                    st.text_len += text.len();
+                    if !text.is_empty() || !lp.is_null() {
+                        let choice = if st.shape.chat {
+                            json!({ "index": 0, "delta": { "content": text }, "logprobs": lp, "finish_reason": null })
+                        } else {
+                            json!({ "index": 0, "text": text, "logprobs": lp, "finish_reason": null })
+                        };
+                        out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
+                    }
                 }
-            }
-            Some(Piece::Done { text, finish_reason, prompt_tokens, completion_tokens, error }) => {
-                st.done = true;
-                if let Some(e) = error {
-                    out.extend_from_slice(&event(&e.body()));
-                } else {
-                    let choice = if st.shape.chat {
-                        json!({ "index": 0, "delta": if text.is_empty() { json!({}) } else { json!({ "content": text }) },
+                Some(Piece::Done { text, finish_reason, prompt_tokens, completion_tokens, error }) => {
+                    st.done = true;
+                    if let Some(e) = error {
+                        out.extend_from_slice(&event(&e.body()));
+                    } else {
+                        let choice = if st.shape.chat {
+                            json!({ "index": 0, "delta": if text.is_empty() { json!({}) } else { json!({ "content": text }) },
                                 "logprobs": null, "finish_reason": finish(finish_reason) })
-                    } else {
-                        json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish(finish_reason) })
-                    };
-                    out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
-                    // The usage chunk (no choices), as OpenAI sends it with include_usage; dgr
-                    // always sends it, so every stream ends with its usage.
-                    let mut u = (st.chunk)(&st.shape, Value::Null);
-                    u["choices"] = json!([]);
-                    u["usage"] = usage(prompt_tokens, completion_tokens);
-                    out.extend_from_slice(&event(&u));
+                        } else {
+                            json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish(finish_reason) })
+                        };
+                        out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
+                        // The usage chunk (no choices), as OpenAI sends it with include_usage; dgr
+                        // always sends it, so every stream ends with its usage.
+                        let mut u = (st.chunk)(&st.shape, Value::Null);
+                        u["choices"] = json!([]);
+                        u["usage"] = usage(prompt_tokens, completion_tokens);
+                        out.extend_from_slice(&event(&u));
+                    }
+                    out.extend_from_slice(b"data: [DONE]\n\n");
                 }
-                out.extend_from_slice(b"data: [DONE]\n\n");
+                None => {
+                    st.done = true;
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                }
             }
-            None => {
-                st.done = true;
-                out.extend_from_slice(b"data: [DONE]\n\n");
-            }
-        }
         }
         Some((Ok::<_, std::convert::Infallible>(axum::body::Bytes::from(out)), st))
     });
-    (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
-        Body::from_stream(body),
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::from_stream(body)).into_response()
 }

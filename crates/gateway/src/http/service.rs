@@ -5,6 +5,7 @@ use super::admission::Admission;
 use super::error::ApiError;
 use super::metrics::HttpMetrics;
 use super::text::TextOut;
+use super::verify;
 use crate::{generate_recovering, tracker, DriveError, DriveOptions, Flow, GenRequest, Links, Ticketed};
 use axum::http::StatusCode;
 use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError, TrackerClient};
@@ -27,6 +28,10 @@ pub struct GatewayConfig {
     pub queue: usize,
     pub queue_timeout: Duration,
     pub drive: DriveOptions,
+    /// The fraction of sessions spot-checked (each stage recomputed on another replica).
+    pub verify_fraction: f64,
+    /// The tracker's join token: needed to quarantine a worker a spot check caught.
+    pub join_token: Option<String>,
 }
 
 impl GatewayConfig {
@@ -41,6 +46,8 @@ impl GatewayConfig {
             queue: 256,
             queue_timeout: Duration::from_secs(30),
             drive: DriveOptions::default(),
+            verify_fraction: 0.02,
+            join_token: None,
         }
     }
 }
@@ -86,9 +93,20 @@ pub struct Job {
 
 /// What a running generation sends its response.
 pub enum Piece {
-    Token { id: u32, text: String, logprob: f32, top: Vec<(u32, f32)> },
+    Token {
+        id: u32,
+        text: String,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    },
     /// The end: text held back for a stop string that never came, why it ended, and usage.
-    Done { text: String, finish_reason: &'static str, prompt_tokens: usize, completion_tokens: usize, error: Option<ApiError> },
+    Done {
+        text: String,
+        finish_reason: &'static str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        error: Option<ApiError>,
+    },
 }
 
 fn model_error(path: &std::path::Path, e: impl std::error::Error + Send + Sync + 'static) -> GatewayError {
@@ -210,6 +228,7 @@ impl Gateway {
     }
 
     async fn run(&self, job: Job, first: Ticketed, request_id: String, key: String, tx: mpsc::UnboundedSender<Piece>) {
+        let check = verify::sampled(self.cfg.verify_fraction);
         let req = GenRequest {
             prompt_tokens: job.prompt.clone(),
             max_tokens: job.max_tokens,
@@ -217,7 +236,9 @@ impl Gateway {
             top_logprobs: job.logprobs.unwrap_or(0),
             seam_dtype: SeamDtype::F32,
             ticket: None,
+            hash_rows: check,
         };
+        let mut traces: Vec<Vec<dgr_proto::Hop>> = Vec::new();
         let mut text = TextOut::new(job.stops.clone());
         let mut stopped_by_text = false;
         let started = Instant::now();
@@ -230,23 +251,29 @@ impl Gateway {
                 Some(prev) => self.metrics.itl.observe(now.duration_since(prev).as_secs_f64()),
             }
             last = Some(now);
+            if check {
+                traces.push(t.trace.clone());
+            }
             let eog = !job.ignore_eos && tok.is_eog(t.token);
-            let (piece, stop) = if eog { (String::new(), false) } else { text.push(&tok.token_bytes(t.token).unwrap_or_default()) };
-            let top = t.top.iter().map(|e| (e.id, e.logprob)).collect();
-            let sent = tx.send(Piece::Token { id: t.token, text: piece, logprob: t.logprob, top });
-            if sent.is_err() || tx.is_closed() {
+            if eog {
+                // The end-of-generation token is not part of the completion's text or logprobs.
+                return if tx.is_closed() { Flow::Cancel } else { Flow::Stop };
+            }
+            let (piece, stop) = text.push(&tok.token_bytes(t.token).unwrap_or_default());
+            if stop {
+                stopped_by_text = true;
+                // The token that completed a stop string belongs to the completion only for the
+                // text before the stop.
+                if !piece.is_empty() {
+                    let _ = tx.send(Piece::Token { id: t.token, text: piece, logprob: t.logprob, top: top_of(t) });
+                }
+                return Flow::Stop;
+            }
+            if tx.send(Piece::Token { id: t.token, text: piece, logprob: t.logprob, top: top_of(t) }).is_err() || tx.is_closed() {
                 // The client went away: cancel the session on every stage.
                 return Flow::Cancel;
             }
-            if stop {
-                stopped_by_text = true;
-                return Flow::Stop;
-            }
-            if eog {
-                Flow::Stop
-            } else {
-                Flow::Continue
-            }
+            Flow::Continue
         };
         // A failed stage is replaced by a route that avoids it; the session's tokens replay.
         let replan = |exclude: Vec<String>, budget: u64| {
@@ -266,7 +293,10 @@ impl Gateway {
         let rec = generate_recovering(&self.links, first, &req, &self.cfg.drive, on_token, replan, MAX_REPLAYS).await;
         let result = rec.result;
         for r in &rec.recoveries {
-            eprintln!("dgr gateway: request {request_id} recovered from {} at stage {:?} ({:?}) after {} tokens; stall {:.0} ms", r.kind, r.stage, r.addr, r.at_token, r.stall_ms);
+            eprintln!(
+                "dgr gateway: request {request_id} recovered from {} at stage {:?} ({:?}) after {} tokens; stall {:.0} ms",
+                r.kind, r.stage, r.addr, r.at_token, r.stall_ms
+            );
             self.metrics.error(&format!("recovered_{}", r.kind));
         }
         let usage = tracker::request_usage(&request_id, &job.api_key, &job.model.model_id, job.prompt.len(), &result, &rec.attempts);
@@ -285,6 +315,17 @@ impl Gateway {
         self.metrics.finished(&job.model.name, &key, job.prompt.len(), completion, error.as_ref().map(|e| e.metric_kind()));
         let tail = if stopped_by_text { String::new() } else { text.finish() };
         let _ = tx.send(Piece::Done { text: tail, finish_reason, prompt_tokens: job.prompt.len(), completion_tokens: completion, error });
+        if let (true, Ok(c), [attempt]) = (check, &result, rec.attempts.as_slice()) {
+            let sample = verify::Sample {
+                route: attempt.route.clone(),
+                model_id: job.model.model_id.clone(),
+                prompt: job.prompt.clone(),
+                tokens: c.tokens.clone(),
+                traces,
+                sampling: job.sampling,
+            };
+            self.spot_check(sample).await;
+        }
         let tracker = self.cfg.tracker.clone();
         tokio::spawn(async move {
             let recorded = tracker::report(&tracker, usage).await;
@@ -293,6 +334,10 @@ impl Gateway {
             }
         });
     }
+}
+
+fn top_of(t: &dgr_proto::TokenOut) -> Vec<(u32, f32)> {
+    t.top.iter().map(|e| (e.id, e.logprob)).collect()
 }
 
 /// Stage failures one request may recover from.
@@ -310,9 +355,9 @@ fn refusal(e: TrackerCallError) -> ApiError {
                 RefusalKind::QuotaExceeded => {
                     ApiError::new(StatusCode::TOO_MANY_REQUESTS, "insufficient_quota", msg).code("insufficient_quota").retry_after(60)
                 }
-                RefusalKind::NoRoute => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg)
-                    .code("no_route")
-                    .retry_after(1),
+                RefusalKind::NoRoute => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg).code("no_route").retry_after(1)
+                }
                 RefusalKind::BadRequest => ApiError::bad_request(msg),
                 _ => ApiError::new(StatusCode::BAD_GATEWAY, "api_error", msg),
             }

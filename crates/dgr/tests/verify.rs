@@ -1,0 +1,112 @@
+//! Spot checks catch a worker that lies (test builds only: `--features fault-injection` compiles
+//! in a worker that corrupts the rows it sends). Through a real gateway, with every session
+//! checked: the liar is quarantined within a few sessions, and after that no client receives its
+//! corrupted tokens.
+#![cfg(all(feature = "real-model", feature = "fault-injection"))]
+
+mod common;
+
+use common::swarm::{Tracker, Worker};
+use common::{dgr_json, metrics, serial};
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::time::Duration;
+
+const PROMPT: &str = "The quick brown fox";
+
+/// The most sessions before the liar is caught: with three replicas of its layers balanced by
+/// the tracker, it serves (or checks) one of the first three sessions, and that session's check
+/// catches it.
+const CAUGHT_WITHIN: usize = 3;
+
+struct Gateway {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn gateway(t: &Tracker) -> Gateway {
+    let mut child = common::dgr()
+        .args(["gateway", "--tracker", &t.addr, "--listen", "127.0.0.1:0", "--verify-fraction", "1", "--join-token-file"])
+        .arg(&t.token_file)
+        .arg("--model")
+        .arg(common::model())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("gateway ready line {line:?}: {e}"));
+    Gateway { child, addr: v["listening"].as_str().unwrap().to_string() }
+}
+
+/// POST /v1/completions, greedy; the completion's text.
+fn complete(addr: &str, model: &str) -> String {
+    let body = serde_json::json!({ "model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0 }).to_string();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{resp}");
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn a_lying_worker_is_caught_and_quarantined() {
+    let _g = serial();
+    let want = dgr_json(&["generate", "--prompt", PROMPT, "--max-tokens", "12", "--format", "json", "--threads", "1"]);
+    let want = want["text"].as_str().unwrap().to_string();
+    let t = Tracker::start("verify", &[]);
+    let liar = Worker::start_with_env(&t, (0, 15), "liar", &[], &[("DGR_FAULT_CORRUPT_ROWS", "1")]);
+    let honest = [Worker::start(&t, (0, 15), "h1", &[]), Worker::start(&t, (0, 15), "h2", &[]), Worker::start(&t, (15, 30), "tail", &[])];
+    let mut ids: Vec<&str> = honest.iter().map(|w| w.id.as_str()).collect();
+    ids.push(&liar.id);
+    t.wait_live(&ids, Duration::from_secs(5), "joined");
+    let g = gateway(&t);
+    let model = common::model().file_stem().unwrap().to_string_lossy().trim_end_matches(".gguf").to_string();
+
+    let quarantined = || t.workers().iter().any(|w| w["worker_id"] == liar.id.as_str() && w["quarantined"] == true);
+    let mut wrong = 0;
+    let mut sessions = 0;
+    loop {
+        assert!(sessions < CAUGHT_WITHIN, "the liar was not caught within {CAUGHT_WITHIN} sessions");
+        if complete(&g.addr, &model) != want {
+            wrong += 1;
+        }
+        sessions += 1;
+        // The session's check runs after its response; give it a moment to land.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        while !quarantined() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if quarantined() {
+            break;
+        }
+    }
+    println!("caught after {sessions} session(s); {wrong} of them carried its corrupted output");
+    assert!(wrong <= sessions);
+
+    let m = metrics(&t.addr);
+    assert_eq!(m.get("dgr_tracker_workers_quarantined"), 1.0);
+    assert!(metrics(&g.addr).get("dgr_gateway_spot_checks_total{result=\"quarantined\"}") >= 1.0);
+    let routes_before = t.workers().iter().find(|w| w["worker_id"] == liar.id.as_str()).unwrap()["routes_total"].clone();
+    for i in 0..8 {
+        assert_eq!(complete(&g.addr, &model), want, "session {i} after the quarantine");
+    }
+    let routes_after = t.workers().iter().find(|w| w["worker_id"] == liar.id.as_str()).unwrap()["routes_total"].clone();
+    assert_eq!(routes_before, routes_after, "a quarantined worker got routes");
+    // Honest workers are never blamed.
+    for w in &honest {
+        assert!(!t.workers().iter().any(|x| x["worker_id"] == w.id.as_str() && x["quarantined"] == true));
+    }
+}
