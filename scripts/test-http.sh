@@ -3,8 +3,10 @@
 # Chromium against a live `dgr up` swarm of the built target/release/dgr on the default model.
 # Sets up what it needs: a venv at target/http-venv with pinned packages, Debian's chromium when
 # /usr/bin/chromium is missing (as root, e.g. on a fresh CI machine). Nothing is skipped: a missing
-# binary, model, browser or package is a failure. Extra arguments go to pytest.
-# Leaves target/test-artifacts/: the dashboard screenshot, pytest's junit XML, dgr up's log.
+# binary, model, browser or package is a failure. Extra arguments go to this suite's pytest.
+# Then runs a scaled-down soak (tests/soak, scripts/soak.sh) of DGR_SOAK_REQUESTS (64) requests at
+# DGR_SOAK_CONCURRENCY (8). Leaves target/test-artifacts/: the dashboard screenshot, pytest's junit
+# XML of each suite, dgr up's log, the soak's figures and logs (soak/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -60,4 +62,15 @@ fi
 artifacts=target/test-artifacts
 mkdir -p "$artifacts"
 export DGR_TEST_ARTIFACTS=$PWD/$artifacts CHROMIUM=/usr/bin/chromium PYTHONDONTWRITEBYTECODE=1
-exec timeout 600 "$venv/bin/python" -m pytest tests/http -q -rfE --junitxml="$artifacts/http-junit.xml" "$@"
+status=0
+timeout 600 "$venv/bin/python" -m pytest tests/http -q -rfE --junitxml="$artifacts/http-junit.xml" "$@" || status=$?
+
+# Then a scaled-down soak (tests/soak; scripts/soak.sh runs the full one): its own swarm, hurt while
+# it serves (a worker killed and restarted, one stopped and continued, the tracker restarted, client
+# cancels). Its junit XML counts in scripts/test.sh's total; its figures go to $artifacts/soak/.
+DGR_SOAK_REQUESTS=${DGR_SOAK_REQUESTS:-64} DGR_SOAK_CONCURRENCY=${DGR_SOAK_CONCURRENCY:-8} \
+    timeout 300 "$venv/bin/python" -m pytest tests/soak -q -s -rfE --junitxml="$artifacts/soak-junit.xml" || {
+    soak_status=$?
+    [ "$status" -ne 0 ] || status=$soak_status
+}
+exit "$status"

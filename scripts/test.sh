@@ -21,27 +21,29 @@ if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
     failed=1  # cargo failed with no failing test to show for it (a build or doctest compile error)
 fi
 
-# The gateway suite runs the built binary; its counts come from pytest's junit XML (a test that
-# errored or was skipped counts as failed; a suite that could not run at all counts as one).
-junit=target/test-artifacts/http-junit.xml
-rm -f "$junit"
+# The gateway suite and the soak (both in scripts/test-http.sh) run the built binary; their counts
+# come from pytest's junit XML (a test that errored or was skipped counts as failed; a suite that
+# could not run at all counts as one).
+junits=(target/test-artifacts/http-junit.xml target/test-artifacts/soak-junit.xml)
+rm -f "${junits[@]}"
 http_status=0
 { cargo build --release --locked -p dgr && scripts/test-http.sh; } || http_status=$?
-if [ -f "$junit" ]; then
-    read -r http_passed http_failed < <(python3 - "$junit" <<'PY'
+read -r http_passed http_failed < <(python3 - "${junits[@]}" <<'PY'
 import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
 total = bad = 0
-for s in suites:
-    total += int(s.get("tests", 0))
-    bad += int(s.get("failures", 0)) + int(s.get("errors", 0)) + int(s.get("skipped", 0))
+for path in sys.argv[1:]:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):  # missing, or cut short
+        total, bad = total + 1, bad + 1
+        continue
+    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+    for s in suites:
+        total += int(s.get("tests", 0))
+        bad += int(s.get("failures", 0)) + int(s.get("errors", 0)) + int(s.get("skipped", 0))
 print(total - bad, bad)
 PY
-    )
-else
-    http_passed=0 http_failed=1
-fi
+)
 if [ "$http_status" -ne 0 ] && [ "$http_failed" -eq 0 ]; then
     http_failed=1  # pytest passed every test it ran, yet the suite failed (setup, teardown, timeout)
 fi

@@ -5,6 +5,7 @@
 //! timeout, one that holds no session and stays silent at the connection idle timeout, but
 //! never one that sessions still use; a driver's warm connections closed that way are reopened
 //! on next use. Every wait has a deadline.
+#![cfg(feature = "real-model")]
 
 mod common;
 use common::*;

@@ -100,9 +100,19 @@ impl Link {
     }
 }
 
+/// A warm connection pings this often while nothing else goes out, so a worker's idle timeout
+/// (minutes) never closes it under a session about to open.
+const KEEPALIVE: Duration = Duration::from_secs(60);
+
 fn spawn_writer(mut sink: Sink, mut rx: mpsc::Receiver<Bytes>) {
     tokio::spawn(async move {
-        while let Some(b) = rx.recv().await {
+        let ping = Bytes::from(Frame::new(Body::Ping(dgr_proto::Ping { nonce: 0 })).encode_to_vec());
+        loop {
+            let b = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+                Ok(Some(b)) => b,
+                Ok(None) => break,
+                Err(_) => ping.clone(),
+            };
             if sink.send(b).await.is_err() {
                 return;
             }
