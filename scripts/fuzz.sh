@@ -15,7 +15,8 @@
 # checks and debug assertions stay on). The fuzz/ layout also suits `cargo fuzz run -s none`.
 #
 # Each target's corpus grows in fuzz/corpus/<target> (kept between runs; git ignores it), seeded
-# from fuzz/src/harness.rs on every run. Findings land in fuzz/artifacts/<target>/. To keep one
+# from fuzz/src/harness.rs on every run; fuzz/dicts/<target>.dict, where there is one, gives
+# libFuzzer tokens it would not guess (JSON field names). Findings land in fuzz/artifacts/<target>/. To keep one
 # as a regression test, copy it into tests/fuzz-regressions/<target>/: `cargo test` replays
 # those files (crates/dgr/tests/fuzz_regressions.rs). To rerun one input:
 #   fuzz/target/<host triple>/release/<target> <file>
@@ -59,9 +60,11 @@ for t in "${targets[@]}"; do
     artifacts=fuzz/artifacts/$t
     mkdir -p "$corpus" "$artifacts"
     log=$artifacts/last-run.log
+    dict=()
+    [ ! -f "fuzz/dicts/$t.dict" ] || dict=(-dict="fuzz/dicts/$t.dict")
     status=0
     "fuzz/target/$host/release/$t" "$corpus" -max_total_time="$secs" -timeout=5 -rss_limit_mb=2048 \
-        -artifact_prefix="$artifacts/" -print_final_stats=1 >"$log" 2>&1 || status=$?
+        -artifact_prefix="$artifacts/" -print_final_stats=1 ${dict[@]+"${dict[@]}"} >"$log" 2>&1 || status=$?
     summary=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n1 | sed -E 's/^#([0-9]+)[[:space:]]+DONE[[:space:]]+/\1 runs, /')
     if [ "$status" -eq 0 ]; then
         echo "fuzz: $t: ok (${summary:-no stats}; corpus $(find "$corpus" -type f | wc -l) files)"

@@ -103,3 +103,24 @@ def test_a_key_over_its_quota_gets_429_with_retry_after(swarm, no_worker_touched
     # Other keys are not limited by it.
     ok = swarm.client("free").completions.create(model=swarm.model, prompt="Hello", max_tokens=2)
     assert ok.usage.completion_tokens >= 1, ok
+
+
+def test_a_slow_client_is_cut_off_and_the_gateway_keeps_serving(swarm, client, no_worker_touched):
+    """Slow-loris: a request head that never ends is dropped within the head deadline (10 s)."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    root = urlparse(swarm.root)
+    s = socket.create_connection((root.hostname, root.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and then nothing more
+    started = time.monotonic()
+    try:
+        s.recv(1024)  # an answer (408) or the close
+    except OSError:
+        pass
+    waited = time.monotonic() - started
+    s.close()
+    assert waited < 15, f"a stalled request head held its connection for {waited:.1f} s"
+    models = client.models.list()
+    assert models.data, "the gateway still serves"

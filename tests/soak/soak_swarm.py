@@ -242,12 +242,7 @@ class Swarm:
     def usage_by_worker(self) -> list[dict]:
         return json.loads(run_dgr("usage", "--tracker", self.tracker.addr, "--by", "worker", "--format", "json"))["rows"]
 
-    # Faults -----------------------------------------------------------------------------------
-
-    def restart(self, p: Proc):
-        """Starts `p` again with the same arguments (a worker: the same key file, so the same id)."""
-        p.kill()
-        p.start()
+    # Stopping ---------------------------------------------------------------------------------
 
     def stop_all(self):
         for p in [self.gateway, *self.workers, self.tracker]:

@@ -67,6 +67,12 @@ pub struct LimitArgs {
     /// Seconds to wait for any one step of a generation before failing it
     #[arg(long, default_value_t = 10.0)]
     pub step_timeout: f64,
+    /// Most HTTP connections open at once (past it, new ones are closed and counted)
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Seconds a request may run in all (past it, its session is cancelled: 504)
+    #[arg(long, default_value_t = 600.0)]
+    pub request_timeout: f64,
     /// Fraction of sessions spot-checked: one step recomputed per stage on another replica and
     /// compared bit for bit; a worker caught lying is quarantined (needs the join token)
     #[arg(long, default_value_t = 0.02)]
@@ -86,6 +92,8 @@ impl LimitArgs {
         cfg.queue = self.queue;
         cfg.queue_timeout = secs(self.queue_timeout, "queue-timeout")?;
         cfg.drive.step_timeout = secs(self.step_timeout, "step-timeout")?;
+        cfg.max_connections = self.max_connections.max(1);
+        cfg.request_timeout = secs(self.request_timeout, "request-timeout")?;
         if !(0.0..=1.0).contains(&self.verify_fraction) {
             bail!("--verify-fraction must be in [0, 1]");
         }

@@ -6,7 +6,7 @@ use super::openai::{Body as ReqBody, Params, Prompt};
 use super::respond;
 use super::service::{Gateway, Job};
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,7 +17,6 @@ use serde_json::json;
 use std::sync::Arc;
 
 pub fn router(gw: Arc<Gateway>) -> Router {
-    let limit = gw.cfg.max_body_bytes;
     Router::new()
         .route("/", get(dashboard))
         .route("/dashboard/state", get(dashboard_state))
@@ -31,7 +30,6 @@ pub fn router(gw: Arc<Gateway>) -> Router {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "this route does not take that method")
                 .code("method_not_allowed")
         })
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(gw)
 }
 
@@ -69,37 +67,39 @@ async fn models(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
     Json(json!({ "object": "list", "data": data }))
 }
 
-async fn completions(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    serve(gw, headers, body, false).await
+async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    serve(gw, req, false).await
 }
 
-async fn chat_completions(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    serve(gw, headers, body, true).await
+async fn chat_completions(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    serve(gw, req, true).await
 }
 
-async fn serve(
-    gw: Arc<Gateway>,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-    chat: bool,
-) -> Response {
-    let prepared = match body {
-        Ok(b) => prepare(&gw, &headers, &b, chat),
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
+/// A client has this long to send a request's body.
+const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The request's body, read within the size limit and the body deadline.
+async fn body(gw: &Gateway, req: Request) -> Result<Bytes, ApiError> {
+    let limit = gw.cfg.max_body_bytes;
+    match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(req.into_body(), limit)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(_)) => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            format!("the request body is larger than {} bytes", gw.cfg.max_body_bytes),
+            format!("the request body is larger than {limit} bytes (or broken)"),
         )
         .code("body_too_large")),
-        Err(e) => Err(ApiError::bad_request(e.body_text())),
+        Err(_) => {
+            Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", "the request body took too long").code("body_timeout"))
+        }
+    }
+}
+
+async fn serve(gw: Arc<Gateway>, req: Request, chat: bool) -> Response {
+    let headers = req.headers().clone();
+    let prepared = match body(&gw, req).await {
+        Ok(b) => prepare(&gw, &headers, &b, chat),
+        Err(e) => Err(e),
     };
     let (job, params) = match prepared {
         Ok(v) => v,

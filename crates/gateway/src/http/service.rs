@@ -27,6 +27,10 @@ pub struct GatewayConfig {
     pub max_running: usize,
     pub queue: usize,
     pub queue_timeout: Duration,
+    /// Connections open at once; slow clients time out on their request head and body.
+    pub max_connections: usize,
+    /// No request runs longer: past it, the session is cancelled and the client told why.
+    pub request_timeout: Duration,
     pub drive: DriveOptions,
     /// The fraction of sessions spot-checked (each stage recomputed on another replica).
     pub verify_fraction: f64,
@@ -45,6 +49,8 @@ impl GatewayConfig {
             max_running: 64,
             queue: 256,
             queue_timeout: Duration::from_secs(30),
+            max_connections: 4096,
+            request_timeout: Duration::from_secs(600),
             drive: DriveOptions::default(),
             verify_fraction: 0.02,
             join_token: None,
@@ -241,6 +247,7 @@ impl Gateway {
         let mut traces: Vec<Vec<dgr_proto::Hop>> = Vec::new();
         let mut text = TextOut::new(job.stops.clone());
         let mut stopped_by_text = false;
+        let mut past_deadline = false;
         let started = Instant::now();
         let mut last: Option<Instant> = None;
         let tok = &job.model.tokenizer;
@@ -253,6 +260,10 @@ impl Gateway {
             last = Some(now);
             if check {
                 traces.push(t.trace.clone());
+            }
+            if started.elapsed() > self.cfg.request_timeout {
+                past_deadline = true;
+                return Flow::Cancel;
             }
             let eog = !job.ignore_eos && tok.is_eog(t.token);
             if eog {
@@ -301,6 +312,15 @@ impl Gateway {
         }
         let usage = tracker::request_usage(&request_id, &job.api_key, &job.model.model_id, job.prompt.len(), &result, &rec.attempts);
         let (finish_reason, completion, error): (&'static str, usize, Option<ApiError>) = match &result {
+            Ok(c) if past_deadline => {
+                let e = ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "api_error",
+                    format!("the request ran past its deadline of {:?}", self.cfg.request_timeout),
+                )
+                .code("deadline_exceeded");
+                ("error", c.tokens.len(), Some(e))
+            }
             Ok(c) => {
                 let reason = match c.finish_reason.as_str() {
                     "cancelled" => "cancelled",
@@ -373,5 +393,11 @@ fn drive_error(e: &DriveError) -> ApiError {
         (Some(s), Some(a)) => format!(" at stage {s} ({a})"),
         _ => String::new(),
     };
-    ApiError::new(status, "api_error", format!("{}{at}: {}", e.kind, e.message)).code("route_failed")
+    let err = ApiError::new(status, "api_error", format!("{}{at}: {}", e.kind, e.message)).code("route_failed");
+    // Full workers free up as sessions end: worth a retry soon.
+    if e.kind == "overloaded" {
+        err.retry_after(1)
+    } else {
+        err
+    }
 }
