@@ -2,9 +2,12 @@
 //! route planning over replicas and overlapping ranges, signed route tickets, the usage ledger
 //! and the relay. It is never on the data path (except as a relay for a worker that asks).
 
+mod answers;
+mod control;
 mod metrics;
 pub mod plan;
 mod registry;
+mod relay;
 mod server;
 mod store;
 

@@ -304,9 +304,13 @@ impl Gateway {
         let rec = generate_recovering(&self.links, first, &req, &self.cfg.drive, on_token, replan, MAX_REPLAYS).await;
         let result = rec.result;
         for r in &rec.recoveries {
+            let stage = r.stage.map_or("?".to_string(), |s| s.to_string());
             eprintln!(
-                "dgr gateway: request {request_id} recovered from {} at stage {:?} ({:?}) after {} tokens; stall {:.0} ms",
-                r.kind, r.stage, r.addr, r.at_token, r.stall_ms
+                "dgr gateway: request {request_id} recovered from {} at stage {stage} ({}) after {} tokens; stall {:.0} ms",
+                r.kind,
+                r.addr.as_deref().unwrap_or("?"),
+                r.at_token,
+                r.stall_ms
             );
             self.metrics.error(&format!("recovered_{}", r.kind));
         }
@@ -382,7 +386,10 @@ fn refusal(e: TrackerCallError) -> ApiError {
                 _ => ApiError::new(StatusCode::BAD_GATEWAY, "api_error", msg),
             }
         }
-        e => ApiError::new(StatusCode::BAD_GATEWAY, "api_error", format!("the tracker is unreachable: {e}")).code("tracker_unreachable"),
+        // A tracker restarting is back in moments.
+        e => ApiError::new(StatusCode::BAD_GATEWAY, "api_error", format!("the tracker is unreachable: {e}"))
+            .code("tracker_unreachable")
+            .retry_after(1),
     }
 }
 

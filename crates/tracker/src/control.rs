@@ -1,0 +1,138 @@
+//! A worker's control connection: its join (join token, identity, registration), then its
+//! heartbeats and usage reports up and relay dial requests down, until it leaves or the
+//! connection drops.
+
+use crate::answers::{store_err, token_ok};
+use crate::registry::LiveWorker;
+use crate::server::{lock, refused, send, unix_ms, Conn, Shared};
+use bytes::Bytes;
+use dgr_proto::{
+    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, Load, RefusalKind, Registration, TrackerBody,
+    TrackerFrame, TRACKER_MAX_FRAME,
+};
+use ed25519_dalek::Signature;
+use futures::{SinkExt, StreamExt};
+use prost::Message;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::codec::Framed;
+
+/// A worker's control connection: checks its join, then keeps its record live until it leaves,
+/// the connection drops, or it re-joins on another connection.
+pub(crate) async fn worker_session(mut stream: TcpStream, j: Join, nonce: &[u8], sh: &Arc<Shared>) {
+    let reg = match check_join(&j, nonce, sh) {
+        Ok(reg) => reg,
+        Err((kind, msg)) => {
+            sh.metrics.refused(kind.name());
+            eprintln!("dgr tracker: refused a worker join: {msg}");
+            let _ = write_frame(&mut stream, &TrackerFrame::new(refused(kind, msg))).await;
+            return;
+        }
+    };
+    let Some(key) = verifying_key(&j.identity) else { return };
+    let id = worker_id(&key);
+    let relayed = reg.addr.is_empty();
+    let addr = if relayed { relay_addr(&lock(&sh.advertise), &id) } else { reg.addr.clone() };
+    let joined = lock(&sh.store).worker_joined(&id, &reg, &addr, unix_ms());
+    if let Err(e) = joined {
+        let _ = write_frame(&mut stream, &TrackerFrame::new(TrackerBody::Refused(store_err(e)))).await;
+        return;
+    }
+    let conn_id = sh.next_conn.fetch_add(1, Relaxed);
+    let (control, mut control_rx) = mpsc::channel::<TrackerFrame>(256);
+    let heartbeat = sh.cfg.heartbeat;
+    {
+        let live = LiveWorker {
+            id: id.clone(),
+            reg: reg.clone(),
+            addr,
+            relayed,
+            conn: conn_id,
+            last_heartbeat: Instant::now(),
+            load: Load::default(),
+            issued: Default::default(),
+            routes_total: 0,
+            control,
+        };
+        // A re-join under the same identity replaces the old record: never listed twice.
+        lock(&sh.registry).workers.insert(id.clone(), live);
+    }
+    sh.metrics.joins.fetch_add(1, Relaxed);
+    let mut conn = Framed::new(stream, codec(TRACKER_MAX_FRAME));
+    let joined = Joined { worker_id: id.clone(), heartbeat_ms: heartbeat.as_millis() as u32 };
+    if send(&mut conn, TrackerBody::Joined(joined)).await {
+        worker_loop(&mut conn, &mut control_rx, &id, &reg, sh).await;
+    }
+    let mut registry = lock(&sh.registry);
+    if registry.workers.get(&id).is_some_and(|w| w.conn == conn_id) {
+        registry.workers.remove(&id);
+    }
+}
+
+async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>, id: &str, reg: &Registration, sh: &Arc<Shared>) {
+    // A connection silent for this long is dead, even if TCP has not noticed.
+    let silent = 30 * sh.cfg.heartbeat;
+    loop {
+        tokio::select! {
+            f = control.recv() => {
+                let Some(f) = f else { return };
+                if conn.send(Bytes::from(f.encode_to_vec())).await.is_err() {
+                    return;
+                }
+            }
+            next = tokio::time::timeout(silent, conn.next()) => {
+                let body = match next {
+                    Ok(Some(Ok(bytes))) => match TrackerFrame::decode(bytes) {
+                        Ok(TrackerFrame { body: Some(b) }) => b,
+                        _ => return,
+                    },
+                    _ => return,
+                };
+                match body {
+                    TrackerBody::Heartbeat(h) => {
+                        if let Some(w) = lock(&sh.registry).workers.get_mut(id) {
+                            w.last_heartbeat = Instant::now();
+                            w.load = h.load.unwrap_or_default();
+                        }
+                    }
+                    TrackerBody::WorkerUsage(u) => {
+                        let stored = lock(&sh.store).record_worker_usage(id, &reg.engine, &reg.model_id, &u, unix_ms());
+                        let reply = match stored {
+                            Ok(added) => TrackerBody::Ack(Ack { duplicate: !added }),
+                            Err(e) => TrackerBody::Refused(store_err(e)),
+                        };
+                        if !send(conn, reply).await {
+                            return;
+                        }
+                    }
+                    TrackerBody::Leave(_) => return,
+                    _ => return,
+                }
+            }
+        }
+    }
+}
+
+fn check_join(j: &Join, nonce: &[u8], sh: &Shared) -> Result<Registration, (RefusalKind, String)> {
+    if !token_ok(&j.join_token, &sh.cfg.join_token) {
+        return Err((RefusalKind::BadJoinToken, "wrong join token".into()));
+    }
+    let key = verifying_key(&j.identity).ok_or((RefusalKind::BadSignature, "not an Ed25519 identity key".to_string()))?;
+    let sig = Signature::from_slice(&j.signature).map_err(|_| (RefusalKind::BadSignature, "malformed signature".to_string()))?;
+    key.verify_strict(nonce, &sig).map_err(|_| (RefusalKind::BadSignature, "the signature is not of this challenge".to_string()))?;
+    let reg = j.registration.clone().ok_or((RefusalKind::BadRequest, "a join without a registration".to_string()))?;
+    let bad = |m: String| Err((RefusalKind::BadRequest, m));
+    if reg.n_layers == 0 || reg.layer_start >= reg.layer_end || reg.layer_end > reg.n_layers {
+        return bad(format!("layers {}..{} of {}", reg.layer_start, reg.layer_end, reg.n_layers));
+    }
+    if reg.model_id.is_empty() || reg.model_id.len() > 256 || reg.engine.is_empty() || reg.engine.len() > 64 || reg.addr.len() > 512 {
+        return bad("a registration needs a model id, an engine and an address of sane lengths".into());
+    }
+    if !reg.step_us_per_layer.is_finite() || reg.step_us_per_layer < 0.0 {
+        return bad("a step time must be a finite non-negative number".into());
+    }
+    Ok(reg)
+}
