@@ -65,13 +65,13 @@ for t in "${targets[@]}"; do
     status=0
     "fuzz/target/$host/release/$t" "$corpus" -max_total_time="$secs" -timeout=5 -rss_limit_mb=2048 \
         -artifact_prefix="$artifacts/" -print_final_stats=1 ${dict[@]+"${dict[@]}"} >"$log" 2>&1 || status=$?
-    summary=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n1 | sed -E 's/^#([0-9]+)[[:space:]]+DONE[[:space:]]+/\1 runs, /')
+    summary=$(sed -En 's/^#([0-9]+)[[:space:]]+DONE[[:space:]]+/\1 runs, /p' "$log" | tail -n1)
     if [ "$status" -eq 0 ]; then
         echo "fuzz: $t: ok (${summary:-no stats}; corpus $(find "$corpus" -type f | wc -l) files)"
     else
         failed+=("$t")
         echo "fuzz: $t: FAILED (exit $status); its log: $log"
-        grep -E -m1 -A12 "panicked at|ERROR: libFuzzer|memory allocation of|ALARM|out-of-memory" "$log" | sed 's/^/    /' || true
+        grep -E -m1 -A12 "panicked at|ERROR: libFuzzer|memory allocation of|ALARM|out-of-memory" "$log" | cut -c1-160 | sed 's/^/    /' || true
         input=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log" | tail -n1)
         if [ -n "$input" ]; then
             echo "fuzz: $t: the input: $input"

@@ -48,5 +48,13 @@ if [ "$http_status" -ne 0 ] && [ "$http_failed" -eq 0 ]; then
     http_failed=1  # pytest passed every test it ran, yet the suite failed (setup, teardown, timeout)
 fi
 [ "$http_status" -eq 0 ] || [ "$status" -ne 0 ] || status=$http_status
-echo "$((passed + http_passed)) passed, $((failed + http_failed)) failed"
+
+# Coverage-guided fuzzing of every hostile-input parser, 10 s a target: one check, passed when no
+# input crashes, hangs or blows up a target (scripts/fuzz.sh prints any crasher's path).
+fuzz_passed=1 fuzz_failed=0
+if ! scripts/fuzz.sh 10; then
+    fuzz_passed=0 fuzz_failed=1
+    [ "$status" -ne 0 ] || status=1
+fi
+echo "$((passed + http_passed + fuzz_passed)) passed, $((failed + http_failed + fuzz_failed)) failed"
 exit "$status"

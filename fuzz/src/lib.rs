@@ -16,6 +16,8 @@ pub const MAX_ALLOC: usize = 64 << 20;
 /// sanitizer, libFuzzer's own -malloc_limit_mb cannot see allocations).
 pub struct CappedAlloc;
 
+// SAFETY: every call forwards to the system allocator with the caller's own arguments, or
+// returns null, which GlobalAlloc allows for any allocation that cannot be made.
 unsafe impl GlobalAlloc for CappedAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if layout.size() > MAX_ALLOC {

@@ -44,9 +44,12 @@ pub struct Args {
     /// Largest prompt chunk in a step when no session is decoding
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
-    /// Largest prompt chunk in a step that also decodes (bounds the added inter-token latency)
+    /// Largest prompt chunk in a step that also decodes (bounds the added inter-token latency)...
     #[arg(long, default_value_t = 4)]
     busy_chunk: usize,
+    /// ...except that a prompt of at most this many tokens runs whole, for a fast first token
+    #[arg(long, default_value_t = 256)]
+    whole_prompt: usize,
     /// Spread decoding sessions over this many consecutive steps, so that the stages of a
     /// route compute different micro-batches at the same time
     #[arg(long, default_value_t = 1)]
@@ -109,6 +112,7 @@ pub fn run(a: Args) -> Result<()> {
         step_tokens: a.step_tokens.max(1),
         prefill_chunk: a.prefill_chunk.max(1),
         busy_chunk: a.busy_chunk.max(1),
+        whole_prompt: a.whole_prompt,
         micro_batches: a.micro_batches.max(1),
         batch_wait: secs(a.batch_wait_ms / 1e3, "batch-wait-ms")?,
     };

@@ -14,8 +14,12 @@ pub struct Policy {
     pub step_tokens: usize,
     /// The largest prompt chunk when no session is decoding.
     pub prefill_chunk: usize,
-    /// The largest prompt chunk in a step that also decodes.
+    /// The largest prompt chunk in a step that also decodes ...
     pub busy_chunk: usize,
+    /// ... except that a prompt of at most this many rows runs whole: a short prompt's first
+    /// token comes in one step (as llama.cpp's server does), while a long one cannot stall
+    /// decoding (vLLM's long-prefill threshold).
+    pub whole_prompt: usize,
     /// Decode sessions are spread over this many consecutive steps, so that on a multi-stage
     /// route the next stage computes one micro-batch while this one computes the next.
     pub micro_batches: usize,
@@ -33,7 +37,14 @@ impl Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { step_tokens: 8192, prefill_chunk: 512, busy_chunk: 4, micro_batches: 1, batch_wait: std::time::Duration::from_millis(2) }
+        Policy {
+            step_tokens: 8192,
+            prefill_chunk: 512,
+            busy_chunk: 4,
+            whole_prompt: 256,
+            micro_batches: 1,
+            batch_wait: std::time::Duration::from_millis(2),
+        }
     }
 }
 
@@ -42,6 +53,8 @@ impl Default for Policy {
 pub struct Ready {
     pub id: SessionId,
     pub key: CompatKey,
+    /// Rows of the waiting frame in all, and those not yet run.
+    pub rows: usize,
     pub rows_left: usize,
     pub since: Instant,
 }
@@ -68,9 +81,14 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
         budget -= 1;
         take.push((r, 1));
     }
-    let chunk = if take.is_empty() { p.prefill_chunk } else { p.busy_chunk }.max(1);
+    let busy = !take.is_empty();
     for r in prefill {
-        let n = r.rows_left.min(chunk).min(budget);
+        let chunk = match (busy, r.rows <= p.whole_prompt) {
+            (false, _) => p.prefill_chunk,
+            (true, true) => r.rows,
+            (true, false) => p.busy_chunk,
+        };
+        let n = r.rows_left.min(chunk.max(1)).min(budget);
         if n == 0 {
             break;
         }
@@ -100,7 +118,7 @@ mod tests {
 
     fn ready(i: u8, phase: Phase, dtype: SeamDtype, rows: usize, age_ms: u64) -> Ready {
         let since = Instant::now() - Duration::from_millis(age_ms);
-        Ready { id: [i; 16], key: key(phase, dtype), rows_left: rows, since }
+        Ready { id: [i; 16], key: key(phase, dtype), rows, rows_left: rows, since }
     }
 
     #[test]
@@ -132,6 +150,11 @@ mod tests {
         assert!(rows <= 16);
         assert_eq!(b[0].items.len(), 8, "every decode row runs");
         assert_eq!(b[1].items, vec![([100; 16], 4), ([101; 16], 4)], "older prompt first, each chunk capped");
+        // A short prompt runs whole beside decoding, within the budget.
+        let mut r: Vec<Ready> = (0..4).map(|i| ready(i, Phase::Decode, SeamDtype::F32, 1, 10)).collect();
+        r.push(ready(102, Phase::Prefill, SeamDtype::F32, 12, 5));
+        let b = plan(r, 4, &p);
+        assert_eq!(b[1].items, vec![([102; 16], 12)]);
         // Alone, a prompt gets the large chunk, still within the budget.
         let b = plan(vec![ready(9, Phase::Prefill, SeamDtype::F32, 1500, 1)], 0, &p);
         assert_eq!(b[0].items, vec![([9; 16], 16)]);

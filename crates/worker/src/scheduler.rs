@@ -498,7 +498,7 @@ impl Scheduler {
             .values()
             .filter_map(|s| {
                 let p = s.pending.front()?;
-                Some(Ready { id: s.id, key: self.key(s, s.phase()), rows_left: p.rows - p.done, since: p.at })
+                Some(Ready { id: s.id, key: self.key(s, s.phase()), rows: p.rows, rows_left: p.rows - p.done, since: p.at })
             })
             .collect();
         if ready.is_empty() {

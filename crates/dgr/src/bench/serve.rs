@@ -231,9 +231,16 @@ pub fn prompt_text(id: usize, tokens: usize) -> String {
     let mut s: String = format!("{id:08}").chars().rev().collect();
     s.push(':');
     let words = tokens.saturating_sub(s.len()).max(1);
-    for w in WORDS.iter().cycle().take(words) {
+    // Words drawn by a hash of (id, index), so that no two prompts share a run of tokens a
+    // server's prompt cache could reuse: every request costs its whole prefill.
+    let mut x = id as u64 ^ 0x9e37_79b9_7f4a_7c15;
+    for _ in 0..words {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         s.push(' ');
-        s.push_str(w);
+        s.push_str(WORDS[((z ^ (z >> 31)) % WORDS.len() as u64) as usize]);
     }
     s
 }
@@ -305,6 +312,14 @@ async fn phase(ep: &Endpoint, load: &Load, model: Option<&str>, ids: Range<usize
 /// Request ids of one endpoint: below this, so that ids keep their width (see `prompt_text`).
 const ID_SPAN: usize = 10_000_000;
 
+/// A random start for this run's request ids (below half an endpoint's span), so that a server
+/// that outlives one run cannot answer the next run's prompts from its prompt cache.
+fn run_offset() -> usize {
+    let mut b = [0u8; 8];
+    let _ = getrandom::fill(&mut b);
+    (u64::from_le_bytes(b) % (ID_SPAN as u64 / 2)) as usize
+}
+
 /// One endpoint under measurement.
 struct Contender {
     label: String,
@@ -326,7 +341,7 @@ impl Contender {
             ep: Endpoint::parse(url, api_key)?,
             model,
             models: Value::Null,
-            id_base: index * ID_SPAN,
+            id_base: index * ID_SPAN + run_offset(),
             rounds: Vec::new(),
         })
     }
@@ -591,7 +606,8 @@ mod tests {
     #[test]
     fn prompts_differ_from_the_first_token() {
         let (a, b) = (prompt_text(3, 128), prompt_text(4, 128));
-        assert!(a.starts_with("30000000: the quick") && b.starts_with("40000000: the quick"));
+        assert!(a.starts_with("30000000: ") && b.starts_with("40000000: "));
+        assert_ne!(a[10..60], b[10..60], "prompts share no run of words");
         assert_eq!(a.split(' ').count(), 1 + 128 - 9);
         assert_eq!(prompt_text(10_000_123, 128).split(' ').count(), a.split(' ').count());
         assert_eq!(prompt_text(123456, 2).split(' ').count(), 2);
