@@ -15,7 +15,7 @@ scripts/fetch-model.sh >/dev/null
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --release --workspace --locked --features "$features" "$@" 2>&1 | tee "$log" || status=$?
+cargo test --release --workspace --locked --no-fail-fast --features "$features" "$@" 2>&1 | tee "$log" || status=$?
 read -r passed failed < <(awk '/^test result:/ { p += $4; f += $6 } END { print p + 0, f + 0 }' "$log")
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
     failed=1  # cargo failed with no failing test to show for it (a build or doctest compile error)

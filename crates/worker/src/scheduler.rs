@@ -886,4 +886,91 @@ mod tests {
         s.handle(Cmd::Close { id: vec![1; 16] });
         assert!(!driver.in_use() && !feeder.in_use() && !other.in_use());
     }
+
+    #[test]
+    fn admission_holds_to_the_session_cap_and_the_kv_budget() {
+        // 16 positions over all 6 layers; at most 2 sessions.
+        let mut s = scheduler(0..6, 16);
+        s.cfg.max_sessions = 2;
+        assert!(matches!(open(&mut s, 1, 0..6, 8, None).0, Body::Opened(_)));
+        assert_eq!(refused(open(&mut s, 2, 0..6, 9, None).0), ErrorKind::Overloaded, "past the KV budget");
+        assert!(matches!(open(&mut s, 2, 0..6, 8, None).0, Body::Opened(_)));
+        assert_eq!(refused(open(&mut s, 3, 0..6, 1, None).0), ErrorKind::Overloaded, "past the session cap");
+        assert_eq!(refused(open(&mut s, 1, 0..6, 1, None).0), ErrorKind::BadFrame, "an id already open");
+        s.handle(Cmd::Close { id: vec![1; 16] });
+        assert!(matches!(open(&mut s, 3, 0..6, 8, None).0, Body::Opened(_)), "a freed reservation is reusable");
+    }
+
+    #[test]
+    fn cancel_frees_the_session_and_reports_what_it_computed() {
+        let mut s = scheduler(0..6, 64);
+        let (_, mut inbox) = open(&mut s, 1, 0..6, 16, None);
+        forward(&mut s, Forward { session_id: vec![1; 16], tokens: vec![5, 6, 7], sample: true, ..Default::default() });
+        let t = token(&mut inbox);
+        forward(&mut s, Forward { session_id: vec![1; 16], position: 3, tokens: vec![t.token], sample: true, ..Default::default() });
+        token(&mut inbox);
+        s.handle(Cmd::Cancel { id: vec![1; 16] });
+        let Body::Usage(u) = inbox.try_recv().unwrap().body.unwrap() else { panic!("expected usage") };
+        assert_eq!((u.tokens_prefilled, u.tokens_decoded, u.layer_tokens), (3, 1, 24));
+        s.publish();
+        assert_eq!((s.sessions.len(), s.reserved, s.metrics.kv_bytes_used.load(Relaxed)), (0, 0, 0));
+        // Rows for a freed session are refused, not computed.
+        let (reply, mut replies) = channel(1);
+        s.handle(Cmd::Forward {
+            f: Forward { session_id: vec![1; 16], position: 4, tokens: vec![1], sample: true, ..Default::default() },
+            recv_us: 0,
+            at: Instant::now(),
+            reply,
+            conn: 1,
+            uses: ConnUse::default(),
+        });
+        assert_eq!(refused(replies.try_recv().unwrap().body.unwrap()), ErrorKind::UnknownSession);
+    }
+
+    #[test]
+    fn idle_sessions_are_freed_and_their_driver_told() {
+        let mut s = scheduler(0..6, 64);
+        s.cfg.idle_timeout = Duration::from_millis(20);
+        let (_, mut inbox) = open(&mut s, 1, 0..6, 16, None);
+        s.sweep();
+        assert_eq!(s.sessions.len(), 1, "not idle yet");
+        std::thread::sleep(Duration::from_millis(40));
+        s.sweep();
+        assert!(s.sessions.is_empty());
+        assert_eq!(refused(inbox.try_recv().unwrap().body.unwrap()), ErrorKind::Cancelled);
+    }
+
+    #[test]
+    fn a_drain_refuses_new_sessions_and_ends_open_ones_at_its_deadline() {
+        let mut s = scheduler(0..6, 64);
+        let (_, mut inbox) = open(&mut s, 1, 0..6, 16, None);
+        s.handle(Cmd::Drain { deadline: Instant::now() });
+        assert_eq!(refused(open(&mut s, 2, 0..6, 16, None).0), ErrorKind::ShuttingDown);
+        // The loop returns once the deadline has passed, failing what is still open.
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let done = std::thread::spawn(move || s.run(rx));
+        done.join().unwrap();
+        drop(tx);
+        assert_eq!(refused(inbox.try_recv().unwrap().body.unwrap()), ErrorKind::ShuttingDown);
+    }
+
+    #[test]
+    fn sessions_decoding_together_share_one_batch() {
+        let mut s = scheduler(0..6, 64);
+        let (_, mut a) = open(&mut s, 1, 0..6, 16, None);
+        let (_, mut b) = open(&mut s, 2, 0..6, 16, None);
+        let prompt = |id: u8| Forward { session_id: vec![id; 16], tokens: vec![5, 6, 7], sample: true, ..Default::default() };
+        forward(&mut s, prompt(1));
+        forward(&mut s, prompt(2));
+        let (ta, tb) = (token(&mut a), token(&mut b));
+        let (reply, _) = channel(1);
+        for (id, t) in [(1u8, ta.token), (2, tb.token)] {
+            let f = Forward { session_id: vec![id; 16], position: 3, tokens: vec![t], sample: true, ..Default::default() };
+            s.handle(Cmd::Forward { f, recv_us: 0, at: Instant::now(), reply: reply.clone(), conn: 1, uses: ConnUse::default() });
+        }
+        s.step();
+        assert_eq!(s.metrics.last_batch_sessions.load(Relaxed), 2, "both decode rows ran in one forward");
+        token(&mut a);
+        token(&mut b);
+    }
 }
