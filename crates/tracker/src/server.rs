@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio_util::codec::Framed;
@@ -216,25 +216,9 @@ async fn read_body(s: &mut TcpStream, len: usize) -> std::io::Result<TrackerFram
     TrackerFrame::decode(body.as_slice()).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
-/// GET /metrics and /health; anything else is 404. One request per connection; `head` holds
-/// what was read of it already.
-async fn http(mut stream: TcpStream, mut head: Vec<u8>, sh: &Shared) {
-    let mut buf = [0u8; 1024];
-    let read = tokio::time::timeout(Duration::from_secs(5), async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => return false,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
-        }
-        true
-    })
-    .await;
-    if read != Ok(true) {
-        return;
-    }
-    let path = head.split(|b| *b == b' ').nth(1).unwrap_or_default();
-    let (status, body) = match path {
+/// GET /metrics and /health; anything else is 404.
+async fn http(stream: TcpStream, head: Vec<u8>, sh: &Shared) {
+    dgr_proto::serve_http_get(stream, head, |path| match path {
         b"/metrics" => {
             let live = {
                 let reg = lock(&sh.registry);
@@ -247,11 +231,6 @@ async fn http(mut stream: TcpStream, mut head: Vec<u8>, sh: &Shared) {
         }
         b"/health" => ("200 OK", "ok\n".to_string()),
         _ => ("404 Not Found", "not found\n".to_string()),
-    };
-    let resp = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = stream.write_all(resp.as_bytes()).await;
-    let _ = stream.shutdown().await;
+    })
+    .await
 }

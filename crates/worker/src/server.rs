@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
 
@@ -32,8 +31,6 @@ const HANDSHAKE: Duration = Duration::from_secs(10);
 /// Longest one frame may take to write: a peer that stops reading for this long is cut off,
 /// so a writer never waits on it forever.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long an HTTP client has to send its request head, and to take the answer.
-const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -480,36 +477,16 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
     Ok(tx)
 }
 
-/// A minimal HTTP/1.1 responder for GET /metrics; anything else is 404. One request per
-/// connection, head capped at 8 KiB, 5 s to send it and 5 s to take the answer.
-async fn http(mut stream: TcpStream, metrics: &Metrics) {
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    let read = tokio::time::timeout(HTTP_TIMEOUT, async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => return false,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
+/// GET /metrics; anything else is 404.
+async fn http(stream: TcpStream, metrics: &Metrics) {
+    dgr_proto::serve_http_get(stream, Vec::new(), |path| {
+        if path == b"/metrics" {
+            ("200 OK", metrics.render())
+        } else {
+            ("404 Not Found", "not found\n".to_string())
         }
-        true
     })
-    .await;
-    if read != Ok(true) {
-        return;
-    }
-    let path = head.split(|b| *b == b' ').nth(1).unwrap_or_default();
-    let (status, body) = if path == b"/metrics" { ("200 OK", metrics.render()) } else { ("404 Not Found", "not found\n".to_string()) };
-    let resp = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    // A client that does not read the answer is not waited on.
-    let _ = tokio::time::timeout(HTTP_TIMEOUT, async {
-        let _ = stream.write_all(resp.as_bytes()).await;
-        let _ = stream.shutdown().await;
-    })
-    .await;
+    .await
 }
 
 /// Binds `addr` (port 0 picks a free port) and reports the address it got.
