@@ -14,10 +14,10 @@ use std::time::Duration;
 
 const PROMPT: &str = "The quick brown fox";
 
-/// The most sessions before the liar is caught: with three replicas of its layers balanced by
-/// the tracker, it serves (or checks) one of the first three sessions, and that session's check
-/// catches it.
-const CAUGHT_WITHIN: usize = 3;
+/// The most sessions before the liar is caught: a session it serves is checked against another
+/// replica; one it does not serve swaps in the replica issued the fewest routes, and after the
+/// first session's check that is the liar (whatever step times the planner prefers).
+const CAUGHT_WITHIN: usize = 2;
 
 struct Gateway {
     child: std::process::Child,

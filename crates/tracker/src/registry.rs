@@ -140,8 +140,11 @@ impl Registry {
     }
 
     /// A route with exactly the stages `fixed` names: each segment served by its named worker
-    /// (which must be live and hold it), or by the cheapest live one that holds it and is not
-    /// excluded. None when a segment cannot be served or the segments do not cover the model.
+    /// (which must be live and hold it), or by a live one that holds it and is not excluded: the
+    /// one issued the fewest routes, then the cheapest. Spot checks swap stages this way, so they
+    /// reach the replicas the planner seldom picks (a slow one still serves under load, and must
+    /// have been checked). None when a segment cannot be served or the segments do not cover the
+    /// model.
     pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String]) -> Option<Planned> {
         let now = Instant::now();
         let hb = self.heartbeat;
@@ -160,7 +163,7 @@ impl Registry {
                 self.workers
                     .values()
                     .filter(|w| usable(w, s) && !exclude.contains(&w.id) && !ids.contains(&w.id))
-                    .min_by(|a, b| cost(a).total_cmp(&cost(b)))?
+                    .min_by(|a, b| a.routes_total.cmp(&b.routes_total).then(cost(a).total_cmp(&cost(b))))?
                     .id
                     .clone()
             } else {
@@ -184,5 +187,61 @@ impl Registry {
             stages.push(RouteStage { worker_id: id.clone(), addr: w.addr.clone(), layer_start: s.layer_start, layer_end: s.layer_end });
         }
         Some(Planned { stages, hidden, n_layers, vocab })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(id: &str, range: (u32, u32), step_us: f64) -> LiveWorker {
+        let reg = Registration {
+            engine: "dgr".into(),
+            model_id: "m".into(),
+            n_layers: 4,
+            layer_start: range.0,
+            layer_end: range.1,
+            max_sessions: 8,
+            step_us_per_layer: step_us,
+            ..Default::default()
+        };
+        let (control, _) = mpsc::channel(1);
+        let (issued, last_heartbeat) = (VecDeque::new(), Instant::now());
+        LiveWorker {
+            id: id.into(),
+            reg,
+            addr: id.into(),
+            relayed: false,
+            conn: 0,
+            last_heartbeat,
+            load: Load::default(),
+            issued,
+            routes_total: 0,
+            control,
+        }
+    }
+
+    #[test]
+    fn swapped_stages_reach_the_replicas_the_planner_passes_over() {
+        let mut r = Registry::new(Duration::from_secs(1));
+        // "fast" wins every plan; the two slow replicas of [0,2) are only ever reached by swaps.
+        for w in [worker("fast", (0, 2), 10.0), worker("slow1", (0, 2), 50.0), worker("slow2", (0, 2), 90.0), worker("tail", (2, 4), 10.0)]
+        {
+            r.workers.insert(w.id.clone(), w);
+        }
+        let stage = |id: &str, s: u32, e: u32| RouteStage { worker_id: id.into(), addr: String::new(), layer_start: s, layer_end: e };
+        let mut swapped_in = Vec::new();
+        for _ in 0..4 {
+            assert_eq!(r.plan_route("m", "", &[]).unwrap().stages[0].worker_id, "fast");
+            let fixed = [stage("", 0, 2), stage("tail", 2, 4)];
+            let p = r.plan_fixed("m", &fixed, &["fast".to_string()]).unwrap();
+            assert_eq!(p.stages[1].worker_id, "tail");
+            swapped_in.push(p.stages[0].worker_id.clone());
+        }
+        assert_eq!(swapped_in, ["slow1", "slow2", "slow1", "slow2"]);
+        // A named stage must hold the range; an excluded or uncovered segment has no route.
+        assert!(r.plan_fixed("m", &[stage("tail", 0, 2), stage("tail", 2, 4)], &[]).is_none());
+        assert!(r.plan_fixed("m", &[stage("", 0, 2), stage("tail", 2, 4)], &["fast".into(), "slow1".into(), "slow2".into()]).is_none());
+        assert!(r.plan_fixed("m", &[stage("", 0, 2)], &[]).is_none());
     }
 }
