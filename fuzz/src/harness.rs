@@ -14,13 +14,13 @@
 // added to the protocol does not break the fuzz build.
 #![allow(clippy::needless_update)]
 
-use dgr_gguf::{quant, GgmlType, Gguf, GgufWriter, Value};
+use dgr_gguf::{quant, GgmlType, Gguf, GgufWriter, ModelIdentity, Value};
 use dgr_proto::{
     check_forward, check_open, check_ticket_open, decode_rows, encode_rows, session_id, sign_ticket, verify_ticket, verifying_key,
     worker_id, Body, BoundarySchema, Challenge, ErrorKind, ErrorMsg, Forward, Frame, Hello, Hop, Join, Joined, OpenSession, Ping,
     RefusalKind, Refused, Registration, Role, RouteReply, RouteRequest, RouteStage, Sampling, SeamDtype, SessionRef, SignedTicket,
     SigningKey, StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, Usage, VerifyingKey,
-    PROTOCOL_VERSION,
+    MAX_CHUNK, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, Signer};
 use prost::Message;
@@ -207,6 +207,16 @@ pub fn stage_frame(data: &[u8]) -> bool {
         }
         Some(Body::Hello(h)) => Role::try_from(h.role).is_ok(),
         Some(Body::Ping(_) | Body::Pong(_)) => true,
+        // A fetcher opens a manifest as a GGUF slice and takes the identity its table claims.
+        Some(Body::Manifest(m)) => match Gguf::from_bytes(m.gguf.clone()) {
+            Ok(g) => black_box(ModelIdentity::claimed(&g)).is_some(),
+            Err(e) => {
+                black_box(e.to_string());
+                false
+            }
+        },
+        Some(Body::Fetch(a)) => a.len <= MAX_CHUNK,
+        Some(Body::Chunk(c)) => !c.data.is_empty(),
         None => false,
     }
 }

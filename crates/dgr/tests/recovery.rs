@@ -38,7 +38,7 @@ fn run_with_fault(
     at: usize,
     fault: &str,
 ) -> (Recovered, Vec<u32>) {
-    let model_id = dgr_gguf::model_id(&common::model()).unwrap();
+    let model_id = dgr_gguf::model_identity(&common::model()).unwrap().id;
     let rt = common::runtime();
     rt.block_on(async {
         let request_id = tracker::new_request_id();

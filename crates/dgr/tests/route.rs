@@ -23,43 +23,13 @@ use prost::Message;
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 /// The two splits every check runs over, as layer cut points.
 const SPLITS: [&[usize]; 2] = [&[0, 15, 30], &[0, 10, 20, 30]];
-
-/// `dgr generate` with `args`, on the default model.
-fn generate_cmd(args: &[&str]) -> Command {
-    let mut c = dgr();
-    c.arg("generate").args(args).arg("--model").arg(model());
-    c
-}
-
-/// `dgr generate --format json` with `args`; fails the test on a non-zero exit.
-fn generate_json(args: &[&str]) -> Value {
-    let mut all = vec!["--format", "json"];
-    all.extend_from_slice(args);
-    let out = Proc::spawn(generate_cmd(&all)).wait_within(Duration::from_secs(60));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "dgr generate {args:?} failed ({:?}): {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
-    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("dgr generate {args:?} printed no JSON ({e}): {stdout}"))
-}
-
-/// The fields of a generation that a route must reproduce exactly, as their JSON text (so
-/// numbers compare bit for bit as printed).
-fn essence(v: &Value) -> Vec<(&'static str, String)> {
-    ["prompt_tokens", "tokens", "text", "logprobs", "top_logprobs", "finish_reason"].iter().map(|&k| (k, v[k].to_string())).collect()
-}
-
-fn assert_same_generation(got: &Value, want: &Value, what: &str) {
-    assert!(got["tokens"].as_array().is_some_and(|t| !t.is_empty()), "{what}: no tokens in {got}");
-    for ((k, g), (_, w)) in essence(got).iter().zip(essence(want)) {
-        assert_eq!(*g, w, "{what}: field {k:?} differs\n routed: {g}\n  whole: {w}");
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // A raw protocol client (blocking, every read with a deadline)

@@ -186,7 +186,7 @@ fn forged_tickets_are_refused_and_others_are_unaffected() {
     let w0 = Worker::start(&t, (0, 15), "w0", &[]);
     let w1 = Worker::start(&t, (15, 30), "w1", &[]);
     t.wait_live(&[&w0.id, &w1.id], Duration::from_secs(5), "joined");
-    let model_id = dgr_gguf::model_id(&common::model()).unwrap();
+    let model_id = dgr_gguf::model_identity(&common::model()).unwrap().id;
     let want = one_process(&["--max-tokens", "48"]);
 
     // A legitimate generation runs while the forgeries arrive.
@@ -301,7 +301,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
         account(&v);
     }
     // A cancelled request, driven through the library (the CLI has no cancel).
-    let model_id = dgr_gguf::model_id(&common::model()).unwrap();
+    let model_id = dgr_gguf::model_identity(&common::model()).unwrap().id;
     let rt = common::runtime();
     let cancelled = rt.block_on(async {
         use dgr_gateway::{tracker, DriveOptions, Flow, GenRequest};

@@ -87,14 +87,15 @@ impl ModelConfig {
             Some(_) => dim("context_length", 1 << 24)?,
             None => 4096,
         };
-        let embd = g.tensor("token_embd.weight").ok_or_else(|| EngineError::MissingTensor("token_embd.weight".into()))?;
-        let vocab = match embd.dims.as_slice() {
+        // A slice may not hold the embedding; its table still says the whole model's shape.
+        let embd = g.model_tensor_dims("token_embd.weight").ok_or_else(|| EngineError::MissingTensor("token_embd.weight".into()))?;
+        let vocab = match embd {
             [h, v] if *h as usize == hidden && *v > 0 && *v <= 1 << 24 => *v as usize,
             _ => {
                 return Err(EngineError::BadShape {
                     name: "token_embd.weight".into(),
                     expected: vec![hidden as u64, 0],
-                    found: embd.dims.clone(),
+                    found: embd.to_vec(),
                 })
             }
         };

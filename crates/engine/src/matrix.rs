@@ -12,6 +12,8 @@ pub(crate) struct Matrix {
     fast: Option<FastType>,
     pub rows: usize,
     pub k: usize,
+    /// Where the rows lie: a mapped region of the file, and the offset into it.
+    region: usize,
     offset: usize,
     row_bytes: usize,
 }
@@ -35,19 +37,18 @@ impl Matrix {
             expected: vec![k as u64, rows as u64],
             found: t.dims.clone(),
         })? as usize;
-        let data = g.tensor_data(t);
-        let offset = data.as_ptr() as usize - g.file_bytes().as_ptr() as usize;
-        Ok(Matrix { ty: t.ty, fast, rows, k, offset, row_bytes })
+        let (region, offset) = g.tensor_location(t).ok_or_else(|| EngineError::MissingTensor(name.into()))?;
+        Ok(Matrix { ty: t.ty, fast, rows, k, region, offset, row_bytes })
     }
 
-    fn row<'f>(&self, file: &'f [u8], r: usize) -> &'f [u8] {
-        let start = self.offset + r * self.row_bytes;
-        &file[start..start + self.row_bytes]
+    /// Rows `rows` of the matrix, in the mapped region `g` holds them in.
+    fn rows<'f>(&self, g: &'f Gguf, rows: std::ops::Range<usize>) -> &'f [u8] {
+        &g.region(self.region)[self.offset + rows.start * self.row_bytes..self.offset + rows.end * self.row_bytes]
     }
 
     /// Row `r` as f32 (for embeddings).
-    pub fn dequantize_row(&self, file: &[u8], r: usize, out: &mut [f32]) -> Result<(), EngineError> {
-        Ok(dgr_gguf::quant::dequantize_row(self.ty, self.row(file, r), out)?)
+    pub fn dequantize_row(&self, g: &Gguf, r: usize, out: &mut [f32]) -> Result<(), EngineError> {
+        Ok(dgr_gguf::quant::dequantize_row(self.ty, self.rows(g, r..r + 1), out)?)
     }
 
     pub fn bytes(&self) -> usize {
@@ -75,7 +76,7 @@ fn tile_cols(k: usize) -> usize {
 /// Computes every product for the `n` columns of `x` (each `k` floats, contiguous) in one pool
 /// job over the products' rows, handed out in chunks. Each row is computed completely by one
 /// thread, so a result depends on neither the thread count nor the other columns.
-pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, file: &[u8], x: &[f32], n: usize, products: &mut [Product]) {
+pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize, products: &mut [Product]) {
     // At most three products share a job (q, k, v); held in an array, not allocated per call.
     assert!(products.len() <= 3);
     for p in products.iter() {
@@ -93,7 +94,7 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, file: &[u8], x: &[f32], n: usi
         for (w, out) in jobs.iter().flatten() {
             let (lo, hi) = (items.start.max(base), items.end.min(base + w.rows));
             if lo < hi {
-                rows(isa, file, x, n, w, out, lo - base..hi - base);
+                rows(isa, g, x, n, w, out, lo - base..hi - base);
             }
             base += w.rows;
         }
@@ -101,7 +102,7 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, file: &[u8], x: &[f32], n: usi
 }
 
 /// Rows `rows` of `w` for every column: the unit of work one thread does without a break.
-fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
+fn rows(isa: Isa, model: &Gguf, x: &[f32], n: usize, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
     let k = w.k;
     let tile = tile_cols(k);
     let mut scratch = Vec::new();
@@ -114,7 +115,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &Disjoint, 
         let dst = out.at(c0 * w.rows + rows.start);
         match w.fast {
             Some(ty) => {
-                let bytes = &file[w.offset + rows.start * w.row_bytes..w.offset + rows.end * w.row_bytes];
+                let bytes = w.rows(model, rows.clone());
                 // SAFETY: the kernel writes `dst[c * w.rows + r]` for c < g and r < rows.len():
                 // exactly the outputs this call alone owns (above).
                 unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes, n_rows: rows.len() }, k, &xs[..g], dst, w.rows) };
@@ -123,7 +124,7 @@ fn rows(isa: Isa, file: &[u8], x: &[f32], n: usize, w: &Matrix, out: &Disjoint, 
                 // Types without a SIMD dequantizer: one row at a time through f32.
                 scratch.resize(k, 0f32);
                 for r in rows.clone() {
-                    if dgr_gguf::quant::dequantize_row(w.ty, w.row(file, r), &mut scratch).is_err() {
+                    if dgr_gguf::quant::dequantize_row(w.ty, w.rows(model, r..r + 1), &mut scratch).is_err() {
                         scratch.iter_mut().for_each(|v| *v = f32::NAN); // unreachable: checked at load
                     }
                     let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k, n_rows: 1 };

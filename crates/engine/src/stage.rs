@@ -88,7 +88,7 @@ pub struct Stage {
 static NEXT_STAGE_ID: AtomicU64 = AtomicU64::new(1);
 
 fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
-    let t = g.tensor(name).ok_or_else(|| EngineError::MissingTensor(name.into()))?;
+    let t = g.tensor(name).filter(|t| g.is_mapped(t)).ok_or_else(|| EngineError::MissingTensor(name.into()))?;
     if t.dims != [len as u64] {
         return Err(EngineError::BadShape { name: name.into(), expected: vec![len as u64], found: t.dims.clone() });
     }
@@ -268,7 +268,7 @@ impl Stage {
         let cfg = &self.cfg;
         let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
         let t_all: usize = rows_of.iter().sum();
-        let file = self.gguf.file_bytes();
+        let g = &*self.gguf;
 
         // Row t belongs to sequence seq_of[t] at position pos_of[t].
         let mut seq_of = Vec::with_capacity(t_all);
@@ -281,7 +281,7 @@ impl Stage {
                 pos_of.push(s.kv.len + r);
                 let row = &mut x[t * h..(t + 1) * h];
                 match (&s.input, &self.embed) {
-                    (Input::Tokens(toks), Some(e)) => e.dequantize_row(file, toks[r] as usize, row)?,
+                    (Input::Tokens(toks), Some(e)) => e.dequantize_row(g, toks[r] as usize, row)?,
                     (Input::Hidden(hs), _) => row.copy_from_slice(&hs[r * h..(r + 1) * h]),
                     (Input::Tokens(_), None) => unreachable!("checked above"),
                 }
@@ -312,7 +312,7 @@ impl Stage {
             matmul(
                 &self.pool,
                 self.isa,
-                file,
+                g,
                 &xn,
                 t_all,
                 &mut [Product { w: &layer.wq, out: &mut q }, Product { w: &layer.wk, out: &mut k }, Product { w: &layer.wv, out: &mut v }],
@@ -333,7 +333,7 @@ impl Stage {
                 t0 += n;
             }
             self.attention(batch, li, &seq_of, &pos_of, &q, &mut att);
-            matmul(&self.pool, self.isa, file, &att, t_all, &mut [Product { w: &layer.wo, out: &mut o }]);
+            matmul(&self.pool, self.isa, g, &att, t_all, &mut [Product { w: &layer.wo, out: &mut o }]);
             add(&mut x, &o);
             for t in 0..t_all {
                 ops::rms_norm(&x[t * h..(t + 1) * h], &layer.ffn_norm, cfg.rms_eps, &mut xn[t * h..(t + 1) * h]);
@@ -341,13 +341,13 @@ impl Stage {
             matmul(
                 &self.pool,
                 self.isa,
-                file,
+                g,
                 &xn,
                 t_all,
                 &mut [Product { w: &layer.gate, out: &mut gate }, Product { w: &layer.up, out: &mut up }],
             );
             ops::silu_mul(&mut gate, &up);
-            matmul(&self.pool, self.isa, file, &gate, t_all, &mut [Product { w: &layer.down, out: &mut o }]);
+            matmul(&self.pool, self.isa, g, &gate, t_all, &mut [Product { w: &layer.down, out: &mut o }]);
             add(&mut x, &o);
         }
         for (si, s) in batch.iter_mut().enumerate() {
@@ -384,7 +384,7 @@ impl Stage {
         }
         let vocab = cfg.vocab;
         let mut logits = vec![0f32; picked.len() * vocab];
-        matmul(&self.pool, self.isa, file, &hn, picked.len(), &mut [Product { w: &head.w, out: &mut logits }]);
+        matmul(&self.pool, self.isa, g, &hn, picked.len(), &mut [Product { w: &head.w, out: &mut logits }]);
         for (i, &(si, _)) in picked.iter().enumerate() {
             outputs[si].logits.extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
         }

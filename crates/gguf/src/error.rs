@@ -64,6 +64,16 @@ pub enum GgufError {
     PartialBlock { ty: GgmlType, n_elems: u64, block_size: usize },
     #[error("{what}: expected {expected} bytes, got {found}")]
     LengthMismatch { what: &'static str, expected: u64, found: u64 },
+    #[error("tensor {tensor:?}: its bytes do not hash to the model's table")]
+    TensorHashMismatch { tensor: String },
+    #[error("dgr.slice.tensors entry {index}: {reason}")]
+    BadSliceTable { index: usize, reason: String },
+    #[error("layers [{start}, {end}) are not a nonempty range within [{lo}, {hi})")]
+    BadLayerRange { start: u32, end: u32, lo: u32, hi: u32 },
+    #[error("tensor {tensor:?}: {reason}")]
+    SliceTensorMismatch { tensor: String, reason: &'static str },
+    #[error("tensor {tensor:?} is not mapped")]
+    TensorNotMapped { tensor: String },
 }
 
 /// Formats an optional header offset; the writer reports shape errors before any offset exists.

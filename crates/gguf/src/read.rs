@@ -1,6 +1,7 @@
-//! GGUF header parsing. Every count and length is checked against the bytes left before it is
-//! used to allocate or index, and all offset arithmetic is checked, so hostile input yields an
-//! error rather than a panic, a huge allocation or a long loop.
+//! GGUF header parsing, from the whole file or from a prefix of it. Every count and length is
+//! checked against the file's bytes left before it is used, allocations are bounded by the bytes
+//! in hand, and all offset arithmetic is checked, so hostile input yields an error rather than a
+//! panic, a huge allocation or a long loop.
 
 use crate::error::GgufError;
 use crate::tensor::{tensor_n_bytes, TensorInfo, MAX_DIMS};
@@ -28,9 +29,13 @@ pub(crate) struct Header {
     pub tensor_index: HashMap<String, usize>,
 }
 
+/// Reads `buf`, the first bytes of a `file_len`-byte file (all of it, unless only the header was
+/// read). Counts are checked against the whole file's remaining bytes, allocations only against
+/// the bytes in hand, so a prefix never allocates for bytes it has not read.
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    file_len: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -38,8 +43,16 @@ impl<'a> Cursor<'a> {
         self.pos as u64
     }
 
-    fn remaining(&self) -> usize {
-        self.buf.len().saturating_sub(self.pos)
+    /// Bytes left in the file (not just in `buf`).
+    fn remaining(&self) -> u64 {
+        self.file_len.saturating_sub(self.offset())
+    }
+
+    /// How many items of at least `min_size` bytes to preallocate for `count` of them: no more
+    /// than the bytes in hand can hold.
+    fn capacity(&self, count: usize, min_size: u64) -> usize {
+        let in_hand = self.buf.len().saturating_sub(self.pos) as u64;
+        count.min(usize::try_from(in_hand / min_size.max(1)).unwrap_or(usize::MAX))
     }
 
     fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], GgufError> {
@@ -47,7 +60,7 @@ impl<'a> Cursor<'a> {
             field,
             offset: self.offset(),
             needed: n as u64,
-            available: self.remaining() as u64,
+            available: self.remaining(),
         })?;
         self.pos += n;
         Ok(slice)
@@ -72,7 +85,7 @@ impl<'a> Cursor<'a> {
     fn count(&mut self, field: &'static str, min_size: u64) -> Result<usize, GgufError> {
         let offset = self.offset();
         let count = self.u64(field)?;
-        let remaining = self.remaining() as u64;
+        let remaining = self.remaining();
         let fits = count.checked_mul(min_size).is_some_and(|n| n <= remaining);
         match usize::try_from(count) {
             Ok(n) if fits => Ok(n),
@@ -122,7 +135,7 @@ impl<'a> Cursor<'a> {
                     offset: elem_offset,
                 })?;
                 let n = self.count("array length", min_size)?;
-                let mut items = Vec::with_capacity(n);
+                let mut items = Vec::with_capacity(self.capacity(n, min_size));
                 for _ in 0..n {
                     items.push(self.value(elem_id, key, elem_offset, depth + 1)?);
                 }
@@ -140,8 +153,10 @@ fn parse_alignment(value: &Value, offset: u64) -> Result<u64, GgufError> {
     }
 }
 
-pub(crate) fn parse(buf: &[u8]) -> Result<Header, GgufError> {
-    let mut c = Cursor { buf, pos: 0 };
+/// Parses the header of a `file_len`-byte file from `buf`, its first bytes. A `Truncated` error
+/// while `buf` is shorter than the file may only mean that more of the file is needed.
+pub(crate) fn parse(buf: &[u8], file_len: u64) -> Result<Header, GgufError> {
+    let mut c = Cursor { buf, pos: 0, file_len };
     let magic = c.bytes::<4>("magic")?;
     if &magic != MAGIC {
         return Err(GgufError::BadMagic { found: magic });
@@ -153,8 +168,8 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header, GgufError> {
     let n_tensors = c.count("tensor count", MIN_TENSOR_INFO)?;
     let n_kv = c.count("metadata count", MIN_KV)?;
 
-    let mut metadata = Vec::with_capacity(n_kv);
-    let mut key_index = HashMap::with_capacity(n_kv);
+    let mut metadata = Vec::with_capacity(c.capacity(n_kv, MIN_KV));
+    let mut key_index = HashMap::with_capacity(c.capacity(n_kv, MIN_KV));
     let mut alignment = DEFAULT_ALIGNMENT;
     for _ in 0..n_kv {
         let key_offset = c.offset();
@@ -171,8 +186,8 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header, GgufError> {
         metadata.push((key, value));
     }
 
-    let mut tensors = Vec::with_capacity(n_tensors);
-    let mut tensor_index = HashMap::with_capacity(n_tensors);
+    let mut tensors = Vec::with_capacity(c.capacity(n_tensors, MIN_TENSOR_INFO));
+    let mut tensor_index = HashMap::with_capacity(c.capacity(n_tensors, MIN_TENSOR_INFO));
     for _ in 0..n_tensors {
         let info_offset = c.offset();
         let name = c.string("tensor name")?;
@@ -202,7 +217,7 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header, GgufError> {
     let header_end = c.offset();
     let data_offset =
         header_end.checked_next_multiple_of(alignment).ok_or(GgufError::Overflow { what: "data section start", offset: header_end })?;
-    check_tensor_ranges(&tensors, data_offset, buf.len() as u64)?;
+    check_tensor_ranges(&tensors, data_offset, file_len)?;
     Ok(Header { version, alignment, data_offset, metadata, key_index, tensors, tensor_index })
 }
 

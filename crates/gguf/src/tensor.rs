@@ -10,7 +10,7 @@ pub const MAX_DIMS: usize = 4;
 pub struct TensorInfo {
     pub name: String,
     pub ty: GgmlType,
-    /// ggml order: dims[0] is the row length (contiguous in memory).
+    /// ggml order: `dims[0]` is the row length (contiguous in memory).
     pub dims: Vec<u64>,
     /// Byte offset relative to the data section.
     pub offset: u64,

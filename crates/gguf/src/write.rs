@@ -65,46 +65,16 @@ impl GgufWriter {
         Ok(())
     }
 
-    fn alignment(&self) -> u64 {
-        match self.metadata.iter().find(|(k, _)| k == ALIGNMENT_KEY) {
-            Some((_, Value::U32(a))) if a.is_power_of_two() => (*a).into(),
-            _ => DEFAULT_ALIGNMENT,
-        }
-    }
-
     /// The file: header, padding to the alignment, then each tensor at an aligned offset.
     /// Nothing follows the last tensor, so every proper prefix of a file with tensors is invalid.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let align = self.alignment() as usize;
-        let mut offsets = Vec::with_capacity(self.tensors.len());
-        let mut data_len = 0usize;
-        for t in &self.tensors {
-            data_len = data_len.next_multiple_of(align);
-            offsets.push(data_len as u64);
-            data_len += t.data.len();
-        }
-
-        let mut out = Vec::new();
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&self.version.to_le_bytes());
-        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
-        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
-        for (key, value) in &self.metadata {
-            write_str(&mut out, key);
-            out.extend_from_slice(&value.type_id().to_le_bytes());
-            write_value(&mut out, value);
-        }
-        for (t, offset) in self.tensors.iter().zip(&offsets) {
-            write_str(&mut out, &t.name);
-            out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
-            for d in &t.dims {
-                out.extend_from_slice(&d.to_le_bytes());
-            }
-            out.extend_from_slice(&t.ty.id().to_le_bytes());
-            out.extend_from_slice(&offset.to_le_bytes());
-        }
-        let data_start = out.len().next_multiple_of(align);
-        out.resize(data_start, 0);
+        let align = alignment_of(&self.metadata);
+        // The tensors are in memory, so their offsets cannot overflow.
+        let (offsets, _) = place(self.tensors.iter().map(|t| t.data.len() as u64), align).unwrap_or_default();
+        let infos: Vec<HeaderTensor> =
+            self.tensors.iter().zip(&offsets).map(|(t, &offset)| HeaderTensor { name: &t.name, ty: t.ty, dims: &t.dims, offset }).collect();
+        let mut out = encode_header(self.version, &self.metadata, &infos, align);
+        let data_start = out.len();
         for (t, offset) in self.tensors.iter().zip(&offsets) {
             out.resize(data_start + *offset as usize, 0);
             out.extend_from_slice(&t.data);
@@ -117,7 +87,68 @@ impl GgufWriter {
     }
 }
 
-fn is_homogeneous(value: &Value) -> bool {
+/// The alignment `general.alignment` sets, or the default when it is absent or invalid (a
+/// reader rejects the invalid ones).
+pub(crate) fn alignment_of(metadata: &[(String, Value)]) -> u64 {
+    match metadata.iter().find(|(k, _)| k == ALIGNMENT_KEY) {
+        Some((_, Value::U32(a))) if a.is_power_of_two() => (*a).into(),
+        _ => DEFAULT_ALIGNMENT,
+    }
+}
+
+/// A tensor info as the header records it; `offset` is relative to the data section.
+pub(crate) struct HeaderTensor<'a> {
+    pub name: &'a str,
+    pub ty: GgmlType,
+    pub dims: &'a [u64],
+    pub offset: u64,
+}
+
+/// Each tensor's offset in a data section that puts them in order, each at a multiple of
+/// `align`, and the section's length; None on overflow.
+pub(crate) fn place(sizes: impl Iterator<Item = u64>, align: u64) -> Option<(Vec<u64>, u64)> {
+    let mut offsets = Vec::new();
+    let mut len = 0u64;
+    for n in sizes {
+        len = len.checked_next_multiple_of(align)?;
+        offsets.push(len);
+        len = len.checked_add(n)?;
+    }
+    Some((offsets, len))
+}
+
+/// Magic, version, counts, metadata and tensor infos, zero-padded to a multiple of `align`
+/// (where the data section starts).
+pub(crate) fn encode_header(version: u32, metadata: &[(String, Value)], tensors: &[HeaderTensor], align: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+    for (key, value) in metadata {
+        write_kv(&mut out, key, value);
+    }
+    for t in tensors {
+        write_str(&mut out, t.name);
+        out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+        for d in t.dims {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
+        out.extend_from_slice(&t.ty.id().to_le_bytes());
+        out.extend_from_slice(&t.offset.to_le_bytes());
+    }
+    out.resize(out.len().next_multiple_of(align as usize), 0);
+    out
+}
+
+/// A metadata entry as GGUF encodes it: key, value type id, value.
+pub(crate) fn write_kv(out: &mut Vec<u8>, key: &str, value: &Value) {
+    write_str(out, key);
+    out.extend_from_slice(&value.type_id().to_le_bytes());
+    write_value(out, value);
+}
+
+pub(crate) fn is_homogeneous(value: &Value) -> bool {
     match value {
         Value::Array(items) => {
             let first = items.first().map(Value::type_id);
@@ -127,7 +158,7 @@ fn is_homogeneous(value: &Value) -> bool {
     }
 }
 
-fn write_str(out: &mut Vec<u8>, s: &str) {
+pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u64).to_le_bytes());
     out.extend_from_slice(s.as_bytes());
 }

@@ -2,8 +2,8 @@
 //! panicking or allocating in proportion to a claimed count.
 mod common;
 
-use common::{small_file, Raw, XorShift};
-use dgr_gguf::{Gguf, GgufError, GgufWriter, Value};
+use common::{llama, small_file, Raw, TempDir, XorShift};
+use dgr_gguf::{identity, write_slice, Gguf, GgufError, GgufWriter, Value};
 use std::time::{Duration, Instant};
 
 fn parse(bytes: Vec<u8>) -> Result<Gguf, GgufError> {
@@ -25,26 +25,62 @@ fn every_truncated_prefix_is_rejected() {
     }
 }
 
-#[test]
-fn random_mutations_never_panic() {
-    let file = small_file();
-    let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
-    let interesting = [0x00, 0x01, 0x7F, 0x80, 0xFF];
-    let mut accepted = 0;
-    for _ in 0..5000 {
-        let mut bytes = file.clone();
+/// Parses `rounds` copies of `file`, each with 1 to 4 bytes replaced (at positions below
+/// `within`, or anywhere for half of them), and hands each accepted one to `accepted`; returns
+/// how many were accepted.
+fn mutations(file: &[u8], within: usize, seed: u64, rounds: usize, mut accepted: impl FnMut(Gguf)) -> usize {
+    let mut rng = XorShift(seed);
+    let interesting = [0x00, 0x01, 0x7F, 0x80, 0xFF, b'\t', b','];
+    let mut n = 0;
+    for _ in 0..rounds {
+        let mut bytes = file.to_vec();
+        let span = if rng.below(2) == 0 { within } else { bytes.len() };
         for _ in 0..1 + rng.below(4) {
-            let i = rng.below(bytes.len());
+            let i = rng.below(span);
             bytes[i] = if rng.below(2) == 0 { interesting[rng.below(interesting.len())] } else { rng.next_u64() as u8 };
         }
         if let Ok(g) = parse(bytes) {
-            accepted += 1;
+            n += 1;
             for t in g.tensors() {
                 assert_eq!(g.tensor_data(t).len() as u64, t.n_bytes);
+                assert!(g.model_has_tensor(&t.name));
+                assert_eq!(g.model_tensor_dims(&t.name), Some(t.dims.as_slice()));
             }
+            accepted(g);
         }
     }
+    n
+}
+
+#[test]
+fn random_mutations_never_panic() {
+    let file = small_file();
     // Flips inside tensor data leave the file valid, so some must be accepted.
+    assert!(mutations(&file, file.len(), 0x9E37_79B9_7F4A_7C15, 5000, |_| {}) > 0);
+}
+
+#[test]
+fn random_mutations_of_a_slice_never_panic() {
+    let dir = TempDir::new("hostile-slice");
+    let path = dir.file("m.gguf", &llama(false, 9).to_bytes());
+    let g = Gguf::open(&path).expect("open");
+    let id = identity(&path, &g).expect("identity");
+    let out = dir.path("s.gguf");
+    write_slice(&g, &id, 1, 3, &out).expect("slice");
+    let file = std::fs::read(&out).expect("read");
+    let header = Gguf::from_bytes(file.clone()).expect("parse").data_offset() as usize;
+    let mut checked = 0;
+    let accepted = mutations(&file, header, 0x05EE_D0F5_11CE, 5000, |g| {
+        // Hash some of them: a changed tensor is named, never a panic.
+        if checked < 40 {
+            checked += 1;
+            let p = dir.file(&format!("mutated-{checked}.gguf"), g.file_bytes());
+            match identity(&p, &g) {
+                Ok(got) => assert_eq!(got.tensors.len(), id.tensors.len()),
+                Err(e) => assert!(matches!(e, GgufError::TensorHashMismatch { .. }), "{e:?}"),
+            }
+        }
+    });
     assert!(accepted > 0);
 }
 

@@ -3,7 +3,7 @@
 /// One frame on the wire.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Frame {
-    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11")]
+    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14")]
     pub body: Option<Body>,
 }
 
@@ -42,6 +42,52 @@ pub enum Body {
     Ping(Ping),
     #[prost(message, tag = "11")]
     Pong(Ping),
+    /// A worker fetching its slice → a worker holding the tensors (behind the join token): the
+    /// model's manifest, or a run of one tensor's bytes.
+    #[prost(message, tag = "12")]
+    Fetch(FetchAsk),
+    /// Holder → fetcher: the manifest, a GGUF file with no tensors holding the whole model's
+    /// metadata and its table of tensor hashes (the model's identity).
+    #[prost(message, tag = "13")]
+    Manifest(Manifest),
+    /// Holder → fetcher: bytes of one tensor.
+    #[prost(message, tag = "14")]
+    Chunk(TensorChunk),
+}
+
+/// The most bytes one `Chunk` carries.
+pub const MAX_CHUNK: u32 = 4 << 20;
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct FetchAsk {
+    #[prost(string, tag = "1")]
+    pub join_token: String,
+    #[prost(string, tag = "2")]
+    pub model_id: String,
+    /// Empty: the manifest.
+    #[prost(string, tag = "3")]
+    pub tensor: String,
+    #[prost(uint64, tag = "4")]
+    pub offset: u64,
+    /// At most `MAX_CHUNK`.
+    #[prost(uint32, tag = "5")]
+    pub len: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Manifest {
+    #[prost(bytes = "vec", tag = "1")]
+    pub gguf: Vec<u8>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TensorChunk {
+    #[prost(string, tag = "1")]
+    pub tensor: String,
+    #[prost(uint64, tag = "2")]
+    pub offset: u64,
+    #[prost(bytes = "vec", tag = "3")]
+    pub data: Vec<u8>,
 }
 
 #[derive(Clone, Copy, PartialEq, prost::Message)]
@@ -97,7 +143,8 @@ pub struct StageInfo {
 pub struct BoundarySchema {
     #[prost(uint32, tag = "1")]
     pub protocol_version: u32,
-    /// SHA-256 of the model file's bytes (metadata and tensor data), hex.
+    /// The model's identity (hex): a hash over its metadata and its tensors' hashes, the same for
+    /// the whole file and for every slice of it.
     #[prost(string, tag = "2")]
     pub model_id: String,
     #[prost(uint32, tag = "3")]

@@ -9,14 +9,17 @@ mod compat;
 mod config;
 #[cfg(feature = "fault-injection")]
 mod fault;
+mod fetch;
 mod join;
 mod metrics;
 mod plan;
 mod scheduler;
 mod server;
+mod share;
 
 pub use compat::{CompatKey, KvLayout, Phase};
 pub use config::{TrackerLink, WorkerConfig};
+pub use fetch::{describe as describe_fetch, FetchError, FetchSpec, Fetched};
 pub use join::load_or_create_identity;
 pub use metrics::{rss_bytes, Metrics};
 pub use plan::Policy;

@@ -4,9 +4,11 @@
 
 use crate::join::{Joiner, TicketGate};
 use crate::scheduler::{Cmd, ConnId, ConnUse, Outbox, Scheduler};
+use crate::share::Holdings;
 use crate::{Metrics, WorkerConfig};
 use bytes::Bytes;
 use dgr_engine::{Stage, StageOptions};
+use dgr_gguf::{Gguf, ModelIdentity};
 use dgr_proto::{
     Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, OpenSession, Ping, Registration, Role, SeamDtype, StageInfo, TicketError,
     WorkerUsage, PROTOCOL_VERSION, STAGE_UNKNOWN,
@@ -40,6 +42,8 @@ pub enum WorkerError {
     Engine(#[from] dgr_engine::EngineError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error("the slice holds layers {}..{}, not all of {}..{}", .holds.start, .holds.end, .asked.start, .asked.end)]
+    SliceRange { holds: std::ops::Range<u32>, asked: std::ops::Range<usize> },
 }
 
 /// A worker ready to serve: its stage is open and its scheduler is waiting.
@@ -52,6 +56,7 @@ pub struct Worker {
     step_us_per_layer: f64,
     gate: Option<Arc<TicketGate>>,
     usage: Option<tokio::sync::mpsc::Receiver<WorkerUsage>>,
+    holdings: Option<Arc<Holdings>>,
 }
 
 struct Shared {
@@ -63,6 +68,8 @@ struct Shared {
     peers: tokio::sync::Mutex<HashMap<String, Outbox>>,
     /// Set when the worker joined a tracker: every session open needs a valid ticket.
     gate: Option<Arc<TicketGate>>,
+    /// In a swarm: the tensors this worker holds, served to workers fetching their slice.
+    holdings: Option<Arc<Holdings>>,
 }
 
 fn encode(f: &Frame) -> Bytes {
@@ -76,8 +83,16 @@ fn unix_us() -> u64 {
 impl Worker {
     /// Opens the model's layers `cfg.layers` and starts the scheduler.
     pub fn open(cfg: WorkerConfig) -> Result<Worker, WorkerError> {
-        let model_id = dgr_gguf::model_id(&cfg.model).map_err(|source| dgr_gguf::GgufError::Io { path: cfg.model.clone(), source })?;
-        let gguf = Arc::new(dgr_gguf::Gguf::open(&cfg.model)?);
+        let (gguf, identity) = open_model(&cfg.model, &cfg.layers)?;
+        let model_id = identity.id.clone();
+        let gguf = Arc::new(gguf);
+        let holdings = match &cfg.tracker {
+            Some(t) => {
+                let layers = cfg.layers.start as u32..cfg.layers.end as u32;
+                Some(Arc::new(crate::share::Holdings::new(gguf.clone(), &identity, layers, &t.join_token)?))
+            }
+            None => None,
+        };
         let stage = Stage::open(gguf, cfg.layers.clone(), StageOptions { threads: cfg.threads, isa: None })?;
         let c = stage.config();
         let info = StageInfo {
@@ -113,7 +128,7 @@ impl Worker {
         });
         let sched = Scheduler::new(stage, cfg.clone(), schema, metrics.clone(), usage_tx);
         let scheduler = std::thread::Builder::new().name("dgr-scheduler".into()).spawn(move || sched.run(rx))?;
-        Ok(Worker { cfg, info, metrics, cmds, scheduler, step_us_per_layer, gate, usage })
+        Ok(Worker { cfg, info, metrics, cmds, scheduler, step_us_per_layer, gate, usage, holdings })
     }
 
     /// Microseconds per layer of one decode row, measured at start-up.
@@ -150,6 +165,7 @@ impl Worker {
             next_conn: AtomicU64::new(1),
             peers: tokio::sync::Mutex::new(HashMap::new()),
             gate: self.gate.clone(),
+            holdings: self.holdings.clone(),
         });
         let (leave, leave_rx) = tokio::sync::watch::channel(false);
         if let (Some(link), Some(gate), Some(usage)) = (self.cfg.tracker.clone(), self.gate.clone(), self.usage.take()) {
@@ -234,6 +250,26 @@ async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, S
         Some(l) => l.accept().await,
         None => std::future::pending().await,
     }
+}
+
+/// Opens the model file for layers `range`: reads its header, maps only the tensors those
+/// layers need, and establishes the model's identity (verifying a slice's tensors against it).
+fn open_model(path: &std::path::Path, range: &std::ops::Range<usize>) -> Result<(Gguf, ModelIdentity), WorkerError> {
+    let mut g = Gguf::read_header(path)?;
+    let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+    if range.start >= range.end || range.end > n_layers {
+        return Err(dgr_engine::EngineError::BadLayerRange { start: range.start, end: range.end, n_layers }.into());
+    }
+    if let Some(s) = g.slice() {
+        if range.start < s.layer_start as usize || range.end > s.layer_end as usize {
+            return Err(WorkerError::SliceRange { holds: s.layer_start..s.layer_end, asked: range.clone() });
+        }
+    }
+    let tied = !g.model_has_tensor("output.weight");
+    let (start, end) = (range.start as u32, range.end as u32);
+    g.map_tensors(|t| dgr_gguf::needed_by_stage(&t.name, start, end, n_layers as u32, tied))?;
+    let identity = dgr_gguf::identity(path, &g)?;
+    Ok((g, identity))
 }
 
 /// Times one decode row through every layer this stage holds (the best of a few runs, after a
@@ -401,9 +437,29 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                 let _ = out.try_send(Frame::new(Body::Pong(p)));
                 continue;
             }
+            Body::Fetch(ask) => {
+                let answer = match &shared.holdings {
+                    Some(h) => h.answer(&ask),
+                    None => {
+                        let msg = "this worker is not in a swarm: it serves no tensors";
+                        Frame::new(Body::Error(ErrorMsg::new(&[], ErrorKind::Ticket, STAGE_UNKNOWN, msg)))
+                    }
+                };
+                // Awaited, not queued: a fetcher asks one chunk at a time, and waiting bounds
+                // the memory its chunks take to the writer's queue.
+                let _ = out.send(answer).await;
+                continue;
+            }
             Body::Cancel(r) => Cmd::Cancel { id: r.session_id },
             Body::Close(r) => Cmd::Close { id: r.session_id },
-            Body::Hello(_) | Body::Opened(_) | Body::Token(_) | Body::Error(_) | Body::Usage(_) | Body::Pong(_) => {
+            Body::Hello(_)
+            | Body::Opened(_)
+            | Body::Token(_)
+            | Body::Error(_)
+            | Body::Usage(_)
+            | Body::Pong(_)
+            | Body::Manifest(_)
+            | Body::Chunk(_) => {
                 refuse(&out, &[], ErrorKind::BadFrame, "a frame a worker does not accept".into());
                 continue;
             }

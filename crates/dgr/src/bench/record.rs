@@ -22,7 +22,7 @@ pub fn write_maybe_model(dir: &Path, name: &str, model: Option<&Path>, extra: Va
     let model = match model {
         Some(m) => json!({
             "file": m.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-            "sha256": dgr_gguf::model_id(m).with_context(|| format!("hashing {}", m.display()))?,
+            "sha256": dgr_gguf::file_sha256(m).with_context(|| format!("hashing {}", m.display()))?,
         }),
         None => Value::Null,
     };

@@ -43,7 +43,7 @@ pub fn run(a: Args) -> Result<()> {
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let ranges = balanced_split(&g, n_layers, 2);
-    let model_id = dgr_gguf::model_id(&model)?;
+    let model_id = dgr_gguf::model_identity(&model)?.id;
     let direct = LocalSwarm::start(&model, &ranges, a.threads, &[])?;
     let t = LocalTracker::start(&[])?;
     let joined = LocalSwarm::start(&model, &ranges, a.threads, &t.join_flags())?;

@@ -133,16 +133,20 @@ impl Workers {
 
     /// As `start`, with `--threads threads` on each worker.
     pub fn start_threads(cuts: &[usize], threads: usize, extra: &[&str]) -> Workers {
-        let model = model();
+        Workers::start_on(&vec![model(); cuts.len() - 1], cuts, threads, extra)
+    }
+
+    /// As `start_threads`, each worker on its own model file (a slice, say).
+    pub fn start_on(models: &[PathBuf], cuts: &[usize], threads: usize, extra: &[&str]) -> Workers {
         let threads = threads.to_string();
         let mut w = Workers { children: Vec::new(), addrs: Vec::new(), cuts: cuts.to_vec(), logs: Vec::new() };
         let mut ready = Vec::new();
-        for r in cuts.windows(2) {
+        for (r, model) in cuts.windows(2).zip(models) {
             let mut child = dgr()
                 .args(["worker", "--listen", "127.0.0.1:0", "--threads", &threads, "--layers", &format!("{}..{}", r[0], r[1])])
                 .args(extra)
                 .arg("--model")
-                .arg(&model)
+                .arg(model)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -337,4 +341,37 @@ pub fn assert_same_completion(got: &Completion, want: &Completion, what: &str) {
         |c: &Completion| c.top_logprobs.iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
     assert_eq!(top(got), top(want), "{what}: top_logprobs");
     assert_eq!(got.finish_reason, want.finish_reason, "{what}: finish_reason");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generations compared field by field
+
+/// `dgr generate` with `args`, on the default model.
+pub fn generate_cmd(args: &[&str]) -> Command {
+    let mut c = dgr();
+    c.arg("generate").args(args).arg("--model").arg(model());
+    c
+}
+
+/// `dgr generate --format json` with `args`; fails the test on a non-zero exit.
+pub fn generate_json(args: &[&str]) -> Value {
+    let mut all = vec!["--format", "json"];
+    all.extend_from_slice(args);
+    let out = Proc::spawn(generate_cmd(&all)).wait_within(Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "dgr generate {args:?} failed ({:?}): {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("dgr generate {args:?} printed no JSON ({e}): {stdout}"))
+}
+
+/// The fields of a generation that a route must reproduce exactly, as their JSON text (so
+/// numbers compare bit for bit as printed).
+pub fn essence(v: &Value) -> Vec<(&'static str, String)> {
+    ["prompt_tokens", "tokens", "text", "logprobs", "top_logprobs", "finish_reason"].iter().map(|&k| (k, v[k].to_string())).collect()
+}
+
+pub fn assert_same_generation(got: &Value, want: &Value, what: &str) {
+    assert!(got["tokens"].as_array().is_some_and(|t| !t.is_empty()), "{what}: no tokens in {got}");
+    for ((k, g), (_, w)) in essence(got).iter().zip(essence(want)) {
+        assert_eq!(*g, w, "{what}: field {k:?} differs\n routed: {g}\n  whole: {w}");
+    }
 }

@@ -161,16 +161,22 @@ impl Worker {
     }
 
     /// As `start`, with extra environment variables.
-    pub fn start_with_env(t: &Tracker, (a, b): (usize, usize), key: &str, extra: &[&str], env: &[(&str, &str)]) -> Worker {
+    pub fn start_with_env(t: &Tracker, layers: (usize, usize), key: &str, extra: &[&str], env: &[(&str, &str)]) -> Worker {
+        Worker::start_on(t, layers, key, extra, env, Some(&model()))
+    }
+
+    /// As `start_with_env`, on `model` (None: no --model, for a worker that fetches its slice).
+    pub fn start_on(t: &Tracker, (a, b): (usize, usize), key: &str, extra: &[&str], env: &[(&str, &str)], model: Option<&Path>) -> Worker {
         let mut cmd = dgr();
         cmd.envs(env.iter().copied());
         cmd.args(["worker", "--threads", "1", "--layers", &format!("{a}..{b}"), "--tracker", &t.addr, "--join-token-file"])
             .arg(&t.token_file)
             .arg("--key-file")
             .arg(t.dir.join(format!("{key}.key")))
-            .args(extra)
-            .arg("--model")
-            .arg(model());
+            .args(extra);
+        if let Some(m) = model {
+            cmd.arg("--model").arg(m);
+        }
         if !extra.contains(&"--relay") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }

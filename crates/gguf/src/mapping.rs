@@ -1,0 +1,57 @@
+//! Partial maps: one read-only mmap per run of adjacent tensors a process keeps, so its address
+//! space holds those bytes (and at most a page or so around each run) and no others.
+
+use memmap2::{Mmap, MmapOptions};
+use std::fs::File;
+
+/// Map offsets are rounded down to a multiple of this: a multiple of every page size Linux
+/// uses (4 KiB to 64 KiB), as mmap requires.
+const MAP_ALIGN: u64 = 64 << 10;
+
+/// File bytes [start, end), mapped from `start - skip`.
+struct Run {
+    start: u64,
+    end: u64,
+    skip: usize,
+    map: Mmap,
+}
+
+/// Mapped runs of a file, sorted by start and disjoint.
+#[derive(Default)]
+pub(crate) struct Runs(Vec<Run>);
+
+impl Runs {
+    /// Maps each of `ranges` (absolute [start, end), sorted, disjoint, nonempty, inside the
+    /// file).
+    pub fn map(file: &File, ranges: &[(u64, u64)]) -> std::io::Result<Runs> {
+        let mut runs = Vec::with_capacity(ranges.len());
+        for &(start, end) in ranges {
+            let from = start - start % MAP_ALIGN;
+            let len = usize::try_from(end - from).map_err(std::io::Error::other)?;
+            // SAFETY: the mapping is read-only; as with any mmap, another process truncating or
+            // rewriting the file while it is mapped is outside what this crate can guard against.
+            let map = unsafe { MmapOptions::new().offset(from).len(len).map(file) }?;
+            runs.push(Run { start, end, skip: (start - from) as usize, map });
+        }
+        Ok(Runs(runs))
+    }
+
+    /// File bytes [start, end) if one run holds them all.
+    pub fn get(&self, start: u64, end: u64) -> Option<&[u8]> {
+        let (i, at) = self.locate(start, end)?;
+        self.region(i).get(at..at.checked_add(usize::try_from(end - start).ok()?)?)
+    }
+
+    /// The run holding all of file bytes [start, end), and where they start in its region.
+    pub fn locate(&self, start: u64, end: u64) -> Option<(usize, usize)> {
+        let i = self.0.partition_point(|r| r.start <= start).checked_sub(1)?;
+        let run = &self.0[i];
+        (end <= run.end).then_some(())?;
+        Some((i, usize::try_from(start - run.start).ok()?))
+    }
+
+    /// Run `i`'s bytes, from its first tensor's first byte (empty for a run that does not exist).
+    pub fn region(&self, i: usize) -> &[u8] {
+        self.0.get(i).and_then(|r| r.map.get(r.skip..)).unwrap_or(&[])
+    }
+}
