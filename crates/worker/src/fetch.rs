@@ -121,7 +121,7 @@ impl FetchSpec {
             if crate::fault::fetch_stop_after().is_some_and(|n| out.tensors_fetched >= n) {
                 return Err(FetchError::Stopped(out.tensors_fetched));
             }
-            self.tensor(&mut holders, &mut file, name, *at, *len, want, n_layers, tied).await?;
+            self.tensor(&mut holders, &mut file, &part, name, *at, *len, want, n_layers, tied).await?;
             out.tensors_fetched += 1;
             out.bytes_fetched += len;
         }
@@ -160,27 +160,36 @@ impl FetchSpec {
         Ok(holders)
     }
 
-    /// The first manifest that parses and hashes to the model id.
+    /// The first manifest that parses and hashes to the model id. A holder asked for a model it
+    /// does not hold refuses; one that answers with anything but that model's manifest lied.
     async fn manifest(&self, holders: &mut [Holder]) -> Result<(Gguf, ModelIdentity), FetchError> {
         let mut why = String::new();
         for h in holders.iter_mut() {
-            let got = match self.ask(h, String::new(), 0, 0).await {
-                Ok(Body::Manifest(m)) => Gguf::from_bytes(m.gguf).map_err(|e| e.to_string()),
-                Ok(_) => Err("not a manifest".to_string()),
-                Err(e) => Err(e),
-            };
-            match got.and_then(|g| {
-                let id = ModelIdentity::claimed(&g).ok_or("not a slice manifest")?;
-                if id.id == self.model_id {
-                    Ok((g, id))
-                } else {
-                    Err(format!("its manifest is of model {}", id.id))
+            let m = match self.ask(h, String::new(), 0, 0).await {
+                Ok(Body::Manifest(m)) => m,
+                Ok(Body::Error(e)) => {
+                    why = format!("{}: {}", h.addr, e.message);
+                    continue;
                 }
-            }) {
+                Ok(_) => {
+                    why = format!("{}: an answer that is not a manifest", h.addr);
+                    continue;
+                }
+                Err(e) => {
+                    why = format!("{}: {e}", h.addr);
+                    continue;
+                }
+            };
+            let checked = Gguf::from_bytes(m.gguf).map_err(|e| e.to_string()).and_then(|g| match ModelIdentity::claimed(&g) {
+                Some(id) if id.id == self.model_id => Ok((g, id)),
+                Some(id) => Err(format!("a manifest of model {}", id.id)),
+                None => Err("a manifest that is not a slice header".into()),
+            });
+            match checked {
                 Ok(found) => return Ok(found),
                 Err(e) => {
-                    h.lied |= e.starts_with("its manifest");
-                    why = format!("{}: {e}", h.addr);
+                    h.lied = true;
+                    why = format!("{} sent {e}", h.addr);
                 }
             }
         }
@@ -193,6 +202,7 @@ impl FetchSpec {
         &self,
         holders: &mut [Holder],
         file: &mut std::fs::File,
+        part: &Path,
         name: &str,
         at: u64,
         len: u64,
@@ -220,7 +230,7 @@ impl FetchSpec {
                         Ok(Body::Chunk(c)) if c.tensor == name && c.offset == off && c.data.len() == n as usize => {
                             hash.update(&c.data);
                             if let Err(e) = file.write_all_at(&c.data, at + off) {
-                                return Err(FetchError::Io { path: PathBuf::from(name), source: e });
+                                return Err(FetchError::Io { path: part.to_path_buf(), source: e });
                             }
                             off += n as u64;
                         }
