@@ -1,6 +1,6 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
-use crate::kernels::{self, FastType, Isa, Rows};
+use crate::kernels::{self, FastType, Isa, Line, Rows};
 use crate::pool::{Disjoint, ThreadPool};
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
@@ -9,7 +9,7 @@ use dgr_gguf::{GgmlType, Gguf};
 #[derive(Clone, Debug)]
 pub(crate) struct Matrix {
     ty: GgmlType,
-    fast: Option<FastType>,
+    fast: FastType,
     pub rows: usize,
     pub k: usize,
     /// Where the rows lie: a mapped region of the file, and the offset into it.
@@ -24,14 +24,7 @@ impl Matrix {
         if t.dims != [k as u64, rows as u64] {
             return Err(EngineError::BadShape { name: name.into(), expected: vec![k as u64, rows as u64], found: t.dims.clone() });
         }
-        let fast = FastType::of(t.ty);
-        let dequantizable = matches!(
-            t.ty,
-            GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
-        );
-        if fast.is_none() && !dequantizable {
-            return Err(EngineError::UnsupportedType { name: name.into(), ty: t.ty.name() });
-        }
+        let fast = FastType::of(t.ty).ok_or_else(|| EngineError::UnsupportedType { name: name.into(), ty: t.ty.name() })?;
         let row_bytes = t.ty.row_bytes(k as u64).ok_or_else(|| EngineError::BadShape {
             name: name.into(),
             expected: vec![k as u64, rows as u64],
@@ -62,26 +55,22 @@ pub(crate) struct Product<'a> {
     pub out: &'a mut [f32],
 }
 
-/// Columns per tile: as many as keep the tile of activations in L1 (at most a kernel's width),
-/// so each weight block is dequantized once per tile and multiplied from registers and L1.
-fn tile_cols(k: usize) -> usize {
-    match (24 * 1024) / (4 * k.max(1)) {
-        n if n >= 8 => 8,
-        n if n >= 4 => 4,
-        n if n >= 2 => 2,
-        _ => 1,
-    }
-}
-
-/// Computes every product for the `n` columns of `x` (each `k` floats, contiguous) in one pool
-/// job over the products' rows, handed out in chunks. Each row is computed completely by one
-/// thread, so a result depends on neither the thread count nor the other columns.
+/// Computes every product for the `n` columns of `x` (each `k` floats, contiguous, where every
+/// product has `k` columns) in one pool job over the products' rows, handed out in chunks. Each
+/// row is computed completely by one thread, so a result depends on neither the thread count nor
+/// the other columns.
 pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize, products: &mut [Product]) {
     // At most three products share a job (q, k, v); held in an array, not allocated per call.
     assert!(products.len() <= 3);
+    let k = products.first().map_or(0, |p| p.w.k);
     for p in products.iter() {
-        assert!(x.len() >= n * p.w.k && p.out.len() >= n * p.w.rows);
+        assert!(p.w.k == k && x.len() >= n * k && p.out.len() >= n * p.w.rows);
     }
+    let lines = aligned(x, n, k);
+    let (x, stride) = match &lines {
+        Some(l) => (Line::floats(l), k.next_multiple_of(16)),
+        None => (x, k),
+    };
     let mut jobs: [Option<(&Matrix, Disjoint)>; 3] = [None, None, None];
     for (j, p) in jobs.iter_mut().zip(products.iter_mut()) {
         *j = Some((p.w, Disjoint::new(p.out)));
@@ -94,52 +83,38 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize,
         for (w, out) in jobs.iter().flatten() {
             let (lo, hi) = (items.start.max(base), items.end.min(base + w.rows));
             if lo < hi {
-                rows(isa, g, x, n, w, out, lo - base..hi - base);
+                rows(isa, g, x, stride, n, w, out, lo - base..hi - base);
             }
             base += w.rows;
         }
     });
 }
 
-/// Rows `rows` of `w` for every column: the unit of work one thread does without a break.
-fn rows(isa: Isa, model: &Gguf, x: &[f32], n: usize, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
-    let k = w.k;
-    let tile = tile_cols(k);
-    let mut scratch = Vec::new();
-    let mut c0 = 0;
-    while c0 < n {
-        let g = kernels::group((n - c0).min(tile));
-        let xs: [&[f32]; kernels::MAX_COLS] = std::array::from_fn(|j| if j < g { &x[(c0 + j) * k..(c0 + j + 1) * k] } else { &[] });
-        // This call alone writes rows `rows` of columns c0..c0 + g of `out` (`matmul` hands each
-        // row to one chunk), and `matmul`'s assert keeps them inside the buffer.
-        let dst = out.at(c0 * w.rows + rows.start);
-        match w.fast {
-            Some(ty) => {
-                let bytes = w.rows(model, rows.clone());
-                // SAFETY: the kernel writes `dst[c * w.rows + r]` for c < g and r < rows.len():
-                // exactly the outputs this call alone owns (above).
-                unsafe { kernels::gemv(isa, &Rows { ty, bytes, row_bytes: w.row_bytes, n_rows: rows.len() }, k, &xs[..g], dst, w.rows) };
-            }
-            None => {
-                // Types without a SIMD dequantizer: one row at a time through f32.
-                scratch.resize(k, 0f32);
-                for r in rows.clone() {
-                    if dgr_gguf::quant::dequantize_row(w.ty, w.rows(model, r..r + 1), &mut scratch).is_err() {
-                        scratch.iter_mut().for_each(|v| *v = f32::NAN); // unreachable: checked at load
-                    }
-                    let f = Rows { ty: FastType::F32, bytes: as_bytes(&scratch), row_bytes: 4 * k, n_rows: 1 };
-                    // SAFETY: one row: the kernel writes `dst[(r - rows.start) + c * w.rows]` for
-                    // c < g, outputs of row `r`, which this call alone owns (above).
-                    unsafe { kernels::gemv(isa, &f, k, &xs[..g], dst.add(r - rows.start), w.rows) };
-                }
-            }
-        }
-        c0 += g;
+/// The `n` columns of `x` (`k` floats each) copied so each starts on a cache line, unless they
+/// already do: a 16-float load that straddles two lines costs the kernels twice as much.
+fn aligned(x: &[f32], n: usize, k: usize) -> Option<Vec<Line>> {
+    if (x.as_ptr() as usize).is_multiple_of(64) && k.is_multiple_of(16) {
+        return None;
     }
+    let stride = k.next_multiple_of(16);
+    let mut lines = vec![Line([0.0; 16]); n * stride / 16];
+    for (dst, col) in Line::floats_mut(&mut lines).chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
+        dst[..k].copy_from_slice(col);
+    }
+    Some(lines)
 }
 
-fn as_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: the bytes of `v` are initialized (f32 has no padding), every byte pattern is a
-    // valid u8, u8 has alignment 1, and the slice borrows `v` for its lifetime.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+/// Rows `rows` of `w` for every column (column `c` of `x` at `c * stride`): the unit of work one
+/// thread does without a break.
+#[allow(clippy::too_many_arguments)]
+fn rows(isa: Isa, model: &Gguf, x: &[f32], stride: usize, n: usize, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
+    let k = w.k;
+    let m = Rows { ty: w.fast, bytes: w.rows(model, rows.clone()), row_bytes: w.row_bytes, n_rows: rows.len() };
+    let xs: Vec<&[f32]> = (0..n).map(|c| &x[c * stride..][..k]).collect();
+    // This call alone writes rows `rows` of every column of `out` (`matmul` hands each row to
+    // one chunk), and `matmul`'s assert keeps them inside the buffer.
+    let dst = out.at(rows.start);
+    // SAFETY: the kernel writes `dst[c * w.rows + r]` for c < n and r < rows.len(): exactly the
+    // outputs this call alone owns (above).
+    unsafe { kernels::gemv(isa, &m, k, &xs, dst, w.rows) };
 }

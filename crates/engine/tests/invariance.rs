@@ -99,13 +99,20 @@ fn solo(g: &Arc<Gguf>, ps: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
 
 #[test]
 fn logits_do_not_depend_on_split_batch_threads_or_isa() {
+    // Every matrix type the kernels read.
     let shapes = [
         (GgmlType::Q4_1, "llama"),
         (GgmlType::Q8_0, "qwen2"),
         (GgmlType::Q4_0, "llama"),
+        (GgmlType::Q5_0, "qwen2"),
+        (GgmlType::Q5_1, "llama"),
+        (GgmlType::F32, "qwen2"),
         (GgmlType::F16, "llama"),
         (GgmlType::BF16, "qwen2"),
+        (GgmlType::Q2_K, "llama"),
+        (GgmlType::Q3_K, "qwen2"),
         (GgmlType::Q4_K, "llama"),
+        (GgmlType::Q5_K, "qwen2"),
         (GgmlType::Q6_K, "qwen2"),
     ];
     for (ty, arch) in shapes {

@@ -45,7 +45,11 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut Vec<u8>) -> Result<(), 
         GgmlType::BF16 => |x, out| out.extend_from_slice(&bf16::from_f32(x[0]).to_le_bytes()),
         GgmlType::Q4_0 => quant_q4_0,
         GgmlType::Q4_1 => quant_q4_1,
+        GgmlType::Q5_0 => quant_q5_0,
+        GgmlType::Q5_1 => quant_q5_1,
         GgmlType::Q8_0 => quant_q8_0,
+        GgmlType::Q2_K => quant_q2_k,
+        GgmlType::Q3_K => quant_q3_k,
         GgmlType::Q4_K => |x, out| quant_q45_k(x, out, false),
         GgmlType::Q5_K => |x, out| quant_q45_k(x, out, true),
         GgmlType::Q6_K => quant_q6_k,
@@ -151,6 +155,33 @@ fn quant_q4_1(x: &[f32], out: &mut Vec<u8>) {
         let hi = (((x[j + QK / 2] - min) * id + 0.5) as i8).min(15) as u8;
         out.push(lo | (hi << 4));
     }
+}
+
+/// The fifth bits of 32 codes, bit j for code j, as Q5_0 and Q5_1 store them; then the low
+/// nibbles, element j in the low half of byte j and element j+16 in the high half.
+fn push_q5_codes(q: &[u8; QK], out: &mut Vec<u8>) {
+    let qh = q.iter().enumerate().fold(0u32, |h, (j, &v)| h | ((v as u32 >> 4) << j));
+    out.extend_from_slice(&qh.to_le_bytes());
+    out.extend((0..QK / 2).map(|j| (q[j] & 0x0F) | ((q[j + QK / 2] & 0x0F) << 4)));
+}
+
+fn quant_q5_0(x: &[f32], out: &mut Vec<u8>) {
+    // As Q4_0: the signed value of largest magnitude maps to -16.
+    let max = x.iter().copied().fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+    let d = max / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    push_f16(out, d);
+    push_q5_codes(&std::array::from_fn(|j| ((x[j] * id + 16.5) as i8).clamp(0, 31) as u8), out);
+}
+
+fn quant_q5_1(x: &[f32], out: &mut Vec<u8>) {
+    let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let d = (max - min) / 31.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    push_f16(out, d);
+    push_f16(out, min);
+    push_q5_codes(&std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i8).clamp(0, 31) as u8), out);
 }
 
 fn quant_q8_0(x: &[f32], out: &mut Vec<u8>) {
@@ -348,6 +379,66 @@ fn quant_q45_k(x: &[f32], out: &mut Vec<u8>, five_bit: bool) {
     for run in q.chunks_exact(64) {
         out.extend((0..32).map(|l| (run[l] & 0x0F) | ((run[l + 32] & 0x0F) << 4)));
     }
+}
+
+/// Q2_K: per 16-element sub-block a minimum (clamped to <= 0) and a step, each a 4-bit index
+/// times an f16 super-block unit, rounded up as for Q4_K; codes 0..=3.
+fn quant_q2_k(x: &[f32], out: &mut Vec<u8>) {
+    let lo: [f32; 16] = std::array::from_fn(|i| x[16 * i..16 * i + 16].iter().copied().fold(0.0f32, f32::min));
+    let hi: [f32; 16] = std::array::from_fn(|i| x[16 * i..16 * i + 16].iter().copied().fold(lo[i], f32::max));
+    let dmin = f16_round_up(lo.iter().fold(0.0f32, |m, v| m.max(-v)) / 15.0);
+    let mn: [u8; 16] = std::array::from_fn(|i| index_up(-lo[i], dmin, 15.0) as u8);
+    let m: [f32; 16] = std::array::from_fn(|i| dmin * mn[i] as f32);
+    let scale: [f32; 16] = std::array::from_fn(|i| (hi[i] + m[i]) / 3.0);
+    let d = f16_round_up(scale.iter().copied().fold(0.0, f32::max) / 15.0);
+    let sc: [u8; 16] = std::array::from_fn(|i| index_up(scale[i], d, 15.0) as u8);
+    out.extend((0..16).map(|i| sc[i] | (mn[i] << 4)));
+    // Element 128g + 32s + l (l < 32) is bits 2s..2s+2 of code byte 32g + l.
+    let mut qs = [0u8; 64];
+    for (i, sub) in x.chunks_exact(16).enumerate() {
+        let step = d * sc[i] as f32;
+        for (l, &v) in sub.iter().enumerate() {
+            let q = if step > 0.0 { ((v + m[i]) / step).round().clamp(0.0, 3.0) as u8 } else { 0 };
+            let e = 16 * i + l;
+            qs[32 * (e / 128) + e % 32] |= q << (2 * (e % 128 / 32));
+        }
+    }
+    out.extend_from_slice(&qs);
+    push_f16(out, d);
+    push_f16(out, dmin);
+}
+
+/// Q3_K: per 16-element sub-block a symmetric step (amax / 3, codes in [-3, 3] of the format's
+/// [-4, 3]) as a 6-bit index (stored offset by 32) times the f16 super-block d, rounded up.
+fn quant_q3_k(x: &[f32], out: &mut Vec<u8>) {
+    let scale: [f32; 16] = std::array::from_fn(|i| x[16 * i..16 * i + 16].iter().fold(0.0f32, |m, v| m.max(v.abs())) / 3.0);
+    let d = f16_round_up(scale.iter().copied().fold(0.0, f32::max) / 31.0);
+    let sc: [u8; 16] = std::array::from_fn(|i| index_up(scale[i], d, 31.0) as u8);
+    // Code c + 4 of element 128g + 32s + l (l < 32): its low two bits at bits 2s..2s+2 of byte
+    // 32g + l of the codes, its third bit at bit 4g + s of mask byte l.
+    let (mut hmask, mut qs) = ([0u8; 32], [0u8; 64]);
+    for (i, sub) in x.chunks_exact(16).enumerate() {
+        let step = d * sc[i] as f32;
+        for (l, &v) in sub.iter().enumerate() {
+            let q = if step > 0.0 { (v / step).round().clamp(-4.0, 3.0) as i32 } else { 0 } + 4;
+            let e = 16 * i + l;
+            let (g, s) = (e / 128, e % 128 / 32);
+            qs[32 * g + e % 32] |= ((q & 3) as u8) << (2 * s);
+            hmask[e % 32] |= ((q >> 2) as u8) << (4 * g + s);
+        }
+    }
+    out.extend_from_slice(&hmask);
+    out.extend_from_slice(&qs);
+    // Scale i's low nibble in byte i % 8 (the high nibble for i >= 8), its top two bits in byte
+    // 8 + i % 4 at bit 2 * (i / 4): the inverse of the unpacking in `dequant_q3_k`.
+    let mut packed = [0u8; 12];
+    for (i, &s) in sc.iter().enumerate() {
+        let u = s + 32;
+        packed[i % 8] |= (u & 0x0F) << (4 * (i / 8));
+        packed[8 + i % 4] |= (u >> 4) << (2 * (i / 4));
+    }
+    out.extend_from_slice(&packed);
+    push_f16(out, d);
 }
 
 /// Q6_K: per 16-element sub-block a symmetric step (amax / 31, codes in [-32, 31] stored offset

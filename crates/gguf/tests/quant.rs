@@ -52,6 +52,143 @@ fn q8_0_known_answer() {
 }
 
 #[test]
+fn q5_0_and_q5_1_known_answers() {
+    // Fifth bit of element j is bit j of qh; value = d * (q - 16) (Q5_0) or d * q + m (Q5_1).
+    let qh: u32 = 0xF0F0_0F0F;
+    let codes = |j: usize| {
+        let nib = if j < 16 { j as u32 } else { 31 - j as u32 };
+        nib | ((qh >> j) & 1) << 4
+    };
+    let nibbles = (0..16u8).map(|j| j | ((15 - j) << 4));
+    let mut q5_0 = h(0.5).to_vec();
+    q5_0.extend(qh.to_le_bytes());
+    q5_0.extend(nibbles.clone());
+    let mut q5_1 = h(0.25).to_vec();
+    q5_1.extend(h(-2.0));
+    q5_1.extend(qh.to_le_bytes());
+    q5_1.extend(nibbles);
+    let (y0, y1) = (dequant(GgmlType::Q5_0, &q5_0, 32), dequant(GgmlType::Q5_1, &q5_1, 32));
+    for j in 0..32 {
+        assert_eq!(y0[j], 0.5 * (codes(j) as f32 - 16.0), "Q5_0 {j}");
+        assert_eq!(y1[j], 0.25 * codes(j) as f32 - 2.0, "Q5_1 {j}");
+    }
+}
+
+/// Packs eight 6-bit (scale, min) pairs as Q4_K and Q5_K hold them: pairs 0..4 in the low six
+/// bits of bytes 0..4 and 4..8, pairs 4..8 as nibbles of bytes 8..12 with their top two bits in
+/// the top bits of bytes 0..8.
+fn pack_k4(sc: [u8; 8], mn: [u8; 8]) -> [u8; 12] {
+    let mut q = [0u8; 12];
+    for j in 0..4 {
+        q[j] = sc[j] | (sc[j + 4] >> 4) << 6;
+        q[j + 4] = mn[j] | (mn[j + 4] >> 4) << 6;
+        q[j + 8] = (sc[j + 4] & 0x0F) | (mn[j + 4] & 0x0F) << 4;
+    }
+    q
+}
+
+#[test]
+fn q4_k_and_q5_k_known_answers() {
+    // Sub-block i (32 elements) is d * sc[i] * q - dmin * mn[i]; the 32 bytes of run r hold
+    // sub-block 2r in low nibbles and 2r+1 in high ones; Q5_K's bit i of qh[l] is the fifth bit
+    // of element l of sub-block i.
+    let sc = [1, 7, 20, 33, 40, 52, 63, 9];
+    let mn = [0, 5, 17, 30, 44, 50, 61, 63];
+    let nib = |e: usize| ((e * 7 + e / 32) % 16) as u8;
+    let qh: Vec<u8> = (0..32).map(|l| (l * 37 + 11) as u8).collect();
+    let qs: Vec<u8> = (0..128).map(|b| nib(64 * (b / 32) + b % 32) | nib(64 * (b / 32) + 32 + b % 32) << 4).collect();
+    for five in [false, true] {
+        let mut block = h(0.5).to_vec();
+        block.extend(h(0.25));
+        block.extend(pack_k4(sc, mn));
+        if five {
+            block.extend(&qh);
+        }
+        block.extend(&qs);
+        let ty = if five { GgmlType::Q5_K } else { GgmlType::Q4_K };
+        let y = dequant(ty, &block, 256);
+        for (e, v) in y.iter().enumerate() {
+            let (i, l) = (e / 32, e % 32);
+            let q = nib(e) + if five { ((qh[l] >> i) & 1) * 16 } else { 0 };
+            assert_eq!(*v, 0.5 * sc[i] as f32 * q as f32 - 0.25 * mn[i] as f32, "{ty} {e}");
+        }
+    }
+}
+
+#[test]
+fn q6_k_known_answer() {
+    // Element 128n + 32c + l (l < 32) has low nibble (ql[64n + 32(c % 2) + l] >> 4(c / 2)) and
+    // high bits (qh[32n + l] >> 2c) & 3; value d * scale[e / 16] * (q - 32), scales signed.
+    let code = |e: usize| ((e * 13 + 5) % 64) as u8;
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for e in 0..256 {
+        let (n, c, l) = (e / 128, e % 128 / 32, e % 32);
+        ql[64 * n + 32 * (c % 2) + l] |= (code(e) & 0x0F) << (4 * (c / 2));
+        qh[32 * n + l] |= (code(e) >> 4) << (2 * c);
+    }
+    let scales: [i8; 16] = std::array::from_fn(|i| (i as i8 - 8) * 15);
+    let mut block = ql.to_vec();
+    block.extend(qh);
+    block.extend(scales.iter().map(|&s| s as u8));
+    block.extend(h(0.5));
+    let y = dequant(GgmlType::Q6_K, &block, 256);
+    for (e, v) in y.iter().enumerate() {
+        assert_eq!(*v, 0.5 * scales[e / 16] as f32 * (code(e) as f32 - 32.0), "{e}");
+    }
+}
+
+#[test]
+fn q2_k_known_answer() {
+    // Element 128g + 32s + l (l < 32) is bits 2s..2s+2 of qs[32g + l]; sub-block e / 16 has
+    // scale byte sc | mn << 4; value d * sc * q - dmin * mn.
+    let code = |e: usize| ((e * 5 + e / 64) % 4) as u8;
+    let mut qs = [0u8; 64];
+    for e in 0..256 {
+        qs[32 * (e / 128) + e % 32] |= code(e) << (2 * (e % 128 / 32));
+    }
+    let (sc, mn) = (|i: usize| (i * 3 % 16) as u8, |i: usize| (15 - i) as u8);
+    let mut block: Vec<u8> = (0..16).map(|i| sc(i) | mn(i) << 4).collect();
+    block.extend(qs);
+    block.extend(h(0.5));
+    block.extend(h(0.25));
+    let y = dequant(GgmlType::Q2_K, &block, 256);
+    for (e, v) in y.iter().enumerate() {
+        let i = e / 16;
+        assert_eq!(*v, 0.5 * sc(i) as f32 * code(e) as f32 - 0.25 * mn(i) as f32, "{e}");
+    }
+}
+
+#[test]
+fn q3_k_known_answer() {
+    // Element 128g + 32s + l (l < 32): two low bits at bits 2s..2s+2 of qs[32g + l], a third at
+    // bit 4g + s of hmask[l]; value d * (scale - 32) * (code - 4). The 6-bit scales: scale i's
+    // low nibble in byte i % 8 (high nibble when i >= 8), its top bits in byte 8 + i % 4 at bit
+    // 2 * (i / 4).
+    let code = |e: usize| ((e * 3 + e / 32) % 8) as u8;
+    let (mut hmask, mut qs) = ([0u8; 32], [0u8; 64]);
+    for e in 0..256 {
+        let (g, s, l) = (e / 128, e % 128 / 32, e % 32);
+        qs[32 * g + l] |= (code(e) & 3) << (2 * s);
+        hmask[l] |= (code(e) >> 2) << (4 * g + s);
+    }
+    let scale = |i: usize| (i * 9 % 64) as u8;
+    let mut packed = [0u8; 12];
+    for i in 0..16 {
+        packed[i % 8] |= (scale(i) & 0x0F) << (4 * (i / 8));
+        packed[8 + i % 4] |= (scale(i) >> 4) << (2 * (i / 4));
+    }
+    let mut block = hmask.to_vec();
+    block.extend(qs);
+    block.extend(packed);
+    block.extend(h(0.5));
+    let y = dequant(GgmlType::Q3_K, &block, 256);
+    for (e, v) in y.iter().enumerate() {
+        assert_eq!(*v, 0.5 * (scale(e / 16) as f32 - 32.0) * (code(e) as f32 - 4.0), "{e}");
+    }
+}
+
+#[test]
 fn q8_k_known_answer() {
     let mut block = 0.5f32.to_le_bytes().to_vec();
     block.extend((0..256i32).map(|j| (j - 128) as i8 as u8));
@@ -116,6 +253,10 @@ fn quantize_then_dequantize_is_close() {
         (GgmlType::Q8_0, 1e-2),
         (GgmlType::Q4_0, 0.13),
         (GgmlType::Q4_1, 0.07),
+        (GgmlType::Q5_0, 0.07),
+        (GgmlType::Q5_1, 0.035),
+        (GgmlType::Q2_K, 0.3),
+        (GgmlType::Q3_K, 0.2),
         (GgmlType::Q4_K, 0.1),
         (GgmlType::Q5_K, 0.05),
         (GgmlType::Q6_K, 0.03),
@@ -145,7 +286,7 @@ fn length_and_type_errors() {
     assert!(matches!(dequantize_row(GgmlType::Q4_0, &[0; 17], &mut y), Err(GgufError::LengthMismatch { expected: 18, found: 17, .. })));
     assert!(matches!(dequantize_row(GgmlType::Q4_0, &[0; 18], &mut y[..31]), Err(GgufError::PartialBlock { .. })));
     assert!(matches!(dequantize_row(GgmlType::I32, &[0; 128], &mut y), Err(GgufError::UnsupportedType { .. })));
-    assert!(matches!(quantize_row(GgmlType::Q2_K, &[0.0; 256], &mut Vec::new()), Err(GgufError::UnsupportedType { .. })));
+    assert!(matches!(quantize_row(GgmlType::Q8_K, &[0.0; 256], &mut Vec::new()), Err(GgufError::UnsupportedType { .. })));
     assert!(matches!(quantize_row(GgmlType::Q8_0, &[0.0; 33], &mut Vec::new()), Err(GgufError::PartialBlock { .. })));
     let mut out = vec![9u8];
     quantize_row(GgmlType::F32, &[1.0], &mut out).expect("f32");

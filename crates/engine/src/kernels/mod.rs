@@ -2,12 +2,19 @@
 //!
 //! Every kernel computes a row's dot product in one canonical order: two sets of 16 lanes, where
 //! lane `l` of the first accumulates element `32b + l` and lane `l` of the second element
-//! `32b + 16 + l` of each 32-element block `b`, in block order, with fused multiply-adds; then the
+//! `32b + 16 + l` of each 32-element chunk `b`, in chunk order, with fused multiply-adds; then the
 //! two sets are added lane by lane, the 16 lanes reduced in a fixed tree, and any tail added in
-//! order. (Two sets, not one, so consecutive blocks form two independent dependency chains.) Weights are
-//! dequantized exactly (`q * d + m` fits in an f32 mantissa), so the scalar, AVX2 and AVX-512
-//! paths give bitwise identical results, and a row's result never depends on how many columns
-//! (sequences) are computed beside it or on which thread computes it.
+//! order. (Two sets, not one, so consecutive chunks form two independent dependency chains.)
+//!
+//! Weights are dequantized exactly to ggml's values: each is `q * s + o` for an integer code `q`
+//! and per-chunk (for some types per-half-chunk) f32 factors whose product with `q` needs no
+//! rounding, so one fused multiply-add (or a lookup in a table of such values) rounds once, as
+//! ggml's `dequantize_row_*` does. The scalar, AVX2 and AVX-512 paths therefore give bitwise
+//! identical results, and a row's result never depends on how many columns (sequences) are
+//! computed beside it, on which thread computes it, or on how the work is cut: up to 8 columns
+//! at a time against blocks dequantized on the fly, the row split into parts whose running sums
+//! wait in memory, or, for many columns, rows dequantized to f32 once and multiplied four rows by
+//! three columns at a time (AVX-512). Each shape performs the same operations on each lane.
 
 // The kernels index accumulators, columns and outputs by the same column number.
 #![allow(clippy::needless_range_loop)]
@@ -15,14 +22,33 @@
 mod avx2;
 mod avx512;
 mod isa;
+mod layout;
 mod scalar;
 
 pub use isa::Isa;
 pub(crate) use isa::Level;
 
 use dgr_gguf::GgmlType;
+use std::ops::Range;
 
-/// Block types with a dedicated SIMD dequantizer; the rest go through an f32 row.
+/// `$body` with `$t` bound to the number of type `$ty` as a constant: each type gets its own
+/// copy of the kernel `$body` calls, with that type's dequantization inlined.
+macro_rules! by_type {
+    ($ty:expr, $t:ident => $body:expr) => {
+        by_type!(@ $ty, $t, $body, F32, F16, Bf16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+    };
+    (@ $ty:expr, $t:ident, $body:expr, $($v:ident),*) => {
+        match $ty {
+            $(FastType::$v => {
+                const $t: u8 = FastType::$v as u8;
+                $body
+            })*
+        }
+    };
+}
+
+/// The element types the kernels read directly.
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum FastType {
     F32,
@@ -30,7 +56,14 @@ pub(crate) enum FastType {
     Bf16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 impl FastType {
@@ -41,25 +74,95 @@ impl FastType {
             GgmlType::BF16 => FastType::Bf16,
             GgmlType::Q4_0 => FastType::Q4_0,
             GgmlType::Q4_1 => FastType::Q4_1,
+            GgmlType::Q5_0 => FastType::Q5_0,
+            GgmlType::Q5_1 => FastType::Q5_1,
             GgmlType::Q8_0 => FastType::Q8_0,
+            GgmlType::Q2_K => FastType::Q2_K,
+            GgmlType::Q3_K => FastType::Q3_K,
+            GgmlType::Q4_K => FastType::Q4_K,
+            GgmlType::Q5_K => FastType::Q5_K,
+            GgmlType::Q6_K => FastType::Q6_K,
             _ => return None,
         })
     }
 
-    /// Bytes holding 32 consecutive elements of a row.
-    pub(crate) const fn chunk_bytes(self) -> usize {
+    /// Every type, at the index of its discriminant: the kernels are specialized per type by
+    /// that number.
+    const ALL: [FastType; 13] = [
+        FastType::F32,
+        FastType::F16,
+        FastType::Bf16,
+        FastType::Q4_0,
+        FastType::Q4_1,
+        FastType::Q5_0,
+        FastType::Q5_1,
+        FastType::Q8_0,
+        FastType::Q2_K,
+        FastType::Q3_K,
+        FastType::Q4_K,
+        FastType::Q5_K,
+        FastType::Q6_K,
+    ];
+
+    /// Bytes of one block: a super-block of 256 elements for the K-quants, 32 elements otherwise
+    /// (plain types count 32 values as a block).
+    pub(crate) const fn block_bytes(self) -> usize {
         match self {
             FastType::F32 => 128,
             FastType::F16 | FastType::Bf16 => 64,
             FastType::Q4_0 => 18,
             FastType::Q4_1 => 20,
+            FastType::Q5_0 => 22,
+            FastType::Q5_1 => 24,
             FastType::Q8_0 => 34,
+            FastType::Q2_K => 84,
+            FastType::Q3_K => 110,
+            FastType::Q4_K => 144,
+            FastType::Q5_K => 176,
+            FastType::Q6_K => 210,
         }
+    }
+
+    /// 32-element chunks per block.
+    pub(crate) const fn block_chunks(self) -> usize {
+        match self {
+            FastType::Q2_K | FastType::Q3_K | FastType::Q4_K | FastType::Q5_K | FastType::Q6_K => 8,
+            _ => 1,
+        }
+    }
+
+    /// Plain values (no blocks): rows may end in a tail shorter than 32.
+    const fn plain(self) -> bool {
+        matches!(self, FastType::F32 | FastType::F16 | FastType::Bf16)
+    }
+}
+
+/// A cache line of floats, for buffers the kernels load 16 floats at a time from: a load that
+/// straddles two lines costs twice as much.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct Line(pub [f32; 16]);
+
+impl Line {
+    pub(crate) fn floats(lines: &[Line]) -> &[f32] {
+        // SAFETY: a `Line` is 16 f32s with no padding (size 64, the alignment), so the lines are
+        // `16 * len` initialized, suitably aligned floats, borrowed for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const f32, 16 * lines.len()) }
+    }
+
+    fn bytes(lines: &[Line]) -> &[u8] {
+        // SAFETY: as for `floats`: initialized bytes, and u8 has alignment 1.
+        unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, 64 * lines.len()) }
+    }
+
+    pub(crate) fn floats_mut(lines: &mut [Line]) -> &mut [f32] {
+        // SAFETY: as for `floats`, and the slice holds the lines' unique borrow.
+        unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut f32, 16 * lines.len()) }
     }
 }
 
 /// The widest column group a kernel call handles.
-pub(crate) const MAX_COLS: usize = 8;
+const MAX_COLS: usize = 8;
 
 /// `n_rows` rows in `ty`'s layout, each starting `row_bytes` after the previous one in `bytes`
 /// (a row may be shorter than the stride, as a head's slice of a KV row is).
@@ -70,34 +173,149 @@ pub(crate) struct Rows<'a> {
     pub n_rows: usize,
 }
 
+/// One call of an instruction set's kernel: rows `0..n_rows` of `w` against `N` columns, over
+/// blocks `blocks` of each row.
+struct Part<const N: usize> {
+    ty: FastType,
+    w: *const u8,
+    row_bytes: usize,
+    n_rows: usize,
+    /// Each column's element 0.
+    x: [*const f32; N],
+    blocks: Range<usize>,
+    /// Running sums, 32 lanes (the 16 of the first set, then the second's) per row and column,
+    /// at `(r * N + c) * 32`: read at the start when `resume`, written at the end when
+    /// `suspend`. Otherwise sums start at zero, and end reduced in `out[c * stride + r]`.
+    acc: *mut f32,
+    resume: bool,
+    suspend: bool,
+    out: *mut f32,
+    stride: usize,
+}
+
+/// Bytes of activations one part may hold per call, so a column group's slice of them stays in
+/// L1 while every row of a row group is multiplied by it.
+const PART_BYTES: usize = 24 * 1024;
+/// Rows whose running sums one call keeps, when a row's chunks are split into parts.
+const ROW_GROUP: usize = 16;
+
 /// `out[c * stride + r] = row r · xs[c]` for every row of `w` and every column, where each row
-/// has `k` elements (`k` a multiple of 32 for block types). Panics if `w.bytes` holds fewer than
-/// `w.n_rows` rows of `k` elements or a column fewer than `k` floats.
+/// has `k` elements (`k` a multiple of the block size for block types). Panics if `w.bytes` holds
+/// fewer than `w.n_rows` rows of `k` elements or a column fewer than `k` floats.
 ///
 /// # Safety
 /// `out` is valid for writes at every such index, and nothing else accesses those elements
 /// during the call (other threads may write other rows of the same buffer).
 pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
-    // SAFETY: the caller's contract is passed on unchanged, except that the last arm hands
-    // column `c` alone, whose outputs start at `out + c * stride`, inside what the caller vouched
-    // for.
-    unsafe {
-        match xs.len() {
-            8 => dispatch::<8>(isa, w, k, xs, out, stride),
-            4 => dispatch::<4>(isa, w, k, xs, out, stride),
-            2 => dispatch::<2>(isa, w, k, xs, out, stride),
-            1 => dispatch::<1>(isa, w, k, xs, out, stride),
-            n => {
-                for c in 0..n {
-                    dispatch::<1>(isa, w, k, &xs[c..c + 1], out.add(c * stride), stride);
+    let (ty, per) = (w.ty, w.ty.block_chunks());
+    let nb = k / 32;
+    assert!(ty.plain() || k.is_multiple_of(32 * per), "{k} elements are not whole {ty:?} blocks");
+    assert!(xs.iter().all(|x| x.len() >= k));
+    let n_blocks = nb / per;
+    // At most 4 bytes an element, and a column of `k` floats exists, so this cannot overflow.
+    let row_len = n_blocks * ty.block_bytes() + (k - nb * 32) * ty.block_bytes() / 32;
+    let n_rows = w.n_rows;
+    // Checked arithmetic: a wrapped product must not let a short buffer through.
+    let needed = n_rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(w.row_bytes).and_then(|b| b.checked_add(row_len)));
+    assert!(needed.is_some_and(|n| w.bytes.len() >= n), "{n_rows} rows of {row_len} bytes every {} in {}", w.row_bytes, w.bytes.len());
+    if !ty.plain() && xs.len() >= PANEL_COLS {
+        // SAFETY: as the caller vouches, with the reads kept in bounds by the asserts above.
+        unsafe { panels(isa, w, n_blocks, k, xs, out, stride) };
+        return;
+    }
+    let mut c0 = 0;
+    while c0 < xs.len() {
+        let g = group(xs.len() - c0);
+        let cols = &xs[c0..c0 + g];
+        // SAFETY: the asserts above keep every read in bounds (each of the `n_rows` rows holds
+        // `n_blocks` whole blocks, each column `32 * nb` floats); the outputs of columns
+        // `c0..c0 + g` are among those the caller vouches for, starting at `out + c0 * stride`.
+        unsafe {
+            match g {
+                8 => columns::<8>(isa, w, n_blocks, cols, out.add(c0 * stride), stride),
+                4 => columns::<4>(isa, w, n_blocks, cols, out.add(c0 * stride), stride),
+                2 => columns::<2>(isa, w, n_blocks, cols, out.add(c0 * stride), stride),
+                _ => columns::<1>(isa, w, n_blocks, cols, out.add(c0 * stride), stride),
+            }
+        }
+        c0 += g;
+    }
+    // Plain rows whose length is not a multiple of 32 finish sequentially.
+    for r in (0..n_rows).filter(|_| nb * 32 < k) {
+        let row = &w.bytes[r * w.row_bytes..r * w.row_bytes + row_len];
+        for (c, x) in xs.iter().enumerate() {
+            for j in nb * 32..k {
+                // SAFETY: `c < xs.len()` and `r < n_rows`, so this is one of the outputs the caller
+                // vouched for, and no other thread touches it during the call.
+                unsafe {
+                    let o = out.add(c * stride + r);
+                    *o = scalar::element(ty, row, j).mul_add(x[j], *o);
                 }
             }
         }
     }
 }
 
+/// Columns from which dequantizing a few rows to f32 once, then multiplying every column group by
+/// those plain rows, beats dequantizing the rows again for each group of 8 columns.
+const PANEL_COLS: usize = 16;
+/// Rows dequantized at a time: their f32 copy stays in L2 while every column group passes.
+const PANEL_ROWS: usize = 32;
+/// Bytes of activations a panel is multiplied by at a time.
+const COLUMN_BYTES: usize = 1 << 20;
+
+/// `gemv` for many columns over block rows: `PANEL_ROWS` rows at a time, dequantized to f32 and
+/// multiplied as plain rows. The weights are the same exact values and every row and column
+/// accumulates in the canonical order, so the results are those of the direct kernels.
+///
+/// # Safety
+/// Each row of `w` holds `n_blocks` whole blocks (`k` elements), each column `k` floats, and
+/// `out` is valid for the writes at `c * stride + r` (c < xs.len(), r < w.n_rows), which nothing
+/// else accesses meanwhile.
+unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
+    // Columns a panel meets at a time: about 1 MiB of them, so they stay in L2 beside the panel
+    // while it passes, at the cost of dequantizing each panel once per block of columns.
+    let block = (COLUMN_BYTES / (4 * k)).max(3) / 3 * 3;
+    SCRATCH.with_borrow_mut(|[lines, sums]| {
+        lines.resize(PANEL_ROWS * k / 16, Line([0.0; 16]));
+        for c0 in (0..xs.len()).step_by(block) {
+            let xs = &xs[c0..xs.len().min(c0 + block)];
+            for r0 in (0..w.n_rows).step_by(PANEL_ROWS) {
+                let n_rows = PANEL_ROWS.min(w.n_rows - r0);
+                let panel = Line::floats_mut(lines);
+                for r in 0..n_rows {
+                    // SAFETY: row `r0 + r` of `w` holds `n_blocks` blocks, and row `r` of the
+                    // panel `k` floats, their elements.
+                    unsafe { dequant(isa, w.ty, w.bytes.as_ptr().add((r0 + r) * w.row_bytes), n_blocks, panel[r * k..].as_mut_ptr()) };
+                }
+                let out = out.wrapping_add(c0 * stride + r0);
+                // AVX-512 takes the rows four at a time; the rest go as plain rows.
+                let quads = if isa.level() == Level::Avx512 { n_rows / 4 * 4 } else { 0 };
+                let bytes = &Line::bytes(lines)[quads * 4 * k..n_rows * 4 * k];
+                let plain = Rows { ty: FastType::F32, bytes, row_bytes: 4 * k, n_rows: n_rows - quads };
+                // SAFETY: the panel holds `n_rows` rows of `k` floats (`k` a multiple of 32), each
+                // column `k` floats, and these are outputs of rows `r0..r0 + n_rows` and columns
+                // `c0..`, which the caller vouches for; the instruction set is present, as `isa`
+                // says.
+                unsafe {
+                    if quads > 0 {
+                        avx512::tiles(Line::floats(lines).as_ptr(), k, quads, xs, out, stride, sums);
+                    }
+                    gemv(isa, &plain, k, xs, out.add(quads), stride);
+                }
+            }
+        }
+    })
+}
+
+thread_local! {
+    /// Each thread's panel and tile sums, kept between calls: fresh buffers this size would be
+    /// mapped, faulted in and zeroed on every call.
+    static SCRATCH: std::cell::RefCell<[Vec<Line>; 2]> = const { std::cell::RefCell::new([Vec::new(), Vec::new()]) };
+}
+
 /// The widest group (8, 4, 2 or 1 columns) that `n` remaining columns fill.
-pub(crate) fn group(n: usize) -> usize {
+fn group(n: usize) -> usize {
     match n {
         n if n >= 8 => 8,
         n if n >= 4 => 4,
@@ -106,43 +324,84 @@ pub(crate) fn group(n: usize) -> usize {
     }
 }
 
+/// Every row of `w` against `N` columns, over `n_blocks` blocks: in one pass when the columns'
+/// activations fit `PART_BYTES`, otherwise in parts of the row, a group of rows at a time.
+///
 /// # Safety
-/// As for `gemv`.
-unsafe fn dispatch<const N: usize>(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
-    let nb = k / 32;
-    let n_rows = w.n_rows;
-    assert!(N > 0 && xs.len() == N && xs.iter().all(|x| x.len() >= k));
-    // At most 4 bytes an element, and a column of `k` floats exists, so this cannot overflow.
-    let row_len = nb * w.ty.chunk_bytes() + (k - nb * 32) * w.ty.chunk_bytes() / 32;
-    // Checked arithmetic: a wrapped product must not let a short buffer through.
-    let needed = n_rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(w.row_bytes).and_then(|b| b.checked_add(row_len)));
-    assert!(needed.is_some_and(|n| w.bytes.len() >= n), "{n_rows} rows of {row_len} bytes every {} in {}", w.row_bytes, w.bytes.len());
-    let xp: [*const f32; N] = std::array::from_fn(|i| xs[i].as_ptr());
-    let (p, rb) = (w.bytes.as_ptr(), w.row_bytes);
-    // SAFETY: the asserts above keep every read in bounds (each of the `n_rows` rows holds `nb`
-    // whole chunks, each column `32 * nb` floats); the caller vouches for every write; and an
-    // `Isa` above scalar exists only where detection found that set on this CPU (its field is
-    // private), so the instructions each kernel is compiled for are present.
-    unsafe {
-        match isa.level() {
-            Level::Avx512 => avx512::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
-            Level::Avx2 => avx2::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
-            Level::Scalar => scalar::gemv::<N>(w.ty, p, rb, n_rows, &xp, nb, out, stride),
+/// Each row of `w` holds `n_blocks` whole blocks, each column that many blocks' elements, and
+/// `out` is valid for the writes at `c * stride + r` (c < N, r < w.n_rows), which nothing else
+/// accesses meanwhile.
+unsafe fn columns<const N: usize>(isa: Isa, w: &Rows, n_blocks: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
+    let ty = w.ty;
+    let x: [*const f32; N] = std::array::from_fn(|i| xs[i].as_ptr());
+    let part = (PART_BYTES / (N * 128 * ty.block_chunks())).max(1);
+    let base = |n_rows, blocks, out| Part {
+        ty,
+        w: w.bytes.as_ptr(),
+        row_bytes: w.row_bytes,
+        n_rows,
+        x,
+        blocks,
+        acc: std::ptr::null_mut(),
+        resume: false,
+        suspend: false,
+        out,
+        stride,
+    };
+    if n_blocks <= part {
+        // SAFETY: as the caller vouches; no running sums are kept.
+        unsafe { kernel(isa, &base(w.n_rows, 0..n_blocks, out)) };
+        return;
+    }
+    let mut lines = [Line([0.0; 16]); ROW_GROUP * MAX_COLS * 2];
+    let acc = Line::floats_mut(&mut lines);
+    for r0 in (0..w.n_rows).step_by(ROW_GROUP) {
+        let n_rows = ROW_GROUP.min(w.n_rows - r0);
+        for b0 in (0..n_blocks).step_by(part) {
+            let end = (b0 + part).min(n_blocks);
+            let p = Part {
+                w: w.bytes.as_ptr().wrapping_add(r0 * w.row_bytes),
+                acc: acc.as_mut_ptr(),
+                resume: b0 > 0,
+                suspend: end < n_blocks,
+                ..base(n_rows, b0..end, out.wrapping_add(r0))
+            };
+            // SAFETY: rows `r0..r0 + n_rows` of `w`, inside what the caller vouches for, and
+            // their outputs; `acc` holds `ROW_GROUP * N * 32` floats, the sums of that many rows.
+            unsafe { kernel(isa, &p) };
         }
     }
-    // Plain rows whose length is not a multiple of 32 finish sequentially.
-    for r in 0..n_rows {
-        let row = &w.bytes[r * rb..r * rb + row_len];
-        for (c, x) in xs.iter().enumerate() {
-            for j in nb * 32..k {
-                // SAFETY: `c < N` and `r < n_rows`, so this is one of the outputs the caller
-                // vouched for, and no other thread touches it during the call.
-                unsafe {
-                    let o = out.add(c * stride + r);
-                    *o = scalar::element(w.ty, row, j).mul_add(x[j], *o);
-                }
-            }
-        }
+}
+
+/// # Safety
+/// `p.w` holds `p.n_rows` rows of `p.row_bytes` bytes, each at least `p.blocks.end` blocks; each
+/// column holds that many blocks' elements; `p.acc` has room for `p.n_rows * N * 32` floats when
+/// the sums are kept; `p.out` is valid for the writes at `c * p.stride + r`.
+unsafe fn kernel<const N: usize>(isa: Isa, p: &Part<N>) {
+    // SAFETY: the caller vouches for the memory; an `Isa` above scalar exists only where
+    // detection found that set on this CPU (its field is private), so the instructions each
+    // kernel is compiled for are present.
+    unsafe {
+        by_type!(p.ty, T => match isa.level() {
+            Level::Avx512 => avx512::gemv::<N, T>(p),
+            Level::Avx2 => avx2::gemv::<N, T>(p),
+            Level::Scalar => scalar::gemv::<N, T>(p),
+        })
+    }
+}
+
+/// Dequantizes the `n_blocks` blocks of type `ty` at `p` into `out`, exactly.
+///
+/// # Safety
+/// `p` is valid for reading `n_blocks` blocks and `out` for writing their elements.
+unsafe fn dequant(isa: Isa, ty: FastType, p: *const u8, n_blocks: usize, out: *mut f32) {
+    // SAFETY: as for `kernel`.
+    unsafe {
+        by_type!(ty, T => match isa.level() {
+            Level::Avx512 => avx512::dequant::<T>(p, n_blocks, out),
+            Level::Avx2 => avx2::dequant::<T>(p, n_blocks, out),
+            Level::Scalar => scalar::dequant::<T>(p, n_blocks, out),
+        })
     }
 }
 

@@ -15,7 +15,20 @@ impl Rng {
     }
 }
 
-/// A random row of `k` elements in `ty`'s layout, with sane scales (no NaN or infinity).
+/// Where each block type keeps its f16 scales (d, and dmin or m where it has one).
+fn scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// A random row of `k` elements in `ty`'s layout, with sane scales (no NaN or infinity, some
+/// negative).
 fn random_row(rng: &mut Rng, ty: GgmlType, k: usize) -> Vec<u8> {
     let h = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
     let mut row = Vec::new();
@@ -24,61 +37,97 @@ fn random_row(rng: &mut Rng, ty: GgmlType, k: usize) -> Vec<u8> {
         GgmlType::F16 => (0..k).for_each(|_| row.extend_from_slice(&h(rng.f32()))),
         GgmlType::BF16 => (0..k).for_each(|_| row.extend_from_slice(&((rng.f32().to_bits() >> 16) as u16).to_le_bytes())),
         _ => {
-            for _ in 0..k / 32 {
-                row.extend_from_slice(&h(rng.f32() * 0.1));
-                if ty == GgmlType::Q4_1 {
-                    row.extend_from_slice(&h(rng.f32()));
+            for _ in 0..k / ty.block_size() {
+                let mut block: Vec<u8> = (0..ty.type_size()).map(|_| rng.next() as u8).collect();
+                for &o in scale_offsets(ty) {
+                    block[o..o + 2].copy_from_slice(&h(rng.f32() * 0.1));
                 }
-                let q = if ty == GgmlType::Q8_0 { 32 } else { 16 };
-                (0..q).for_each(|_| row.push(rng.next() as u8));
+                row.extend(block);
             }
         }
     }
     row
 }
 
-const TYPES: [GgmlType; 6] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0];
+const TYPES: [GgmlType; 13] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// `xs.len()` columns against `n` copies of `row`.
+fn products(isa: Isa, ty: FastType, row: &[u8], n: usize, k: usize, xs: &[&[f32]]) -> Vec<f32> {
+    let all_rows = row.repeat(n);
+    let rows = Rows { ty, bytes: &all_rows, row_bytes: row.len(), n_rows: n };
+    let mut out = vec![0f32; xs.len() * n];
+    // SAFETY: outputs `c * n + r` for c < xs.len() and r < n, all inside `out`, which nothing
+    // else touches meanwhile.
+    unsafe { gemv(isa, &rows, k, xs, out.as_mut_ptr(), n) };
+    out
+}
+
+#[test]
+fn types_are_numbered_by_their_place() {
+    for (i, ty) in FastType::ALL.into_iter().enumerate() {
+        assert_eq!(ty as usize, i);
+    }
+    for ty in TYPES {
+        let fast = FastType::of(ty).unwrap();
+        let elems = 32 * fast.block_chunks();
+        assert_eq!(ty.row_bytes(elems as u64), Some(fast.block_bytes() as u64), "{ty:?}");
+        assert!(fast.plain() || elems == ty.block_size(), "{ty:?}");
+    }
+}
 
 #[test]
 fn every_isa_and_every_batch_width_gives_identical_bits_close_to_exact() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
     for ty in TYPES {
         let fast = FastType::of(ty).unwrap();
-        let plain = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-        for k in [32usize, 64, 576, 1536] {
-            let k = if plain { k + 7 } else { k }; // plain rows also exercise the tail
+        // Lengths past one part of a row, for every column group (see `PART_BYTES`), too.
+        for k in [256usize, 512, 1536, 8192] {
+            let k = if fast.plain() { k + 7 } else { k }; // plain rows also exercise the tail
             let row = random_row(&mut rng, ty, k);
-            let all_rows = row.repeat(3);
             let mut w = vec![0f32; k];
             dgr_gguf::quant::dequantize_row(ty, &row, &mut w).unwrap();
-            let cols: Vec<Vec<f32>> = (0..11).map(|_| (0..k).map(|_| rng.f32()).collect()).collect();
+            let cols: Vec<Vec<f32>> = (0..19).map(|_| (0..k).map(|_| rng.f32()).collect()).collect();
             let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
-            let rows = |n: usize| Rows { ty: fast, bytes: &all_rows[..n * row.len()], row_bytes: row.len(), n_rows: n };
             let mut alone = vec![0f32; xs.len()];
             for (c, x) in xs.iter().enumerate() {
-                // SAFETY: one row, one column: the only output is `alone[c]`, which exists.
-                unsafe { gemv(Isa::SCALAR, &rows(1), k, &[x], alone[c..].as_mut_ptr(), 1) };
+                alone[c] = products(Isa::SCALAR, fast, &row, 1, k, &[x])[0];
                 let exact: f64 = w.iter().zip(x.iter()).map(|(a, b)| *a as f64 * *b as f64).sum();
                 let mag: f64 = w.iter().zip(x.iter()).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
                 assert!((alone[c] as f64 - exact).abs() <= 1e-6 * mag + 1e-30, "{ty:?} k={k}: {} vs {exact}", alone[c]);
             }
+            // The weights the kernels dequantize are ggml's, bit for bit: the same products over
+            // the reference's f32 row come out the same.
+            let plain: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let via_f32 = products(Isa::SCALAR, FastType::F32, &plain, 1, k, &xs);
+            assert_eq!(bits(&via_f32), bits(&alone), "{ty:?} k={k}: dequantization differs from the reference");
             for isa in Isa::available() {
-                for width in 1..=xs.len() {
-                    // Three copies of the row, so every output row must come out the same.
-                    let mut out = vec![0f32; width * 3];
-                    let mut c = 0;
-                    while c < width {
-                        let n = group(width - c);
-                        // SAFETY: outputs `(c + j) * 3 + r` for j < n ≤ width - c and r < 3, all
-                        // inside `out` (width * 3 floats), which nothing else touches meanwhile.
-                        unsafe { gemv(isa, &rows(3), k, &xs[c..c + n], out[c * 3..].as_mut_ptr(), 3) };
-                        c += n;
-                    }
-                    for (i, v) in out.iter().enumerate() {
-                        assert_eq!(v.to_bits(), alone[i / 3].to_bits(), "{ty:?} {isa:?} k={k} width={width} out={i}");
-                    }
+                for width in [1, 2, 3, 4, 7, 8, 11, 16, 17, 19] {
+                    // Copies of the row, so every output row must come out the same; more than
+                    // a group of rows (see `ROW_GROUP` and `PANEL_ROWS`).
+                    let n = 18;
+                    let out = products(isa, fast, &row, n, k, &xs[..width]);
+                    let want: Vec<f32> = (0..width * n).map(|i| alone[i / n]).collect();
+                    assert_eq!(bits(&out), bits(&want), "{ty:?} {isa:?} k={k} width={width}");
                 }
             }
         }
     }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
