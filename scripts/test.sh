@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs every test: lints, fetches the default model into the cache (the acceptance suites run on
-# it), then the whole workspace's tests in release mode (the real-model tests time real work), then
-# the gateway's acceptance suite (scripts/test-http.sh: the official OpenAI client and headless
-# Chromium against a live `dgr up`), and ends with one line that totals every suite.
+# Runs every test: lints, fetches the default model and gemma-3-270m into the cache (the
+# acceptance suites run on them), then the whole workspace's tests in release mode (the real-model
+# tests time real work), then the gateway's acceptance suite (scripts/test-http.sh: the official
+# OpenAI client and headless Chromium against a live `dgr up`), and ends with one line that totals
+# every suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Plain `cargo test` runs what needs no download; these features add the suites on the real
@@ -12,6 +13,7 @@ features=dgr/real-model,dgr-gguf/real-model,dgr-tokenizer/real-model,dgr/fault-i
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --locked --features "$features" -- -D warnings
 scripts/fetch-model.sh >/dev/null
+scripts/fetch-model.sh gemma3 >/dev/null
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0

@@ -1,13 +1,30 @@
 //! Hyperparameters of a llama-family decoder, read from GGUF metadata and checked.
 
 use crate::EngineError;
-use dgr_gguf::Gguf;
+use dgr_gguf::{Gguf, Value};
 
 /// How RoPE pairs up dimensions: adjacent pairs (llama) or the two halves (qwen2, "neox").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeStyle {
     Adjacent,
     Halves,
+}
+
+/// The gated FFN's activation: SiLU (llama, qwen) or GELU's tanh form (gemma).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    GeluTanh,
+}
+
+/// Gemma 3's interleaved attention: the layers `layers` marks see only the last `window`
+/// positions (the query's own included) and rotate with base `rope_base`, unscaled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    /// Per layer of the model: whether it attends through the window.
+    pub layers: Vec<bool>,
+    pub rope_base: f32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -18,27 +35,50 @@ pub struct ModelConfig {
     pub ffn: usize,
     pub n_head: usize,
     pub n_head_kv: usize,
+    /// Per query/key/value head; `n_head * head_dim` may differ from `hidden` (gemma3, qwen3).
     pub head_dim: usize,
     pub rope_dim: usize,
     pub rope_base: f32,
+    /// Positions are multiplied by this before rotating (linear RoPE scaling: 1 / factor).
+    pub rope_scale: f64,
     pub rope_style: RopeStyle,
     pub rms_eps: f32,
     pub vocab: usize,
     pub context: usize,
+    /// Attention scores are multiplied by this (1/√head_dim but for gemma3-27B).
+    pub attn_scale: f32,
+    /// Per-head RMSNorm of queries and keys before RoPE (qwen3, gemma3).
+    pub qk_norm: bool,
+    /// RMSNorm of the attention's and the FFN's outputs before each residual add (gemma3).
+    pub post_norms: bool,
+    /// Embeddings are multiplied by this (gemma3: √hidden).
+    pub embed_scale: Option<f64>,
+    pub activation: Activation,
+    pub sliding_window: Option<SlidingWindow>,
+    /// Logits become `cap * tanh(logit / cap)` (gemma3, when its file asks for it).
+    pub logit_softcap: Option<f32>,
 }
 
 /// Bounds that keep a hostile header from asking for absurd buffers.
 const MAX_DIM: u64 = 1 << 20;
 const MAX_LAYERS: u64 = 4096;
+const MAX_CONTEXT: u64 = 1 << 24;
+
+/// llama.cpp's defaults for gemma3's window: every sixth layer global, RoPE base 10000.
+const GEMMA3_SWA_PERIOD: u64 = 6;
+const GEMMA3_SWA_ROPE_BASE: f32 = 10000.0;
+/// llama.cpp tells gemma3-27B by its layer count; it scales attention by 1/√(hidden / heads).
+const GEMMA3_27B_LAYERS: usize = 62;
 
 impl ModelConfig {
     pub fn from_gguf(g: &Gguf) -> Result<ModelConfig, EngineError> {
         let arch = g.get_str("general.architecture")?.to_string();
         let rope_style = match arch.as_str() {
             "llama" | "mistral" => RopeStyle::Adjacent,
-            "qwen2" => RopeStyle::Halves,
+            "qwen2" | "qwen3" | "gemma3" => RopeStyle::Halves,
             _ => return Err(EngineError::UnsupportedArch(arch)),
         };
+        let gemma3 = arch == "gemma3";
         let key = |k: &str| format!("{arch}.{k}");
         let dim = |k: &str, max: u64| -> Result<usize, EngineError> {
             let v = g.get_u64(&key(k))?;
@@ -55,12 +95,21 @@ impl ModelConfig {
             Some(_) => dim("attention.head_count_kv", MAX_DIM)?,
             None => n_head,
         };
-        if hidden % n_head != 0 || n_head % n_head_kv != 0 {
-            return Err(EngineError::BadConfig(format!(
-                "{n_head} heads ({n_head_kv} for keys and values) do not divide hidden size {hidden}"
-            )));
+        if n_head % n_head_kv != 0 {
+            return Err(EngineError::BadConfig(format!("{n_head_kv} key/value heads do not divide {n_head} heads")));
         }
-        let head_dim = hidden / n_head;
+        // As llama.cpp: the key length when given, else hidden / heads.
+        let head_dim = match g.get(&key("attention.key_length")) {
+            Some(_) => dim("attention.key_length", MAX_DIM)?,
+            None if hidden % n_head == 0 => hidden / n_head,
+            None => return Err(EngineError::BadConfig(format!("{n_head} heads do not divide hidden size {hidden}"))),
+        };
+        if g.get(&key("attention.value_length")).is_some() && dim("attention.value_length", MAX_DIM)? != head_dim {
+            return Err(EngineError::BadConfig("value heads of another size than key heads".into()));
+        }
+        if (n_head * head_dim) as u64 > MAX_DIM {
+            return Err(EngineError::BadConfig(format!("{n_head} heads of {head_dim} exceed {MAX_DIM}")));
+        }
         let rope_dim = match g.get(&key("rope.dimension_count")) {
             Some(_) => dim("rope.dimension_count", MAX_DIM)?,
             None => head_dim,
@@ -83,8 +132,9 @@ impl ModelConfig {
         };
         let rope_base = float("rope.freq_base", 10000.0)?;
         let rms_eps = float("attention.layer_norm_rms_epsilon", 1e-5)?;
+        let rope_scale = rope_scale(g, &arch)?;
         let context = match g.get(&key("context_length")) {
-            Some(_) => dim("context_length", 1 << 24)?,
+            Some(_) => dim("context_length", MAX_CONTEXT)?,
             None => 4096,
         };
         // A slice may not hold the embedding; its table still says the whole model's shape.
@@ -99,8 +149,27 @@ impl ModelConfig {
                 })
             }
         };
+        let sliding_window = if gemma3 { sliding_window(g, &arch, n_layers)? } else { None };
+        // llama.cpp's qwen3 graph insists on rotating whole heads.
+        if arch == "qwen3" && rope_dim != head_dim {
+            return Err(EngineError::BadConfig(format!("qwen3 rotates whole heads, not {rope_dim} of {head_dim}")));
+        }
+        let logit_softcap = match g.get(&key("final_logit_softcapping")) {
+            Some(_) if gemma3 => Some(g.get_f32(&key("final_logit_softcapping"))?).filter(|&c| c != 0.0),
+            _ => None,
+        };
+        if logit_softcap.is_some_and(|c| !c.is_finite()) {
+            return Err(EngineError::BadConfig("the logit softcap must be finite".into()));
+        }
+        let attn_scale = if gemma3 && n_layers == GEMMA3_27B_LAYERS {
+            if hidden % n_head != 0 {
+                return Err(EngineError::BadConfig(format!("{n_head} heads do not divide hidden size {hidden}")));
+            }
+            1.0 / ((hidden / n_head) as f32).sqrt()
+        } else {
+            1.0 / (head_dim as f32).sqrt()
+        };
         Ok(ModelConfig {
-            arch,
             n_layers,
             hidden,
             ffn,
@@ -109,14 +178,187 @@ impl ModelConfig {
             head_dim,
             rope_dim,
             rope_base,
+            rope_scale,
             rope_style,
             rms_eps,
             vocab,
             context,
+            attn_scale,
+            qk_norm: gemma3 || arch == "qwen3",
+            post_norms: gemma3,
+            embed_scale: gemma3.then(|| (hidden as f64).sqrt()),
+            activation: if gemma3 { Activation::GeluTanh } else { Activation::Silu },
+            sliding_window,
+            logit_softcap,
+            arch,
         })
     }
 
+    /// Floats of one position's keys (or values) in one layer.
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim
+    }
+
+    /// Floats of one position's queries (and of the attention's output).
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// The window of positions layer `layer` (the model's index) attends to, if it is limited.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.as_ref().filter(|s| s.layers.get(layer) == Some(&true)).map(|s| s.window)
+    }
+}
+
+/// gemma3's window as llama.cpp reads it: none when the size is absent or 0; the layers it
+/// applies to from `sliding_window_pattern`, a per-layer array or a period (all but the last
+/// layer of each period; 0: every layer); its own RoPE base.
+fn sliding_window(g: &Gguf, arch: &str, n_layers: usize) -> Result<Option<SlidingWindow>, EngineError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let window = match g.get(&key("attention.sliding_window")) {
+        Some(_) => g.get_u64(&key("attention.sliding_window"))?,
+        None => 0,
+    };
+    if window == 0 {
+        return Ok(None);
+    }
+    if window > MAX_CONTEXT {
+        return Err(EngineError::BadConfig(format!("a sliding window of {window} exceeds {MAX_CONTEXT}")));
+    }
+    let pattern = key("attention.sliding_window_pattern");
+    let layers = match g.get(&pattern) {
+        Some(Value::Array(items)) => {
+            if items.len() != n_layers {
+                return Err(EngineError::BadConfig(format!("{pattern} has {} entries for {n_layers} layers", items.len())));
+            }
+            let on = |v: &Value| v.as_bool().or_else(|| v.as_i64().map(|i| i != 0));
+            items.iter().map(on).collect::<Option<Vec<bool>>>().ok_or_else(|| EngineError::BadConfig(format!("{pattern} is not flags")))?
+        }
+        Some(_) => period(g.get_u64(&pattern)?, n_layers),
+        None => period(GEMMA3_SWA_PERIOD, n_layers),
+    };
+    let rope_base = match g.get(&key("rope.freq_base_swa")) {
+        Some(_) => g.get_f32(&key("rope.freq_base_swa"))?,
+        None => GEMMA3_SWA_ROPE_BASE,
+    };
+    if !(rope_base.is_finite() && rope_base > 0.0) {
+        return Err(EngineError::BadConfig(format!("{} = {rope_base} must be positive", key("rope.freq_base_swa"))));
+    }
+    Ok(Some(SlidingWindow { window: window as usize, layers, rope_base }))
+}
+
+/// llama.cpp's `set_swa_pattern`: all but the last layer of every `n`; every layer for 0.
+fn period(n: u64, n_layers: usize) -> Vec<bool> {
+    (0..n_layers as u64).map(|il| n == 0 || il % n < n - 1).collect()
+}
+
+/// llama.cpp's reading of RoPE scaling: the factor (under either key name) divides positions
+/// unless the type is "none"; the types that change more than that are refused.
+fn rope_scale(g: &Gguf, arch: &str) -> Result<f64, EngineError> {
+    let kind = match g.get(&format!("{arch}.rope.scaling.type")) {
+        Some(_) => g.get_str(&format!("{arch}.rope.scaling.type"))?,
+        None => "linear",
+    };
+    let factor_key = [format!("{arch}.rope.scaling.factor"), format!("{arch}.rope.scale_linear")].into_iter().find(|k| g.get(k).is_some());
+    let factor = match factor_key {
+        Some(k) => g.get_f32(&k)?,
+        None => 0.0,
+    };
+    match kind {
+        "none" => Ok(1.0),
+        "linear" if factor == 0.0 => Ok(1.0),
+        "linear" if factor.is_finite() && factor > 0.0 => Ok(1.0 / factor as f64),
+        "linear" => Err(EngineError::BadConfig(format!("RoPE scaling factor {factor} must be positive"))),
+        other => Err(EngineError::BadConfig(format!("RoPE scaling {other:?} is not supported (only linear)"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dgr_gguf::{GgmlType, GgufWriter, Value};
+
+    /// A header of `arch` with 12 layers, hidden 64, 4 heads sharing one key/value head, and
+    /// `extra` keys (under `arch.`).
+    fn config(arch: &str, extra: &[(&str, Value)]) -> Result<ModelConfig, EngineError> {
+        let mut w = GgufWriter::new();
+        w.add_metadata("general.architecture", Value::String(arch.into())).unwrap();
+        let dims = [("block_count", 12), ("embedding_length", 64), ("feed_forward_length", 128), ("attention.head_count", 4)];
+        for (k, v) in dims.into_iter().chain([("attention.head_count_kv", 1)]) {
+            w.add_metadata(&format!("{arch}.{k}"), Value::U32(v)).unwrap();
+        }
+        for (k, v) in extra {
+            w.add_metadata(&format!("{arch}.{k}"), v.clone()).unwrap();
+        }
+        w.add_tensor("token_embd.weight", GgmlType::F32, &[64, 8], vec![0; 64 * 8 * 4]).unwrap();
+        ModelConfig::from_gguf(&Gguf::from_bytes(w.to_bytes()).unwrap())
+    }
+
+    #[test]
+    fn gemma3_has_wide_heads_and_a_window_on_five_layers_in_six() {
+        let c = config("gemma3", &[("attention.key_length", Value::U32(32)), ("attention.sliding_window", Value::U32(16))]).unwrap();
+        assert_eq!((c.head_dim, c.q_dim(), c.kv_dim(), c.rope_style), (32, 128, 32, RopeStyle::Halves));
+        let global: Vec<usize> = (0..12).filter(|&il| c.window(il).is_none()).collect();
+        assert_eq!(global, [5, 11]);
+        assert_eq!(c.window(0), Some(16));
+        assert_eq!((c.attn_scale, c.embed_scale, c.activation), (1.0 / 32f32.sqrt(), Some(8.0), Activation::GeluTanh));
+        assert!(c.qk_norm && c.post_norms && c.logit_softcap.is_none());
+        assert_eq!(c.sliding_window.as_ref().map(|s| s.rope_base), Some(10000.0));
+        // As llama.cpp: no window (or 0) means every layer sees everything.
+        for extra in [&[][..], &[("attention.sliding_window", Value::U32(0))]] {
+            assert_eq!(config("gemma3", extra).unwrap().window(0), None);
+        }
+    }
+
+    #[test]
+    fn gemma3_takes_the_pattern_rope_base_and_softcap_its_file_gives() {
+        let window = || ("attention.sliding_window", Value::U32(16));
+        let windowed = |extra: &[(&str, Value)]| {
+            let c = config("gemma3", extra).unwrap();
+            (0..12).filter(|&il| c.window(il).is_some()).collect::<Vec<usize>>()
+        };
+        assert_eq!(windowed(&[window(), ("attention.sliding_window_pattern", Value::U32(4))]), [0, 1, 2, 4, 5, 6, 8, 9, 10]);
+        assert_eq!(windowed(&[window(), ("attention.sliding_window_pattern", Value::U32(0))]), (0..12).collect::<Vec<_>>());
+        let flags = Value::Array((0..12).map(|il| Value::Bool(il % 5 == 0)).collect());
+        assert_eq!(windowed(&[window(), ("attention.sliding_window_pattern", flags)]), [0, 5, 10]);
+        let short = Value::Array(vec![Value::Bool(true); 3]);
+        assert!(config("gemma3", &[window(), ("attention.sliding_window_pattern", short)]).is_err());
+        let c =
+            config("gemma3", &[window(), ("rope.freq_base_swa", Value::F32(5e4)), ("final_logit_softcapping", Value::F32(30.0))]).unwrap();
+        assert_eq!((c.sliding_window.map(|s| s.rope_base), c.logit_softcap), (Some(5e4), Some(30.0)));
+    }
+
+    #[test]
+    fn qwen3_norms_heads_and_the_others_do_not() {
+        let q = config("qwen3", &[("attention.key_length", Value::U32(32))]).unwrap();
+        assert_eq!((q.q_dim(), q.qk_norm, q.post_norms, q.sliding_window, q.activation), (128, true, false, None, Activation::Silu));
+        let l = config("llama", &[]).unwrap();
+        assert_eq!((l.head_dim, l.q_dim(), l.qk_norm, l.embed_scale, l.rope_scale), (16, 64, false, None, 1.0));
+        assert_eq!(l.attn_scale, 1.0 / 16f32.sqrt());
+    }
+
+    #[test]
+    fn rope_scaling_is_linear_or_refused() {
+        let scale = |extra: &[(&str, Value)]| config("qwen3", extra).map(|c| c.rope_scale);
+        let factor = || ("rope.scaling.factor", Value::F32(8.0));
+        let kind = |k: &str| ("rope.scaling.type", Value::String(k.into()));
+        assert_eq!(scale(&[factor()]).unwrap(), 0.125);
+        assert_eq!(scale(&[factor(), kind("linear")]).unwrap(), 0.125);
+        assert_eq!(scale(&[factor(), kind("none")]).unwrap(), 1.0);
+        assert!(scale(&[factor(), kind("yarn")]).is_err());
+        assert!(scale(&[("rope.scaling.factor", Value::F32(-1.0))]).is_err());
+    }
+
+    #[test]
+    fn hostile_head_sizes_are_refused() {
+        let window = ("attention.sliding_window", Value::U32(16));
+        let wide = ("attention.key_length", Value::U32(1 << 19));
+        let empty = ("attention.key_length", Value::U32(0));
+        let huge = ("attention.sliding_window", Value::U64(u64::MAX));
+        for extra in [&[wide, window.clone()][..], &[empty, window], &[huge]] {
+            assert!(config("gemma3", extra).is_err(), "{extra:?}");
+        }
+        let mismatched = [("attention.key_length", Value::U32(32)), ("attention.value_length", Value::U32(16))];
+        assert!(config("qwen3", &mismatched).is_err());
     }
 }

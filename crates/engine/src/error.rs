@@ -7,7 +7,7 @@ use std::ops::Range;
 pub enum EngineError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("unsupported architecture {0:?} (supported: llama, mistral, qwen2)")]
+    #[error("unsupported architecture {0:?} (supported: llama, mistral, qwen2, qwen3, gemma3)")]
     UnsupportedArch(String),
     #[error("invalid model hyperparameters: {0}")]
     BadConfig(String),

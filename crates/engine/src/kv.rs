@@ -7,11 +7,11 @@ use std::ops::Range;
 /// through that sequence's handle, never shared.
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per layer of `layers`: keys transposed, `kv_dim` rows of `capacity` positions, so that a
-    /// head's scores are sums of contiguous runs. Sized at creation; the zeroed pages become
-    /// resident only as positions are written.
+    /// Per layer of `layers`: keys transposed, `kv_dim` rows of the layer's slots (`capacity`,
+    /// or the window's `slots`), so that a head's scores are sums of contiguous runs. Sized at
+    /// creation; the zeroed pages become resident only as positions are written.
     pub(crate) k: Vec<Vec<f32>>,
-    /// Per layer: values, `len` rows of `kv_dim` floats.
+    /// Per layer: values, one row of `kv_dim` floats per slot in use.
     pub(crate) v: Vec<Vec<f32>>,
     pub(crate) len: usize,
     pub(crate) capacity: usize,
@@ -19,6 +19,23 @@ pub struct KvCache {
     pub(crate) stage_id: u64,
     /// The model's layers this sequence runs on the stage; a forward runs exactly these.
     pub(crate) layers: Range<usize>,
+    /// Whether each layer of `layers` attends through the sliding window.
+    pub(crate) windowed: Vec<bool>,
+    /// The sliding-window layers' state, when any of `layers` is one.
+    pub(crate) window: Option<Window>,
+}
+
+/// What the sliding-window layers hold: positions `start..len` in slots `0..len - start`. They
+/// all see the same appends, so they share it. Older positions are dropped when the slots run
+/// out, so they hold at most `max(base, window - 1 + rows of one forward)` positions.
+#[derive(Debug)]
+pub(crate) struct Window {
+    pub size: usize,
+    pub start: usize,
+    pub slots: usize,
+    /// The slots to fall back to when the positions are moved down: room for a window and as
+    /// many again (or the capacity, if smaller), so moving costs about one copy per position.
+    pub base: usize,
 }
 
 impl KvCache {
@@ -42,20 +59,118 @@ impl KvCache {
 
     /// Bytes held for the cached positions.
     pub fn bytes(&self) -> usize {
-        2 * self.k.len() * self.len * self.kv_dim * std::mem::size_of::<f32>()
+        let positions: usize = (0..self.k.len()).map(|li| self.len - self.span(li).0).sum();
+        2 * positions * self.kv_dim * std::mem::size_of::<f32>()
+    }
+
+    /// Layer `li`'s first held position and its slots per key row.
+    pub(crate) fn span(&self, li: usize) -> (usize, usize) {
+        match &self.window {
+            Some(w) if self.windowed[li] => (w.start, w.slots),
+            _ => (0, self.capacity),
+        }
+    }
+
+    /// Makes room in the sliding-window layers for `rows` new positions, keeping every
+    /// position those rows can see (the `size - 1` before the first of them). Called before a
+    /// forward's first append; the positions keep their order, so results do not depend on it.
+    pub(crate) fn reserve(&mut self, rows: usize) {
+        let Some(w) = &mut self.window else { return };
+        if self.len + rows - w.start <= w.slots {
+            return;
+        }
+        let keep = self.len.saturating_sub(w.size - 1).max(w.start);
+        let (held, drop) = (self.len - keep, keep - w.start);
+        let slots = w.base.max(held + rows);
+        let d = self.kv_dim;
+        for (li, _) in self.windowed.iter().enumerate().filter(|&(_, &on)| on) {
+            let k = &mut self.k[li];
+            if slots == w.slots {
+                for c in 0..d {
+                    k.copy_within(c * slots + drop..c * slots + drop + held, c * slots);
+                }
+            } else {
+                let mut moved = vec![0f32; d * slots];
+                for c in 0..d {
+                    moved[c * slots..c * slots + held].copy_from_slice(&k[c * w.slots + drop..c * w.slots + drop + held]);
+                }
+                *k = moved;
+            }
+            self.v[li].drain(..drop * d);
+        }
+        w.start = keep;
+        w.slots = slots;
     }
 
     /// Stores layer `layer`'s keys and values of `rows` new positions, from `len` on (the caller
-    /// advances `len` once every layer has its rows).
+    /// advances `len` once every layer has its rows, and reserved room for them first).
     pub(crate) fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
-        let (d, cap) = (self.kv_dim, self.capacity);
+        let (start, slots) = self.span(layer);
+        let d = self.kv_dim;
         let kt = &mut self.k[layer];
         for (r, row) in keys.chunks_exact(d).enumerate() {
-            let p = self.len + r;
+            let slot = self.len + r - start;
             for (c, x) in row.iter().enumerate() {
-                kt[c * cap + p] = *x;
+                kt[c * slots + slot] = *x;
             }
         }
         self.v[layer].extend_from_slice(values);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache over three layers, the middle one windowed, of one float per position.
+    fn cache(size: usize, capacity: usize) -> KvCache {
+        let base = capacity.min(2 * size);
+        KvCache {
+            k: vec![vec![0.0; capacity], vec![0.0; base], vec![0.0; capacity]],
+            v: vec![Vec::new(); 3],
+            len: 0,
+            capacity,
+            kv_dim: 1,
+            stage_id: 0,
+            layers: 0..3,
+            windowed: vec![false, true, false],
+            window: Some(Window { size, start: 0, slots: base, base }),
+        }
+    }
+
+    /// Appends positions as their own keys and values, `rows` at a time.
+    fn push(kv: &mut KvCache, rows: usize) {
+        kv.reserve(rows);
+        let new: Vec<f32> = (kv.len..kv.len + rows).map(|p| p as f32).collect();
+        for li in 0..3 {
+            kv.append(li, &new, &new);
+        }
+        kv.len += rows;
+    }
+
+    /// The positions layer `li` holds, in slot order, read from keys and values alike.
+    fn held(kv: &KvCache, li: usize) -> Vec<f32> {
+        let (start, _) = kv.span(li);
+        let keys = kv.k[li][..kv.len - start].to_vec();
+        assert_eq!(keys, kv.v[li]);
+        keys
+    }
+
+    #[test]
+    fn the_window_keeps_what_the_next_rows_see_in_order_and_stays_bounded() {
+        for chunks in [vec![1; 40], vec![3, 7, 1, 1, 20, 2, 1, 5], vec![25, 1, 1, 13]] {
+            let mut kv = cache(4, 64);
+            let mut most = 0;
+            for rows in chunks {
+                push(&mut kv, rows);
+                most = most.max(rows);
+                let (start, slots) = kv.span(1);
+                let all: Vec<f32> = (0..kv.len).map(|p| p as f32).collect();
+                assert_eq!(held(&kv, 0), all);
+                assert_eq!(held(&kv, 1), all[start..], "positions {start}.. of {}", kv.len);
+                assert!(start + 3 <= kv.len.max(3), "a window of 4 keeps the last 3 positions at least");
+                assert!(slots <= 8.max(3 + most), "{slots} slots after forwards of at most {most} rows");
+            }
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! dgr's compute engine: CPU kernels over GGUF's quantized blocks, a `Stage` holding the weights
-//! of one contiguous layer range of a llama-family decoder, per-sequence KV state kept apart
-//! from the weights, and one batched forward over many sequences at their own positions.
+//! of one contiguous layer range of a llama-family decoder (llama, mistral, qwen2, qwen3,
+//! gemma3), per-sequence KV state kept apart from the weights, and one batched forward over many
+//! sequences at their own positions.
 
 mod config;
 mod error;
@@ -13,7 +14,7 @@ mod sample;
 mod stage;
 pub mod synth;
 
-pub use config::{ModelConfig, RopeStyle};
+pub use config::{Activation, ModelConfig, RopeStyle, SlidingWindow};
 pub use error::EngineError;
 pub use kernels::Isa;
 pub use kv::KvCache;

@@ -5,9 +5,29 @@ use crate::config::RopeStyle;
 use crate::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::Level;
+use std::ops::Range;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let scale = inv_rms(x, eps);
+    for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
+        *o = ((*v as f64 * scale) as f32) * g;
+    }
+}
+
+/// `rms_norm` in place on each head of `x` (heads of `w.len()`), as gemma3 and qwen3 norm
+/// queries and keys.
+pub fn rms_norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
+    for head in x.chunks_exact_mut(w.len()) {
+        let scale = inv_rms(head, eps);
+        for (v, g) in head.iter_mut().zip(w) {
+            *v = ((*v as f64 * scale) as f32) * g;
+        }
+    }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`, the squares summed in f64 over eight fixed lanes.
+fn inv_rms(x: &[f32], eps: f32) -> f64 {
     let mut lanes = [0f64; 8];
     let chunks = x.chunks_exact(8);
     let tail = chunks.remainder();
@@ -20,17 +40,15 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for v in tail {
         ss += *v as f64 * *v as f64;
     }
-    let scale = 1.0 / (ss / x.len() as f64 + eps as f64).sqrt();
-    for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
-        *o = ((*v as f64 * scale) as f32) * g;
-    }
+    1.0 / (ss / x.len() as f64 + eps as f64).sqrt()
 }
 
-/// Cosines and sines of one position's rotation angles, one pair per rotated dimension pair.
-pub fn rope_angles(pos: usize, rope_dim: usize, base: f32, out: &mut Vec<(f64, f64)>) {
+/// Cosines and sines of one position's rotation angles, one pair per rotated dimension pair;
+/// `scale` multiplies the position (linear RoPE scaling; 1 leaves it as it is).
+pub fn rope_angles(pos: usize, rope_dim: usize, base: f32, scale: f64, out: &mut Vec<(f64, f64)>) {
     out.clear();
     for i in 0..rope_dim / 2 {
-        let theta = pos as f64 * (base as f64).powf(-2.0 * i as f64 / rope_dim as f64);
+        let theta = pos as f64 * scale * (base as f64).powf(-2.0 * i as f64 / rope_dim as f64);
         let (s, c) = theta.sin_cos();
         out.push((c, s));
     }
@@ -59,9 +77,20 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// Causal attention of one query head over the first `n_ctx` cached positions of one KV head,
+/// `g = gelu(g) * u`, in place: GELU's tanh form (ggml's `gelu`), computed in f64 and rounded
+/// once.
+pub fn gelu_mul(g: &mut [f32], u: &[f32]) {
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    for (a, b) in g.iter_mut().zip(u) {
+        let x = *a as f64;
+        let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh());
+        *a = (gelu * *b as f64) as f32;
+    }
+}
+
+/// Causal attention of one query head over the cached positions in slots `ctx` of one KV head,
 /// whose slice starts at `offset` of each key and value row: keys transposed (`kt`, rows of
-/// `cap` positions), values row-major (rows of `stride` floats).
+/// `cap` slots), values row-major (rows of `stride` floats). Scores are scaled by `scale`.
 ///
 /// Compiled once per instruction set for the wider vectors. Every reduction runs element by
 /// element in a fixed order (scores over the head's dimensions in turn, values over positions in
@@ -73,25 +102,28 @@ pub fn attend(
     kt: &[f32],
     cap: usize,
     v: &[f32],
-    n_ctx: usize,
+    ctx: Range<usize>,
     stride: usize,
     offset: usize,
+    scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let hd = q.len();
-    assert!(n_ctx >= 1 && n_ctx <= cap && kt.len() >= (offset + hd) * cap && v.len() >= (n_ctx - 1) * stride + offset + hd);
+    assert!(ctx.start < ctx.end && ctx.end <= cap && kt.len() >= (offset + hd) * cap && v.len() >= (ctx.end - 1) * stride + offset + hd);
     scores.clear();
-    scores.resize(n_ctx, 0.0);
+    scores.resize(ctx.len(), 0.0);
+    // From the first visible slot on: key row r's slot j is then kt[r * cap + j], as in `kt`.
+    let (kt, v) = (&kt[ctx.start..], &v[ctx.start * stride..]);
     match isa.level() {
         // SAFETY: an `Isa` at the AVX-512 level exists only where detection found AVX-512F/BW,
         // FMA and F16C on this CPU (its field is private); the body itself is safe code.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => unsafe { attend_avx512(q, kt, cap, v, stride, offset, scores, out) },
+        Level::Avx512 => unsafe { attend_avx512(q, kt, cap, v, stride, offset, scale, scores, out) },
         // SAFETY: likewise, detection found AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { attend_avx2(q, kt, cap, v, stride, offset, scores, out) },
-        _ => attend_body(q, kt, cap, v, stride, offset, scores, out),
+        Level::Avx2 => unsafe { attend_avx2(q, kt, cap, v, stride, offset, scale, scores, out) },
+        _ => attend_body(q, kt, cap, v, stride, offset, scale, scores, out),
     }
 }
 
@@ -102,8 +134,18 @@ pub fn attend(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx512(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, s: &mut [f32], out: &mut [f32]) {
-    attend_body(q, kt, cap, v, stride, offset, s, out)
+unsafe fn attend_avx512(
+    q: &[f32],
+    kt: &[f32],
+    cap: usize,
+    v: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    s: &mut [f32],
+    out: &mut [f32],
+) {
+    attend_body(q, kt, cap, v, stride, offset, scale, s, out)
 }
 
 /// `attend_body` compiled for AVX2.
@@ -113,13 +155,23 @@ unsafe fn attend_avx512(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: us
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx2(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, s: &mut [f32], out: &mut [f32]) {
-    attend_body(q, kt, cap, v, stride, offset, s, out)
+unsafe fn attend_avx2(
+    q: &[f32],
+    kt: &[f32],
+    cap: usize,
+    v: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    s: &mut [f32],
+    out: &mut [f32],
+) {
+    attend_body(q, kt, cap, v, stride, offset, scale, s, out)
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, s: &mut [f32], out: &mut [f32]) {
+fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, scale: f32, s: &mut [f32], out: &mut [f32]) {
     let n = s.len();
     for (d, qd) in q.iter().enumerate() {
         let row = &kt[(offset + d) * cap..(offset + d) * cap + n];
@@ -127,7 +179,6 @@ fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offs
             *x += qd * k;
         }
     }
-    let scale = 1.0 / (q.len() as f32).sqrt();
     let mut max = f32::NEG_INFINITY;
     for x in s.iter_mut() {
         *x *= scale;
@@ -187,11 +238,11 @@ mod tests {
         let mut angles = Vec::new();
         let x0: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
         for style in [RopeStyle::Adjacent, RopeStyle::Halves] {
-            rope_angles(0, 8, 10000.0, &mut angles);
+            rope_angles(0, 8, 10000.0, 1.0, &mut angles);
             let mut x = x0.clone();
             rope(&mut x, 8, &angles, style);
             assert_eq!(x, x0);
-            rope_angles(37, 8, 10000.0, &mut angles);
+            rope_angles(37, 8, 10000.0, 1.0, &mut angles);
             rope(&mut x, 8, &angles, style);
             let n0: f32 = x0.iter().map(|v| v * v).sum();
             let n1: f32 = x.iter().map(|v| v * v).sum();
@@ -206,38 +257,67 @@ mod tests {
         let kt = [0.5f32, 0.5, 9.0, 9.0];
         let v = [7.0f32, -1.0, 3.0, 4.0];
         let mut out = [0f32; 2];
-        attend(Isa::SCALAR, &q, &kt, 1, &v, 1, 4, 2, &mut Vec::new(), &mut out);
+        attend(Isa::SCALAR, &q, &kt, 1, &v, 0..1, 4, 2, 0.5, &mut Vec::new(), &mut out);
         assert_eq!(out, [3.0, 4.0]);
     }
 
     #[test]
-    fn attention_matches_a_float64_softmax_on_every_isa() {
+    fn attention_matches_a_float64_softmax_on_every_isa_over_any_window() {
         let (hd, n, cap, stride) = (8usize, 37usize, 40usize, 16usize);
         let f = |i: usize| ((i * 7919 % 101) as f32 / 50.0) - 1.0;
         let q: Vec<f32> = (0..hd).map(|i| f(i + 3)).collect();
         let kt: Vec<f32> = (0..stride * cap).map(f).collect();
         let v: Vec<f32> = (0..stride * n).map(|i| f(i + 11)).collect();
         let off = 8;
-        let scores: Vec<f64> =
-            (0..n).map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() / (hd as f64).sqrt()).collect();
-        let max = scores.iter().cloned().fold(f64::MIN, f64::max);
-        let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-        let total: f64 = w.iter().sum();
-        let exact: Vec<f64> = (0..hd).map(|d| (0..n).map(|p| w[p] / total * v[p * stride + off + d] as f64).sum()).collect();
-        let mut first: Option<Vec<f32>> = None;
-        for isa in Isa::available() {
-            let mut out = vec![0f32; hd];
-            attend(isa, &q, &kt, cap, &v, n, stride, off, &mut Vec::new(), &mut out);
-            for (o, e) in out.iter().zip(&exact) {
-                assert!((*o as f64 - e).abs() < 1e-5, "{isa:?}: {o} vs {e}");
-            }
-            match &first {
-                None => first = Some(out),
-                Some(f) => {
-                    assert_eq!(f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), out.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        let scale = 1.0 / (hd as f32).sqrt();
+        for lo in [0, 5, n - 1] {
+            let scores: Vec<f64> =
+                (lo..n).map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() * scale as f64).collect();
+            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = w.iter().sum();
+            let exact: Vec<f64> = (0..hd).map(|d| (lo..n).map(|p| w[p - lo] / total * v[p * stride + off + d] as f64).sum()).collect();
+            let mut first: Option<Vec<f32>> = None;
+            for isa in Isa::available() {
+                let mut out = vec![0f32; hd];
+                attend(isa, &q, &kt, cap, &v, lo..n, stride, off, scale, &mut Vec::new(), &mut out);
+                for (o, e) in out.iter().zip(&exact) {
+                    assert!((*o as f64 - e).abs() < 1e-5, "{isa:?} from {lo}: {o} vs {e}");
+                }
+                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert_eq!(bits(f), bits(&out)),
                 }
             }
         }
+    }
+
+    #[test]
+    fn head_norms_are_per_head_rms_norms() {
+        let x: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let w: Vec<f32> = (0..8).map(|i| 0.5 + i as f32 * 0.1).collect();
+        let mut heads = x.clone();
+        rms_norm_heads(&mut heads, &w, 1e-6);
+        for (h, xh) in heads.chunks(8).zip(x.chunks(8)) {
+            let mut want = vec![0f32; 8];
+            rms_norm(xh, &w, 1e-6, &mut want);
+            assert_eq!(h, &want[..]);
+        }
+    }
+
+    #[test]
+    fn gelu_is_the_tanh_form_and_linear_rope_scaling_divides_positions() {
+        let mut g = [-3.0f32, -0.5, 0.0, 0.5, 3.0];
+        gelu_mul(&mut g, &[2.0; 5]);
+        for (x, got) in [-3.0f64, -0.5, 0.0, 0.5, 3.0].iter().zip(g) {
+            let want = x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+            assert!((got as f64 - want).abs() < 1e-6, "gelu({x}) * 2 = {got}, want {want}");
+        }
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        rope_angles(40, 16, 1e6, 0.125, &mut a);
+        rope_angles(5, 16, 1e6, 1.0, &mut b);
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! A `Stage`: the weights of one contiguous layer range, and one batched forward over many
 //! sequences, each at its own positions.
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig};
 use crate::kernels::Isa;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, Window};
 use crate::matrix::{matmul, Matrix, Product};
 use crate::ops;
 use crate::pool::{Disjoint, ThreadPool};
@@ -19,7 +19,11 @@ struct Layer {
     wk: Matrix,
     wv: Matrix,
     bias: Option<[Vec<f32>; 3]>,
+    /// Per-head norms of queries and keys (qwen3, gemma3).
+    qk_norm: Option<[Vec<f32>; 2]>,
     wo: Matrix,
+    /// Norms of the attention's and the FFN's outputs, before each residual add (gemma3).
+    post_norms: Option<[Vec<f32>; 2]>,
     ffn_norm: Vec<f32>,
     gate: Matrix,
     up: Matrix,
@@ -109,23 +113,35 @@ impl Stage {
             return Err(EngineError::BadLayerRange { start: range.start, end: range.end, n_layers: cfg.n_layers });
         }
         let g = &*gguf;
-        let (h, kvd, f) = (cfg.hidden, cfg.kv_dim(), cfg.ffn);
+        let (h, kvd, qd, f) = (cfg.hidden, cfg.kv_dim(), cfg.q_dim(), cfg.ffn);
         let embed = if range.start == 0 { Some(Matrix::load(g, "token_embd.weight", h, cfg.vocab)?) } else { None };
         let mut layers = Vec::with_capacity(range.len());
         for i in range.clone() {
             let n = |s: &str| format!("blk.{i}.{s}");
             let bias = if g.tensor(&n("attn_q.bias")).is_some() {
-                Some([vector(g, &n("attn_q.bias"), h)?, vector(g, &n("attn_k.bias"), kvd)?, vector(g, &n("attn_v.bias"), kvd)?])
+                Some([vector(g, &n("attn_q.bias"), qd)?, vector(g, &n("attn_k.bias"), kvd)?, vector(g, &n("attn_v.bias"), kvd)?])
+            } else {
+                None
+            };
+            let qk_norm = if cfg.qk_norm {
+                Some([vector(g, &n("attn_q_norm.weight"), cfg.head_dim)?, vector(g, &n("attn_k_norm.weight"), cfg.head_dim)?])
+            } else {
+                None
+            };
+            let post_norms = if cfg.post_norms {
+                Some([vector(g, &n("post_attention_norm.weight"), h)?, vector(g, &n("post_ffw_norm.weight"), h)?])
             } else {
                 None
             };
             layers.push(Layer {
                 attn_norm: vector(g, &n("attn_norm.weight"), h)?,
-                wq: Matrix::load(g, &n("attn_q.weight"), h, h)?,
+                wq: Matrix::load(g, &n("attn_q.weight"), h, qd)?,
                 wk: Matrix::load(g, &n("attn_k.weight"), h, kvd)?,
                 wv: Matrix::load(g, &n("attn_v.weight"), h, kvd)?,
                 bias,
-                wo: Matrix::load(g, &n("attn_output.weight"), h, h)?,
+                qk_norm,
+                wo: Matrix::load(g, &n("attn_output.weight"), qd, h)?,
+                post_norms,
                 ffn_norm: vector(g, &n("ffn_norm.weight"), h)?,
                 gate: Matrix::load(g, &n("ffn_gate.weight"), h, f)?,
                 up: Matrix::load(g, &n("ffn_up.weight"), h, f)?,
@@ -183,8 +199,9 @@ impl Stage {
     /// Bytes of weights this stage reads.
     pub fn weight_bytes(&self) -> usize {
         let mats = self.layers.iter().map(|l| {
+            let norms = [&l.attn_norm, &l.ffn_norm].into_iter().chain(l.qk_norm.iter().flatten()).chain(l.post_norms.iter().flatten());
             [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.bytes()).sum::<usize>()
-                + 4 * (l.attn_norm.len() + l.ffn_norm.len())
+                + 4 * norms.map(Vec::len).sum::<usize>()
         });
         let embed = self.embed.as_ref().map_or(0, |m| m.bytes());
         let head = self.head.as_ref().filter(|_| self.embed.is_none() || self.gguf.tensor("output.weight").is_some());
@@ -209,14 +226,22 @@ impl Stage {
 
     fn kv(&self, capacity: usize, layers: Range<usize>) -> KvCache {
         let (n, capacity, kv_dim) = (layers.len(), capacity.min(self.cfg.context), self.cfg.kv_dim());
+        let windowed: Vec<bool> = layers.clone().map(|il| self.cfg.window(il).is_some()).collect();
+        let window = self.cfg.sliding_window.as_ref().filter(|_| windowed.contains(&true)).map(|s| {
+            let base = capacity.min(2 * s.window);
+            Window { size: s.window, start: 0, slots: base, base }
+        });
+        let slots = |on: bool| window.as_ref().filter(|_| on).map_or(capacity, |w| w.slots);
         KvCache {
-            k: (0..n).map(|_| vec![0f32; kv_dim * capacity]).collect(),
+            k: windowed.iter().map(|&on| vec![0f32; kv_dim * slots(on)]).collect(),
             v: vec![Vec::new(); n],
             len: 0,
             capacity,
             kv_dim,
             stage_id: self.id,
             layers,
+            windowed,
+            window,
         }
     }
 
@@ -266,7 +291,7 @@ impl Stage {
             rows_of.push(self.check(s)?);
         }
         let cfg = &self.cfg;
-        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+        let (h, hd, kvd, qd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim(), cfg.q_dim());
         let t_all: usize = rows_of.iter().sum();
         let g = &*self.gguf;
 
@@ -281,31 +306,50 @@ impl Stage {
                 pos_of.push(s.kv.len + r);
                 let row = &mut x[t * h..(t + 1) * h];
                 match (&s.input, &self.embed) {
-                    (Input::Tokens(toks), Some(e)) => e.dequantize_row(g, toks[r] as usize, row)?,
+                    (Input::Tokens(toks), Some(e)) => {
+                        e.dequantize_row(g, toks[r] as usize, row)?;
+                        if let Some(scale) = cfg.embed_scale {
+                            row.iter_mut().for_each(|v| *v = (*v as f64 * scale) as f32);
+                        }
+                    }
                     (Input::Hidden(hs), _) => row.copy_from_slice(&hs[r * h..(r + 1) * h]),
                     (Input::Tokens(_), None) => unreachable!("checked above"),
                 }
                 t += 1;
             }
         }
-        let mut angles = Vec::new();
-        let rope: Vec<Vec<(f64, f64)>> = pos_of
-            .iter()
-            .map(|&p| {
-                ops::rope_angles(p, cfg.rope_dim, cfg.rope_base, &mut angles);
-                angles.clone()
-            })
-            .collect();
+        // Each row's rotations; sliding-window layers have their own base, unscaled (llama.cpp's
+        // `rope_freq_base_train_swa`, `rope_freq_scale_train_swa`).
+        let rotations = |base: f32, scale: f64| -> Vec<Vec<(f64, f64)>> {
+            let mut angles = Vec::new();
+            pos_of
+                .iter()
+                .map(|&p| {
+                    ops::rope_angles(p, cfg.rope_dim, base, scale, &mut angles);
+                    angles.clone()
+                })
+                .collect()
+        };
+        let rope_full = rotations(cfg.rope_base, cfg.rope_scale);
+        let rope_window = cfg.sliding_window.as_ref().map(|s| rotations(s.rope_base, 1.0));
+        for (si, s) in batch.iter_mut().enumerate() {
+            s.kv.reserve(rows_of[si]);
+        }
 
         let mut xn = vec![0f32; t_all * h];
-        let (mut q, mut k, mut v) = (vec![0f32; t_all * h], vec![0f32; t_all * kvd], vec![0f32; t_all * kvd]);
-        let mut att = vec![0f32; t_all * h];
+        let (mut q, mut k, mut v) = (vec![0f32; t_all * qd], vec![0f32; t_all * kvd], vec![0f32; t_all * kvd]);
+        let mut att = vec![0f32; t_all * qd];
         let mut o = vec![0f32; t_all * h];
         let (mut gate, mut up) = (vec![0f32; t_all * cfg.ffn], vec![0f32; t_all * cfg.ffn]);
 
         // The batch's layers within the stage's; `li` indexes each KV cache's layers.
         let layers = &self.layers[sub.start - self.range.start..sub.end - self.range.start];
         for (li, layer) in layers.iter().enumerate() {
+            let window = cfg.window(sub.start + li);
+            let rope = match (window, &rope_window) {
+                (Some(_), Some(r)) => r,
+                _ => &rope_full,
+            };
             for t in 0..t_all {
                 ops::rms_norm(&x[t * h..(t + 1) * h], &layer.attn_norm, cfg.rms_eps, &mut xn[t * h..(t + 1) * h]);
             }
@@ -318,13 +362,18 @@ impl Stage {
                 &mut [Product { w: &layer.wq, out: &mut q }, Product { w: &layer.wk, out: &mut k }, Product { w: &layer.wv, out: &mut v }],
             );
             for t in 0..t_all {
+                let (qt, kt) = (&mut q[t * qd..(t + 1) * qd], &mut k[t * kvd..(t + 1) * kvd]);
                 if let Some([bq, bk, bv]) = &layer.bias {
-                    add(&mut q[t * h..(t + 1) * h], bq);
-                    add(&mut k[t * kvd..(t + 1) * kvd], bk);
+                    add(qt, bq);
+                    add(kt, bk);
                     add(&mut v[t * kvd..(t + 1) * kvd], bv);
                 }
-                ops::rope(&mut q[t * h..(t + 1) * h], hd, &rope[t], cfg.rope_style);
-                ops::rope(&mut k[t * kvd..(t + 1) * kvd], hd, &rope[t], cfg.rope_style);
+                if let Some([nq, nk]) = &layer.qk_norm {
+                    ops::rms_norm_heads(qt, nq, cfg.rms_eps);
+                    ops::rms_norm_heads(kt, nk, cfg.rms_eps);
+                }
+                ops::rope(qt, hd, &rope[t], cfg.rope_style);
+                ops::rope(kt, hd, &rope[t], cfg.rope_style);
             }
             let mut t0 = 0;
             for (si, s) in batch.iter_mut().enumerate() {
@@ -332,9 +381,9 @@ impl Stage {
                 s.kv.append(li, &k[t0 * kvd..(t0 + n) * kvd], &v[t0 * kvd..(t0 + n) * kvd]);
                 t0 += n;
             }
-            self.attention(batch, li, &seq_of, &pos_of, &q, &mut att);
+            self.attention(batch, li, window, &seq_of, &pos_of, &q, &mut att);
             matmul(&self.pool, self.isa, g, &att, t_all, &mut [Product { w: &layer.wo, out: &mut o }]);
-            add(&mut x, &o);
+            self.residual(&mut x, &o, layer.post_norms.as_ref().map(|[n, _]| n.as_slice()), &mut xn);
             for t in 0..t_all {
                 ops::rms_norm(&x[t * h..(t + 1) * h], &layer.ffn_norm, cfg.rms_eps, &mut xn[t * h..(t + 1) * h]);
             }
@@ -346,9 +395,12 @@ impl Stage {
                 t_all,
                 &mut [Product { w: &layer.gate, out: &mut gate }, Product { w: &layer.up, out: &mut up }],
             );
-            ops::silu_mul(&mut gate, &up);
+            match cfg.activation {
+                Activation::Silu => ops::silu_mul(&mut gate, &up),
+                Activation::GeluTanh => ops::gelu_mul(&mut gate, &up),
+            }
             matmul(&self.pool, self.isa, g, &gate, t_all, &mut [Product { w: &layer.down, out: &mut o }]);
-            add(&mut x, &o);
+            self.residual(&mut x, &o, layer.post_norms.as_ref().map(|[_, n]| n.as_slice()), &mut xn);
         }
         for (si, s) in batch.iter_mut().enumerate() {
             s.kv.len += rows_of[si];
@@ -385,32 +437,67 @@ impl Stage {
         let vocab = cfg.vocab;
         let mut logits = vec![0f32; picked.len() * vocab];
         matmul(&self.pool, self.isa, g, &hn, picked.len(), &mut [Product { w: &head.w, out: &mut logits }]);
+        if let Some(cap) = cfg.logit_softcap {
+            let cap = cap as f64;
+            logits.iter_mut().for_each(|l| *l = (cap * (*l as f64 / cap).tanh()) as f32);
+        }
         for (i, &(si, _)) in picked.iter().enumerate() {
             outputs[si].logits.extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
         }
         Ok(outputs)
     }
 
-    /// Causal attention for every (row, head), spread over the pool. Row t's sequence has
-    /// already cached its keys and values up to and including position pos_of[t].
-    fn attention(&self, batch: &[SeqInput], li: usize, seq_of: &[usize], pos_of: &[usize], q: &[f32], att: &mut [f32]) {
+    /// Adds a block's output `o` to the residual stream `x`, normed by `norm` first when the
+    /// model has one there (gemma3; `scratch` takes the normed rows).
+    fn residual(&self, x: &mut [f32], o: &[f32], norm: Option<&[f32]>, scratch: &mut [f32]) {
+        let Some(w) = norm else { return add(x, o) };
+        let h = self.cfg.hidden;
+        for ((xt, ot), st) in x.chunks_exact_mut(h).zip(o.chunks_exact(h)).zip(scratch.chunks_exact_mut(h)) {
+            ops::rms_norm(ot, w, self.cfg.rms_eps, st);
+            add(xt, st);
+        }
+    }
+
+    /// Causal attention for every (row, head), spread over the pool, over the last `window`
+    /// positions when the layer has one. Row t's sequence has already cached its keys and
+    /// values up to and including position pos_of[t].
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        batch: &[SeqInput],
+        li: usize,
+        window: Option<usize>,
+        seq_of: &[usize],
+        pos_of: &[usize],
+        q: &[f32],
+        att: &mut [f32],
+    ) {
         let cfg = &self.cfg;
-        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+        let (qd, hd, kvd) = (cfg.q_dim(), cfg.head_dim, cfg.kv_dim());
         let group = cfg.n_head / cfg.n_head_kv;
         let jobs = seq_of.len() * cfg.n_head;
         let out = Disjoint::new(att);
-        let caches: Vec<(&[f32], usize, &[f32])> = batch.iter().map(|s| (&s.kv.k[li][..], s.kv.capacity, &s.kv.v[li][..])).collect();
+        // Per sequence: keys, slots per key row, values, and the position in slot 0.
+        let caches: Vec<(&[f32], usize, &[f32], usize)> = batch
+            .iter()
+            .map(|s| {
+                let (start, slots) = s.kv.span(li);
+                (&s.kv.k[li][..], slots, &s.kv.v[li][..], start)
+            })
+            .collect();
         self.pool.run(jobs, 1, &|chunk| {
             SCORES.with_borrow_mut(|scores| {
                 for job in chunk {
                     let (t, head) = (job / cfg.n_head, job % cfg.n_head);
-                    let (kt, cap, vc) = caches[seq_of[t]];
-                    // SAFETY: job (t, head) alone touches att[t*h + head*hd ..][..hd] (heads of a
-                    // row are `hd` apart and rows `h = n_head * hd` apart), and `slice` checks the
-                    // bounds.
-                    let dst = unsafe { out.slice(t * h + head * hd, hd) };
-                    let qh = &q[t * h + head * hd..t * h + (head + 1) * hd];
-                    ops::attend(self.isa, qh, kt, cap, vc, pos_of[t] + 1, kvd, (head / group) * hd, scores, dst);
+                    let (kt, slots, vc, start) = caches[seq_of[t]];
+                    let first = window.map_or(0, |w| (pos_of[t] + 1).saturating_sub(w));
+                    // SAFETY: job (t, head) alone touches att[t*qd + head*hd ..][..hd] (heads of
+                    // a row are `hd` apart and rows `qd = n_head * hd` apart), and `slice` checks
+                    // the bounds.
+                    let dst = unsafe { out.slice(t * qd + head * hd, hd) };
+                    let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                    let ctx = first - start..pos_of[t] + 1 - start;
+                    ops::attend(self.isa, qh, kt, slots, vc, ctx, kvd, (head / group) * hd, cfg.attn_scale, scores, dst);
                 }
             })
         });

@@ -40,3 +40,77 @@ pub(crate) fn render(
         eos_token => eos_token,
     })?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gemma 3's template (its tokenizer_config.json; gemma-3-270m's GGUF carries none, so a
+    /// gemma3 GGUF that does carries this): system text folded into the first user turn,
+    /// "assistant" renamed "model", contents trimmed, alternation enforced.
+    const GEMMA3: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"#;
+
+    #[test]
+    fn gemma3_template_renders_its_turns() {
+        let user = [ChatMessage::new("user", "What is the tallest mountain in the world?")];
+        assert_eq!(
+            render(GEMMA3, &user, true, "<bos>", "<eos>").unwrap(),
+            "<bos><start_of_turn>user\nWhat is the tallest mountain in the world?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let chat = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", " Hi "), ChatMessage::new("assistant", "Hello.")];
+        assert_eq!(
+            render(GEMMA3, &chat, false, "<bos>", "<eos>").unwrap(),
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        );
+        let unordered = [ChatMessage::new("assistant", "Hello.")];
+        let err = render(GEMMA3, &unordered, true, "<bos>", "<eos>").unwrap_err();
+        assert!(err.to_string().contains("alternate"), "{err}");
+    }
+}

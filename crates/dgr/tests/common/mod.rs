@@ -21,6 +21,14 @@ pub fn model() -> PathBuf {
     p
 }
 
+/// gemma-3-270m Q4_K_M, beside the default model. Missing is a failure, never a skip: fetch it
+/// with `scripts/fetch-model.sh gemma3`.
+pub fn gemma3_model() -> PathBuf {
+    let p = dgr_gguf::default_model_path().with_file_name("gemma-3-270m-q4_k_m.gguf");
+    assert!(p.exists(), "the gemma3 model is not at {}: run scripts/fetch-model.sh gemma3 first", p.display());
+    p
+}
+
 pub fn reference(name: &str) -> Value {
     let path = format!("{}/../../tests/data/{name}", env!("CARGO_MANIFEST_DIR"));
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))).unwrap()
