@@ -1,5 +1,6 @@
 use anyhow::{bail, Context, Result};
-use dgr_engine::synth::SynthSpec;
+use clap::builder::PossibleValuesParser;
+use dgr_engine::synth::{SynthSpec, ARCHS, MIN_VOCAB};
 use dgr_gguf::GgmlType;
 use std::path::PathBuf;
 
@@ -8,6 +9,10 @@ pub struct Args {
     /// Where to write the GGUF
     #[arg(long, short = 'o')]
     out: PathBuf,
+    /// Architecture: llama, mistral (a llama file with a SentencePiece vocabulary and its own
+    /// head), qwen2, qwen3 or gemma3
+    #[arg(long, default_value = "llama", value_parser = PossibleValuesParser::new(ARCHS))]
+    arch: String,
     #[arg(long, default_value_t = 4)]
     layers: usize,
     #[arg(long, default_value_t = 64)]
@@ -18,43 +23,42 @@ pub struct Args {
     heads: usize,
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
-    /// Vocabulary size (at least 258: 256 byte tokens, BOS and EOS)
+    /// Width of each attention head (qwen3 and gemma3 only; default hidden / heads)
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// Vocabulary size (at least 259: 256 byte tokens and the special tokens)
     #[arg(long, default_value_t = 320)]
     vocab: usize,
-    /// Matrix type: f32, f16, bf16, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k
+    /// Type of the matrices and the embedding: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0,
+    /// q2_k, q3_k, q4_k, q5_k, q6_k (those dgr can quantize to)
     #[arg(long = "type", default_value = "q4_1")]
     ty: String,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     #[arg(long, default_value_t = 2048)]
     context: usize,
-    /// Write a qwen2-style model (half-split RoPE, q/k/v biases) instead of a llama one
-    #[arg(long)]
-    qwen2: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let ty = match a.ty.to_ascii_lowercase().as_str() {
-        "f32" => GgmlType::F32,
-        "f16" => GgmlType::F16,
-        "bf16" => GgmlType::BF16,
-        "q4_0" => GgmlType::Q4_0,
-        "q4_1" => GgmlType::Q4_1,
-        "q8_0" => GgmlType::Q8_0,
-        "q4_k" => GgmlType::Q4_K,
-        "q5_k" => GgmlType::Q5_K,
-        "q6_k" => GgmlType::Q6_K,
-        other => bail!("unknown tensor type {other:?}"),
+    let Some(ty) = GgmlType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(&a.ty)) else {
+        bail!("unknown tensor type {:?}", a.ty);
     };
+    let Some(arch) = ARCHS.into_iter().find(|n| *n == a.arch) else { bail!("unknown architecture {:?}", a.arch) };
+    if a.heads == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
+        bail!("kv heads ({}) must divide heads ({})", a.kv_heads, a.heads);
+    }
+    if a.head_dim.is_none() && !a.hidden.is_multiple_of(a.heads) {
+        bail!("heads ({}) must divide the hidden size ({})", a.heads, a.hidden);
+    }
+    let head_dim = a.head_dim.unwrap_or(a.hidden / a.heads);
     let block = ty.block_size();
-    if a.heads == 0 || a.kv_heads == 0 || !a.hidden.is_multiple_of(a.heads) || !a.heads.is_multiple_of(a.kv_heads) {
-        bail!("heads ({}) and kv heads ({}) must divide the hidden size ({})", a.heads, a.kv_heads, a.hidden);
+    for (what, n) in [("hidden", a.hidden), ("ffn", a.ffn), ("heads × head dim", a.heads * head_dim)] {
+        if n == 0 || !n.is_multiple_of(block) {
+            bail!("{what} ({n}) must be a positive multiple of {}'s block of {block}", ty.name());
+        }
     }
-    if !a.hidden.is_multiple_of(block) || !a.ffn.is_multiple_of(block) {
-        bail!("hidden ({}) and ffn ({}) must be multiples of {}'s block of {block}", a.hidden, a.ffn, ty.name());
-    }
-    if a.layers == 0 || a.vocab < 258 {
-        bail!("need at least one layer and a vocabulary of at least 258");
+    if a.layers == 0 || a.vocab < MIN_VOCAB {
+        bail!("need at least one layer and a vocabulary of at least {MIN_VOCAB}");
     }
     let spec = SynthSpec {
         layers: a.layers,
@@ -62,11 +66,12 @@ pub fn run(a: Args) -> Result<()> {
         ffn: a.ffn,
         heads: a.heads,
         kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
         vocab: a.vocab,
         ty,
         seed: a.seed,
         context: a.context,
-        arch: if a.qwen2 { "qwen2" } else { "llama" },
+        arch,
     };
     let bytes = spec.to_gguf()?;
     std::fs::write(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;

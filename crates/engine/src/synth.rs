@@ -1,7 +1,22 @@
-//! Random-weight llama-shaped models, written as GGUF: fixtures for tests and for benchmarking
-//! shapes other than the default model's.
+//! Random-weight models of each architecture dgr runs, written as GGUF files that llama.cpp
+//! loads too: fixtures for tests, for holding dgr against llama.cpp, and for benchmarking shapes
+//! other than the default model's. A spec and its seed always give the same bytes.
 
-use dgr_gguf::{GgmlType, GgufError, GgufWriter, Value};
+mod vocab;
+
+use crate::EngineError;
+use dgr_gguf::{GgmlType, GgufWriter, Value};
+
+/// The architectures `SynthSpec::arch` may name.
+pub const ARCHS: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "gemma3"];
+
+/// The smallest vocabulary: 256 byte tokens, then BOS, EOS and UNK (SentencePiece) or BOS, EOS
+/// and one merge (BPE: an empty merges array would carry no element type, and llama.cpp wants
+/// strings there).
+pub const MIN_VOCAB: usize = 259;
+
+/// Gemma 3's sliding window, shorter than the sequences the tests run so that it matters.
+const GEMMA3_WINDOW: u32 = 16;
 
 /// The shape and storage type of a synthetic model.
 #[derive(Clone, Debug)]
@@ -11,13 +26,16 @@ pub struct SynthSpec {
     pub ffn: usize,
     pub heads: usize,
     pub kv_heads: usize,
-    /// At least 258: the 256 byte tokens plus BOS and EOS.
+    /// Width of each attention head; None: hidden / heads. Only qwen3 and gemma3 record it
+    /// (`key_length`), so only they may make it differ.
+    pub head_dim: Option<usize>,
+    /// At least [`MIN_VOCAB`].
     pub vocab: usize,
-    /// Type of the matrices (norms stay F32).
+    /// Type of the matrices, the embedding included (norms and biases stay F32).
     pub ty: GgmlType,
     pub seed: u64,
     pub context: usize,
-    /// "llama" (adjacent-pair RoPE, no biases) or "qwen2" (half-split RoPE, q/k/v biases).
+    /// One of [`ARCHS`].
     pub arch: &'static str,
 }
 
@@ -29,6 +47,7 @@ impl Default for SynthSpec {
             ffn: 128,
             heads: 4,
             kv_heads: 2,
+            head_dim: None,
             vocab: 320,
             ty: GgmlType::Q4_1,
             seed: 1,
@@ -38,6 +57,53 @@ impl Default for SynthSpec {
     }
 }
 
+/// What sets an architecture's files apart, as llama.cpp's converter writes the real models'.
+struct Family {
+    /// `general.architecture`: Mistral's files say llama.
+    gguf_arch: &'static str,
+    rope_base: f32,
+    rms_eps: f32,
+    tokenizer: Tokenizer,
+    /// A head of its own (`output.weight`) rather than the embedding's transpose.
+    untied_head: bool,
+    qkv_bias: bool,
+    /// RMS norms over each head's queries and keys, and `key_length`.
+    qk_norm: bool,
+    /// Gemma 3: norms after attention and after the FFN, a scaled embedding, GELU, and a
+    /// sliding window on five layers in six.
+    gemma: bool,
+}
+
+enum Tokenizer {
+    /// Byte-level BPE with this pre-tokenizer.
+    Bpe(&'static str),
+    /// SentencePiece; whether it prefixes a space.
+    Spm(bool),
+}
+
+fn family(arch: &str) -> Option<Family> {
+    let llama = Family {
+        gguf_arch: "llama",
+        rope_base: 10000.0,
+        rms_eps: 1e-5,
+        tokenizer: Tokenizer::Bpe("smollm"),
+        untied_head: false,
+        qkv_bias: false,
+        qk_norm: false,
+        gemma: false,
+    };
+    let qwen = Family { gguf_arch: "qwen2", rope_base: 1e6, rms_eps: 1e-6, tokenizer: Tokenizer::Bpe("qwen2"), ..llama };
+    Some(match arch {
+        "llama" => llama,
+        "mistral" => Family { rope_base: 1e6, tokenizer: Tokenizer::Spm(true), untied_head: true, ..llama },
+        "qwen2" => Family { qkv_bias: true, ..qwen },
+        "qwen3" => Family { gguf_arch: "qwen3", qk_norm: true, ..qwen },
+        "gemma3" => Family { gguf_arch: "gemma3", tokenizer: Tokenizer::Spm(false), qk_norm: true, gemma: true, ..qwen },
+        _ => return None,
+    })
+}
+
+/// A linear congruential generator: the weights depend on the seed alone.
 struct Rng(u64);
 impl Rng {
     fn normalish(&mut self) -> f32 {
@@ -51,86 +117,112 @@ impl Rng {
     }
 }
 
-/// GPT-2's printable stand-in for each byte, so a byte-level vocabulary covers every input.
-fn byte_token(b: u8) -> String {
-    let printable = |c: u32| (33..=126).contains(&c) || (161..=172).contains(&c) || (174..=255).contains(&c);
-    if printable(b as u32) {
-        return char::from_u32(b as u32).map(String::from).unwrap_or_default();
+/// The file being written and the generator its tensors draw from, in the order they are added.
+struct Tensors {
+    w: GgufWriter,
+    rng: Rng,
+}
+
+impl Tensors {
+    /// `rows` rows of `k` weights, scaled so each output has about unit variance.
+    fn matrix(&mut self, name: &str, k: usize, rows: usize, ty: GgmlType) -> Result<(), EngineError> {
+        let scale = 2.0 / (k as f32).sqrt();
+        let mut data = Vec::new();
+        let mut row = vec![0f32; k];
+        for _ in 0..rows {
+            row.iter_mut().for_each(|x| *x = self.rng.normalish() * scale);
+            dgr_gguf::quant::quantize_row(ty, &row, &mut data)?;
+        }
+        Ok(self.w.add_tensor(name, ty, &[k as u64, rows as u64], data)?)
     }
-    let rank = (0..b as u32).filter(|c| !printable(*c)).count() as u32;
-    char::from_u32(256 + rank).map(String::from).unwrap_or_default()
+
+    /// An F32 vector spread around `base`: distinct per tensor, so mixing two up shows.
+    fn vector(&mut self, name: &str, len: usize, base: f32, spread: f32) -> Result<(), EngineError> {
+        let data: Vec<u8> = (0..len).flat_map(|_| (base + spread * self.rng.normalish()).to_le_bytes()).collect();
+        Ok(self.w.add_tensor(name, GgmlType::F32, &[len as u64], data)?)
+    }
+
+    fn norm(&mut self, name: &str, len: usize) -> Result<(), EngineError> {
+        self.vector(name, len, 1.0, 0.2)
+    }
 }
 
 impl SynthSpec {
-    pub fn to_gguf(&self) -> Result<Vec<u8>, GgufError> {
-        let mut rng = Rng(self.seed);
-        let mut w = GgufWriter::new();
+    pub fn to_gguf(&self) -> Result<Vec<u8>, EngineError> {
+        let fam = family(self.arch).ok_or_else(|| EngineError::UnsupportedArch(self.arch.into()))?;
+        let (h, f) = (self.hidden, self.ffn);
+        let hd = self.head_dim.unwrap_or(h / self.heads.max(1));
+        if self.vocab < MIN_VOCAB {
+            return Err(EngineError::BadConfig(format!("a vocabulary of {} is below the {MIN_VOCAB} a synthetic model needs", self.vocab)));
+        }
+        if !fam.qk_norm && hd * self.heads != h {
+            return Err(EngineError::BadConfig(format!("{} records no key_length, so its heads are hidden / heads wide", self.arch)));
+        }
+        let (qd, kvd) = (self.heads * hd, self.kv_heads * hd);
+        let mut t = Tensors { w: GgufWriter::new(), rng: Rng(self.seed) };
+        let a = fam.gguf_arch;
+        let mut meta = |key: &str, v: Value| t.w.add_metadata(key, v);
         let u32v = |v: usize| Value::U32(v as u32);
-        let a = self.arch;
-        w.add_metadata("general.architecture", Value::String(a.into()))?;
-        w.add_metadata("general.name", Value::String(format!("dgr-synth-{}", self.seed)))?;
-        w.add_metadata(&format!("{a}.block_count"), u32v(self.layers))?;
-        w.add_metadata(&format!("{a}.context_length"), u32v(self.context))?;
-        w.add_metadata(&format!("{a}.embedding_length"), u32v(self.hidden))?;
-        w.add_metadata(&format!("{a}.feed_forward_length"), u32v(self.ffn))?;
-        w.add_metadata(&format!("{a}.attention.head_count"), u32v(self.heads))?;
-        w.add_metadata(&format!("{a}.attention.head_count_kv"), u32v(self.kv_heads))?;
-        w.add_metadata(&format!("{a}.rope.freq_base"), Value::F32(10000.0))?;
-        w.add_metadata(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5))?;
-        let vocab = self.vocab.max(258);
-        let tokens: Vec<Value> = (0..vocab)
-            .map(|i| match i {
-                0..=255 => byte_token(i as u8),
-                256 => "<s>".into(),
-                257 => "</s>".into(),
-                _ => format!("<extra_{i}>"),
-            })
-            .map(Value::String)
-            .collect();
-        let types = (0..vocab).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
-        w.add_metadata("tokenizer.ggml.model", Value::String("gpt2".into()))?;
-        w.add_metadata("tokenizer.ggml.pre", Value::String("gpt2".into()))?;
-        w.add_metadata("tokenizer.ggml.tokens", Value::Array(tokens))?;
-        w.add_metadata("tokenizer.ggml.token_type", Value::Array(types))?;
-        w.add_metadata("tokenizer.ggml.merges", Value::Array(Vec::new()))?;
-        w.add_metadata("tokenizer.ggml.bos_token_id", Value::U32(256))?;
-        w.add_metadata("tokenizer.ggml.eos_token_id", Value::U32(257))?;
-        w.add_metadata("tokenizer.ggml.add_bos_token", Value::Bool(false))?;
+        meta("general.architecture", Value::String(a.into()))?;
+        meta("general.name", Value::String(format!("dgr-synth-{}-{}", self.arch, self.seed)))?;
+        meta(&format!("{a}.block_count"), u32v(self.layers))?;
+        meta(&format!("{a}.context_length"), u32v(self.context))?;
+        meta(&format!("{a}.embedding_length"), u32v(h))?;
+        meta(&format!("{a}.feed_forward_length"), u32v(f))?;
+        meta(&format!("{a}.attention.head_count"), u32v(self.heads))?;
+        meta(&format!("{a}.attention.head_count_kv"), u32v(self.kv_heads))?;
+        if fam.qk_norm {
+            meta(&format!("{a}.attention.key_length"), u32v(hd))?;
+            meta(&format!("{a}.attention.value_length"), u32v(hd))?;
+        }
+        if fam.gemma {
+            meta(&format!("{a}.attention.sliding_window"), Value::U32(GEMMA3_WINDOW))?;
+        }
+        meta(&format!("{a}.rope.freq_base"), Value::F32(fam.rope_base))?;
+        meta(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(fam.rms_eps))?;
+        let keys = match fam.tokenizer {
+            Tokenizer::Bpe(pre) => vocab::bpe(self.vocab, pre),
+            Tokenizer::Spm(space_prefix) => vocab::spm(self.vocab, space_prefix),
+        };
+        for (key, v) in keys {
+            meta(key, v)?;
+        }
 
-        let (h, f, kvd) = (self.hidden, self.ffn, self.hidden / self.heads * self.kv_heads);
-        let mut matrix = |w: &mut GgufWriter, name: &str, k: usize, rows: usize, ty: GgmlType| -> Result<(), GgufError> {
-            let scale = 1.0 / (k as f32).sqrt();
-            let vals: Vec<f32> = (0..k * rows).map(|_| rng.normalish() * 2.0 * scale).collect();
-            let mut data = Vec::new();
-            for row in vals.chunks(k) {
-                dgr_gguf::quant::quantize_row(ty, row, &mut data)?;
-            }
-            w.add_tensor(name, ty, &[k as u64, rows as u64], data)
-        };
-        let vector = |w: &mut GgufWriter, name: &str, len: usize, base: f32| -> Result<(), GgufError> {
-            let data: Vec<u8> = (0..len).flat_map(|i| (base + 0.01 * (i % 7) as f32).to_le_bytes()).collect();
-            w.add_tensor(name, GgmlType::F32, &[len as u64], data)
-        };
-        let norm = |w: &mut GgufWriter, name: &str| vector(w, name, h, 1.0);
-        matrix(&mut w, "token_embd.weight", h, vocab, GgmlType::Q8_0)?;
+        t.matrix("token_embd.weight", h, self.vocab, self.ty)?;
         for i in 0..self.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
-            norm(&mut w, &n("attn_norm.weight"))?;
-            matrix(&mut w, &n("attn_q.weight"), h, h, self.ty)?;
-            matrix(&mut w, &n("attn_k.weight"), h, kvd, self.ty)?;
-            matrix(&mut w, &n("attn_v.weight"), h, kvd, self.ty)?;
-            if a == "qwen2" {
-                vector(&mut w, &n("attn_q.bias"), h, -0.02)?;
-                vector(&mut w, &n("attn_k.bias"), kvd, 0.03)?;
-                vector(&mut w, &n("attn_v.bias"), kvd, -0.01)?;
+            t.norm(&n("attn_norm.weight"), h)?;
+            t.matrix(&n("attn_q.weight"), h, qd, self.ty)?;
+            t.matrix(&n("attn_k.weight"), h, kvd, self.ty)?;
+            t.matrix(&n("attn_v.weight"), h, kvd, self.ty)?;
+            if fam.qkv_bias {
+                t.vector(&n("attn_q.bias"), qd, 0.0, 0.2)?;
+                t.vector(&n("attn_k.bias"), kvd, 0.0, 0.2)?;
+                t.vector(&n("attn_v.bias"), kvd, 0.0, 0.2)?;
             }
-            matrix(&mut w, &n("attn_output.weight"), h, h, self.ty)?;
-            norm(&mut w, &n("ffn_norm.weight"))?;
-            matrix(&mut w, &n("ffn_gate.weight"), h, f, self.ty)?;
-            matrix(&mut w, &n("ffn_up.weight"), h, f, self.ty)?;
-            matrix(&mut w, &n("ffn_down.weight"), f, h, self.ty)?;
+            if fam.qk_norm {
+                t.norm(&n("attn_q_norm.weight"), hd)?;
+                t.norm(&n("attn_k_norm.weight"), hd)?;
+            }
+            t.matrix(&n("attn_output.weight"), qd, h, self.ty)?;
+            // Gemma 3 adds each block's output, normed, to the embedding scaled by √hidden; post
+            // norms well above 1 (as the real ones are) keep the residual from being mostly the
+            // input token, which the tied head would then repeat forever.
+            if fam.gemma {
+                t.vector(&n("post_attention_norm.weight"), h, 8.0, 2.0)?;
+            }
+            t.norm(&n("ffn_norm.weight"), h)?;
+            t.matrix(&n("ffn_gate.weight"), h, f, self.ty)?;
+            t.matrix(&n("ffn_up.weight"), h, f, self.ty)?;
+            t.matrix(&n("ffn_down.weight"), f, h, self.ty)?;
+            if fam.gemma {
+                t.vector(&n("post_ffw_norm.weight"), h, 8.0, 2.0)?;
+            }
         }
-        norm(&mut w, "output_norm.weight")?;
-        Ok(w.to_bytes())
+        t.norm("output_norm.weight", h)?;
+        if fam.untied_head {
+            t.matrix("output.weight", h, self.vocab, self.ty)?;
+        }
+        Ok(t.w.to_bytes())
     }
 }
