@@ -62,6 +62,10 @@ pub(crate) struct Product<'a> {
 pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize, products: &mut [Product]) {
     // At most three products share a job (q, k, v); held in an array, not allocated per call.
     assert!(products.len() <= 3);
+    // No columns, no outputs (a last stage's step whose rows need no logits).
+    if n == 0 {
+        return;
+    }
     let k = products.first().map_or(0, |p| p.w.k);
     for p in products.iter() {
         assert!(p.w.k == k && x.len() >= n * k && p.out.len() >= n * p.w.rows);

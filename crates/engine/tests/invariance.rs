@@ -157,6 +157,22 @@ fn bad_inputs_are_typed_errors_and_leave_state_untouched() {
 }
 
 #[test]
+fn a_last_stage_step_whose_rows_need_no_logits_computes_them_all_the_same() {
+    // A scheduler runs a prompt's early chunks with no logits asked for, on the last stage too.
+    let g = model(GgmlType::Q4_1, "llama");
+    let whole = Stage::open(g, 0..LAYERS, StageOptions { threads: 2, isa: None }).unwrap();
+    let (mut a, mut b) = (whole.new_kv(8), whole.new_kv(8));
+    let last = |stage: &Stage, kv: &mut dgr_engine::KvCache, toks: &[u32]| {
+        stage.forward(&mut [SeqInput { kv, input: Input::Tokens(toks), logits: LogitRows::Last }]).unwrap().remove(0).logits
+    };
+    let none = whole.forward(&mut [SeqInput { kv: &mut a, input: Input::Tokens(&[1, 2, 3]), logits: LogitRows::None }]).unwrap();
+    assert!(none[0].logits.is_empty());
+    let split = last(&whole, &mut a, &[4, 5]);
+    let one = last(&whole, &mut b, &[1, 2, 3, 4, 5]);
+    assert_eq!(bits(&[vec![split]]), bits(&[vec![one]]));
+}
+
+#[test]
 fn overlapping_stages_compose_through_sub_ranges() {
     // Stages holding two thirds of the model each, or three overlapping ones, serve routes cut
     // anywhere their holdings overlap; sequences of different routes share the stages.
