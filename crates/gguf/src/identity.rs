@@ -97,23 +97,23 @@ impl ModelIdentity {
 /// SHA-256 of each of `g`'s tensors, read from `file` with positioned reads (never through a
 /// map, so hashing leaves the caller's address space alone).
 fn hash_tensors(file: &File, g: &Gguf) -> std::io::Result<Vec<[u8; 32]>> {
+    // Ranges were checked against the file's length at open.
+    g.tensors().iter().map(|t| sha256_range(file, g.data_offset().saturating_add(t.offset), t.n_bytes)).collect()
+}
+
+/// SHA-256 of `len` bytes of `file` from offset `at`, with plain positioned reads (never through
+/// a map, so hashing does not make the bytes resident in the caller's address space).
+pub fn sha256_range(file: &File, mut at: u64, mut len: u64) -> std::io::Result<[u8; 32]> {
     let mut buf = vec![0u8; READ_BUF];
-    let mut out = Vec::with_capacity(g.tensors().len());
-    for t in g.tensors() {
-        let mut h = Sha256::new();
-        // Ranges were checked against the file's length at open.
-        let mut pos = g.data_offset().saturating_add(t.offset);
-        let mut left = t.n_bytes;
-        while left > 0 {
-            let n = usize::try_from(left).map_or(READ_BUF, |l| l.min(READ_BUF));
-            file.read_exact_at(&mut buf[..n], pos)?;
-            h.update(&buf[..n]);
-            pos += n as u64;
-            left -= n as u64;
-        }
-        out.push(h.finalize().into());
+    let mut h = Sha256::new();
+    while len > 0 {
+        let n = usize::try_from(len).map_or(READ_BUF, |l| l.min(READ_BUF));
+        file.read_exact_at(&mut buf[..n], at)?;
+        h.update(&buf[..n]);
+        at += n as u64;
+        len -= n as u64;
     }
-    Ok(out)
+    Ok(h.finalize().into())
 }
 
 fn own_table(tensors: &[TensorInfo], hashes: Vec<[u8; 32]>) -> Vec<TensorHash> {

@@ -12,7 +12,6 @@ use dgr_proto::{Body, FetchAsk, Frame, Hello, Role, SwarmQuery, TrackerBody, Tra
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use sha2::{Digest, Sha256};
-use std::io::{Read, Seek, SeekFrom};
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -113,7 +112,7 @@ impl FetchSpec {
                 .get(name)
                 .map(|t| t.sha256)
                 .ok_or_else(|| FetchError::Tensor { tensor: name.clone(), why: "not in the model's table".into() })?;
-            if hash_range(&mut file, *at, *len).map_err(io(&part))? == want {
+            if dgr_gguf::sha256_range(&file, *at, *len).map_err(io(&part))? == want {
                 out.tensors_resumed += 1;
                 continue;
             }
@@ -294,21 +293,6 @@ async fn connect(addr: &str) -> Result<Framed<TcpStream, LengthDelimitedCodec>, 
         },
         _ => Err("no Hello".into()),
     }
-}
-
-/// SHA-256 of `len` bytes of `file` at `at`, with plain reads.
-fn hash_range(file: &mut std::fs::File, at: u64, len: u64) -> std::io::Result<[u8; 32]> {
-    file.seek(SeekFrom::Start(at))?;
-    let mut h = Sha256::new();
-    let mut left = len;
-    let mut buf = vec![0u8; 1 << 20];
-    while left > 0 {
-        let n = left.min(buf.len() as u64) as usize;
-        file.read_exact(&mut buf[..n])?;
-        h.update(&buf[..n]);
-        left -= n as u64;
-    }
-    Ok(h.finalize().into())
 }
 
 /// Logs what a fetch did, for the worker's stderr.

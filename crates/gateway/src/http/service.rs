@@ -130,7 +130,7 @@ impl Gateway {
             let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| model_error(path, e))?;
             let arch = g.get_str("general.architecture").map_err(|e| model_error(path, e))?.to_string();
             let context = g.get_u64(&format!("{arch}.context_length")).unwrap_or(2048).clamp(1, 1 << 24) as usize;
-            let model_id = dgr_gguf::model_identity(path).map_err(|e| model_error(path, e))?.id;
+            let model_id = dgr_gguf::identity(path, &g).map_err(|e| model_error(path, e))?.id;
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model_id.clone());
             let name = name.strip_suffix(".gguf").map(String::from).unwrap_or(name);
             models.push(Arc::new(ServedModel { name, model_id, tokenizer, context }));
