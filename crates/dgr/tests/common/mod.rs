@@ -299,6 +299,10 @@ pub fn try_metrics(addr: &str) -> std::io::Result<Metrics> {
     s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
+    // A worker at its connection cap closes at once: an empty reply is an error, not a panic.
+    if resp.is_empty() {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed without a reply"));
+    }
     let (head, body) = resp.split_once("\r\n\r\n").unwrap_or_else(|| panic!("GET {addr}/metrics: no HTTP head in {resp:?}"));
     assert!(head.starts_with("HTTP/1.1 200"), "GET {addr}/metrics: {head}");
     let mut m = HashMap::new();
