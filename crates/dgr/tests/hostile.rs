@@ -285,7 +285,9 @@ fn connections_past_the_cap_are_closed_at_once_and_counted() {
     assert_eq!(m.get("dgr_worker_connections_refused_total"), (9 + probes_refused) as f64);
     let c = generate_on(&rt, &Links::new(), &w.addrs, &request(&p.tokens, 8));
     assert_eq!(c.tokens.len(), 8);
-    println!("9 connections refused past the cap (and {probes_refused} metrics probes while it drained); a generation afterwards runs normally");
+    println!(
+        "9 connections refused past the cap (and {probes_refused} metrics probes while it drained); a generation afterwards runs normally"
+    );
 }
 
 #[test]
