@@ -3,7 +3,7 @@ use crate::model::{ModelArg, ThreadsArg};
 use crate::routed;
 use anyhow::{bail, Result};
 use dgr_engine::{SamplingParams, Stage, StageOptions};
-use dgr_tokenizer::{ChatMessage, Tokenizer};
+use dgr_tokenizer::ChatMessage;
 use std::io::Write;
 
 #[derive(clap::Args)]
@@ -60,7 +60,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let g = a.model.open()?;
-    let tok = Tokenizer::from_gguf(&g)?;
+    let tok = a.model.tokenizer(&g)?;
     let text = if a.chat {
         tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: a.prompt.clone() }], true)?
     } else {

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArg {
-    /// GGUF model file [default: the cached SmolLM2-135M-Instruct Q4_1, fetched by scripts/fetch-model.sh]
+    /// GGUF model file, or a Transformers checkpoint directory (config.json, *.safetensors,
+    /// tokenizer.json) [default: the cached SmolLM2-135M-Instruct Q4_1, fetched by scripts/fetch-model.sh]
     #[arg(long, short = 'm', env = "DGR_MODEL")]
     pub model: Option<PathBuf>,
 }
@@ -32,8 +33,14 @@ impl ModelArg {
 
     pub fn open(&self) -> Result<Arc<Gguf>> {
         let p = self.path()?;
-        let g = Gguf::open(&p).with_context(|| format!("opening {}", p.display()))?;
+        let g = dgr_hf::open_any(&p).with_context(|| format!("opening {}", p.display()))?;
         Ok(Arc::new(g))
+    }
+
+    /// The tokenizer of the model, opened as `g`.
+    pub fn tokenizer(&self, g: &Gguf) -> Result<dgr_tokenizer::Tokenizer> {
+        let p = self.path()?;
+        dgr_tokenizer::Tokenizer::for_model(&p, g).with_context(|| format!("the tokenizer of {}", p.display()))
     }
 }
 

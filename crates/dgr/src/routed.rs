@@ -55,7 +55,7 @@ pub fn generate(
         (None, None) if a.tracker.is_some() => Vec::new(),
         (None, None) => bail!("none of --route, --split, --tracker"),
     };
-    let model_id = dgr_gguf::model_identity(model).with_context(|| format!("hashing the tensors of {}", model.display()))?.id;
+    let model_id = dgr_hf::identity_any(model).with_context(|| format!("hashing the tensors of {}", model.display()))?.id;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let opts = DriveOptions { step_timeout, ..DriveOptions::default() };
     Ok(rt.block_on(async {

@@ -1,7 +1,6 @@
 use crate::model::{ModelArg, ThreadsArg};
 use anyhow::{bail, Context, Result};
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
-use dgr_tokenizer::Tokenizer;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -37,7 +36,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--continuation needs at least one token id");
     }
     let g = a.model.open()?;
-    let tok = Tokenizer::from_gguf(&g)?;
+    let tok = a.model.tokenizer(&g)?;
     let prompt_tokens = tok.encode_prompt(&a.prompt)?;
     if prompt_tokens.is_empty() {
         bail!("the prompt is empty");

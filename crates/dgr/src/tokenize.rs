@@ -12,7 +12,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let g = a.model.open()?;
-    let tok = dgr_tokenizer::Tokenizer::from_gguf(&g)?;
+    let tok = a.model.tokenizer(&g)?;
     let tokens = tok.encode(&a.text, false, true)?;
     println!("{}", serde_json::json!({ "tokens": tokens }));
     Ok(())

@@ -113,6 +113,7 @@ impl Raw {
             layer_end: self.info.layer_end,
             hidden: self.info.hidden,
             seam_dtype: dtype as i32,
+            engine: self.info.engine.clone(),
         };
         let open = OpenSession {
             session_id: id.clone(),

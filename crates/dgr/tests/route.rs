@@ -103,6 +103,7 @@ impl Raw {
             layer_end: self.info.layer_end,
             hidden: self.info.hidden,
             seam_dtype: SeamDtype::F32 as i32,
+            engine: self.info.engine.clone(),
         }
     }
 

@@ -167,6 +167,7 @@ fn open_for(t: &Ticket, stage: usize, ticket: Option<SignedTicket>) -> OpenSessi
             layer_end: s.layer_end,
             hidden: 576,
             seam_dtype: 0,
+            engine: t.engine.clone(),
         }),
         stage_index: stage as u32,
         n_stages: t.stages.len() as u32,

@@ -19,4 +19,4 @@ pub use error::EngineError;
 pub use kernels::Isa;
 pub use kv::KvCache;
 pub use sample::{argmax, logprobs, sample, SamplingParams};
-pub use stage::{Input, LogitRows, SeqInput, SeqOutput, Stage, StageOptions};
+pub use stage::{Input, LogitRows, SeqInput, SeqOutput, Stage, StageOptions, GGUF_ENGINE, TRANSFORMERS_ENGINE};

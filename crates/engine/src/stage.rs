@@ -77,6 +77,11 @@ impl Default for StageOptions {
     }
 }
 
+/// GGUF files computed by dgr's CPU kernels: f32 activations, fixed-order reductions.
+pub const GGUF_ENGINE: &str = "gguf-cpu-f32";
+/// Transformers checkpoints (see dgr-hf) computed by the same kernels.
+pub const TRANSFORMERS_ENGINE: &str = "transformers-cpu-f32";
+
 pub struct Stage {
     gguf: Arc<Gguf>,
     cfg: ModelConfig,
@@ -194,6 +199,16 @@ impl Stage {
 
     pub fn gguf(&self) -> &Arc<Gguf> {
         &self.gguf
+    }
+
+    /// The engine computing this stage: the model's format and the CPU numerics (a
+    /// compatibility key field: sessions of different engines never share a batch or a route).
+    pub fn engine(&self) -> &'static str {
+        if self.gguf.is_assembled() {
+            TRANSFORMERS_ENGINE
+        } else {
+            GGUF_ENGINE
+        }
     }
 
     /// Bytes of weights this stage reads.

@@ -255,6 +255,7 @@ async fn drive(
                 layer_end: info.layer_end,
                 hidden: info.hidden,
                 seam_dtype: req.seam_dtype as i32,
+                engine: info.engine.clone(),
             }),
             stage_index: i,
             n_stages: n,

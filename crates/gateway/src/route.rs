@@ -45,6 +45,9 @@ impl Route {
             if s.info.model_id != first.model_id || s.info.n_layers != first.n_layers || s.info.hidden != first.hidden {
                 return bad(format!("serves model {} but stage 0 serves {}", s.info.model_id, first.model_id));
             }
+            if s.info.engine != first.engine {
+                return bad(format!("runs engine {:?} but stage 0 runs {:?}", s.info.engine, first.engine));
+            }
             if s.info.layer_start != at || s.info.layer_end <= s.info.layer_start {
                 return bad(format!("serves layers {}..{} where the route needs {at}..", s.info.layer_start, s.info.layer_end));
             }
@@ -83,6 +86,7 @@ impl Route {
                     vocab: reply.vocab,
                     max_positions: t.budget_tokens,
                     version: String::new(),
+                    engine: t.engine.clone(),
                 },
             })
             .collect();

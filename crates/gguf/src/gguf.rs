@@ -15,12 +15,14 @@ use std::path::{Path, PathBuf};
 /// The header is first read as this many bytes, then twice as many while they fall short.
 const FIRST_HEADER_READ: u64 = 1 << 20;
 
-/// The file's bytes: mapped for real models, owned for tests and fuzzing, or (from
-/// [`Gguf::read_header`]) the header's bytes and the runs of tensors mapped so far.
-enum Bytes {
+/// The file's bytes: mapped for real models, owned for tests and fuzzing, (from
+/// [`Gguf::read_header`]) the header's bytes and the runs of tensors mapped so far, or (from
+/// [`Gguf::assemble`]) no file at all, only the held tensors.
+pub(crate) enum Bytes {
     Mapped(Mmap),
     Owned(Vec<u8>),
     Partial { header: Vec<u8>, file: File, path: PathBuf, runs: Runs },
+    Assembled(Runs),
 }
 
 impl Bytes {
@@ -30,13 +32,14 @@ impl Bytes {
             Bytes::Mapped(m) => m,
             Bytes::Owned(v) => v,
             Bytes::Partial { header, .. } => header,
+            Bytes::Assembled(_) => &[],
         }
     }
 
     /// File bytes [start, end), if held.
     fn get(&self, start: u64, end: u64) -> Option<&[u8]> {
         match self {
-            Bytes::Partial { runs, .. } => runs.get(start, end),
+            Bytes::Partial { runs, .. } | Bytes::Assembled(runs) => runs.get(start, end),
             whole => whole.prefix().get(usize::try_from(start).ok()?..usize::try_from(end).ok()?),
         }
     }
@@ -72,7 +75,7 @@ impl Gguf {
         Self::new(bytes, header, file_len)
     }
 
-    fn new(bytes: Bytes, header: Header, file_len: u64) -> Result<Gguf, GgufError> {
+    pub(crate) fn new(bytes: Bytes, header: Header, file_len: u64) -> Result<Gguf, GgufError> {
         let slice = read_slice(&header.metadata, &header.tensors)?;
         Ok(Gguf { bytes, header, file_len, slice })
     }
@@ -215,7 +218,7 @@ impl Gguf {
         let start = self.header.data_offset.checked_add(t.offset)?;
         let end = start.checked_add(t.n_bytes)?;
         match &self.bytes {
-            Bytes::Partial { runs, .. } => runs.locate(start, end),
+            Bytes::Partial { runs, .. } | Bytes::Assembled(runs) => runs.locate(start, end),
             whole => whole.get(start, end).map(|_| (0, start as usize)),
         }
     }
@@ -224,7 +227,7 @@ impl Gguf {
     /// held whole, else one mapped run of tensors; empty for an index that names none.
     pub fn region(&self, i: usize) -> &[u8] {
         match &self.bytes {
-            Bytes::Partial { runs, .. } => runs.region(i),
+            Bytes::Partial { runs, .. } | Bytes::Assembled(runs) => runs.region(i),
             whole if i == 0 => whole.prefix(),
             _ => &[],
         }
@@ -237,13 +240,18 @@ impl Gguf {
 
     /// The file's bytes from its start: all of them from [`Gguf::open`] and
     /// [`Gguf::from_bytes`]; from [`Gguf::read_header`], only the header (up to the data
-    /// section), whatever tensors are mapped.
+    /// section), whatever tensors are mapped; none for a model from [`Gguf::assemble`].
     pub fn file_bytes(&self) -> &[u8] {
         self.bytes.prefix()
     }
 
     pub(crate) fn file_len(&self) -> u64 {
         self.file_len
+    }
+
+    /// Whether the model was assembled from another format's files rather than read from GGUF.
+    pub fn is_assembled(&self) -> bool {
+        matches!(self.bytes, Bytes::Assembled(_))
     }
 
     /// Some when the file is a slice (its dgr.slice.* keys were validated at open).

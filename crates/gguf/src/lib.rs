@@ -3,6 +3,7 @@
 //! for fixtures; model identities built from tensor hashes; slices (files holding some layers
 //! and the whole model's identity); reference scalar (de)quantization of ggml blocks.
 
+mod assemble;
 mod error;
 mod gguf;
 mod hex;
@@ -20,6 +21,7 @@ mod types;
 mod value;
 mod write;
 
+pub use assemble::{Part, PartBytes};
 pub use error::GgufError;
 pub use gguf::Gguf;
 pub use identity::{file_sha256, identity, model_identity, sha256_range, ModelIdentity, TensorHash};

@@ -1,5 +1,7 @@
 //! Partial maps: one read-only mmap per run of adjacent tensors a process keeps, so its address
-//! space holds those bytes (and at most a page or so around each run) and no others.
+//! space holds those bytes (and at most a page or so around each run) and no others. A model
+//! assembled from another format's files (see [`crate::Gguf::assemble`]) keeps its tensors as
+//! runs too, mapped from their files or, where they were transformed at load, owned.
 
 use memmap2::{Mmap, MmapOptions};
 use std::fs::File;
@@ -8,12 +10,38 @@ use std::fs::File;
 /// uses (4 KiB to 64 KiB), as mmap requires.
 const MAP_ALIGN: u64 = 64 << 10;
 
-/// File bytes [start, end), mapped from `start - skip`.
+/// File bytes [start, end), held from `start - skip`.
 struct Run {
     start: u64,
     end: u64,
     skip: usize,
-    map: Mmap,
+    held: Held,
+}
+
+/// A run's bytes: mapped from a file, or owned.
+pub(crate) enum Held {
+    Map(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Held {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Held::Map(m) => m,
+            Held::Owned(v) => v,
+        }
+    }
+}
+
+/// Maps file bytes [start, end) read-only, from the map-aligned offset at or below `start`;
+/// returns the map and how many bytes precede `start` in it.
+pub(crate) fn map_range(file: &File, start: u64, end: u64) -> std::io::Result<(Mmap, usize)> {
+    let from = start - start % MAP_ALIGN;
+    let len = usize::try_from(end - from).map_err(std::io::Error::other)?;
+    // SAFETY: the mapping is read-only; as with any mmap, another process truncating or
+    // rewriting the file while it is mapped is outside what this crate can guard against.
+    let map = unsafe { MmapOptions::new().offset(from).len(len).map(file) }?;
+    Ok((map, (start - from) as usize))
 }
 
 /// Mapped runs of a file, sorted by start and disjoint.
@@ -26,14 +54,21 @@ impl Runs {
     pub fn map(file: &File, ranges: &[(u64, u64)]) -> std::io::Result<Runs> {
         let mut runs = Vec::with_capacity(ranges.len());
         for &(start, end) in ranges {
-            let from = start - start % MAP_ALIGN;
-            let len = usize::try_from(end - from).map_err(std::io::Error::other)?;
-            // SAFETY: the mapping is read-only; as with any mmap, another process truncating or
-            // rewriting the file while it is mapped is outside what this crate can guard against.
-            let map = unsafe { MmapOptions::new().offset(from).len(len).map(file) }?;
-            runs.push(Run { start, end, skip: (start - from) as usize, map });
+            let (map, skip) = map_range(file, start, end)?;
+            runs.push(Run { start, end, skip, held: Held::Map(map) });
         }
         Ok(Runs(runs))
+    }
+
+    /// Runs from held bytes: each at `start`, its bytes from `skip` on (sorted by start,
+    /// disjoint).
+    pub fn from_held(parts: Vec<(u64, usize, Held)>) -> Runs {
+        Runs(
+            parts
+                .into_iter()
+                .map(|(start, skip, held)| Run { start, end: start + (held.bytes().len() - skip) as u64, skip, held })
+                .collect(),
+        )
     }
 
     /// File bytes [start, end) if one run holds them all.
@@ -52,6 +87,6 @@ impl Runs {
 
     /// Run `i`'s bytes, from its first tensor's first byte (empty for a run that does not exist).
     pub fn region(&self, i: usize) -> &[u8] {
-        self.0.get(i).and_then(|r| r.map.get(r.skip..)).unwrap_or(&[])
+        self.0.get(i).and_then(|r| r.held.bytes().get(r.skip..)).unwrap_or(&[])
     }
 }

@@ -49,6 +49,9 @@ pub fn check_open(open: &OpenSession, ours: &BoundarySchema, dtypes: &[SeamDtype
     if s.model_id != ours.model_id {
         return mismatch("model identity", s.model_id.clone(), ours.model_id.clone());
     }
+    if s.engine != ours.engine {
+        return mismatch("engine", s.engine.clone(), ours.engine.clone());
+    }
     if s.layer_start >= s.layer_end || s.layer_start < ours.layer_start || s.layer_end > ours.layer_end {
         return mismatch("layer range", format!("{}..{}", s.layer_start, s.layer_end), format!("{}..{}", ours.layer_start, ours.layer_end));
     }
@@ -136,7 +139,15 @@ mod tests {
     use super::*;
 
     fn schema() -> BoundarySchema {
-        BoundarySchema { protocol_version: PROTOCOL_VERSION, model_id: "m".into(), layer_start: 5, layer_end: 15, hidden: 8, seam_dtype: 0 }
+        BoundarySchema {
+            protocol_version: PROTOCOL_VERSION,
+            model_id: "m".into(),
+            layer_start: 5,
+            layer_end: 15,
+            hidden: 8,
+            seam_dtype: 0,
+            engine: "e".into(),
+        }
     }
 
     fn open(s: BoundarySchema) -> OpenSession {
@@ -150,6 +161,7 @@ mod tests {
         let bad = [
             BoundarySchema { protocol_version: 99, ..schema() },
             BoundarySchema { model_id: "other".into(), ..schema() },
+            BoundarySchema { engine: "other".into(), ..schema() },
             BoundarySchema { layer_end: 16, ..schema() },
             BoundarySchema { layer_start: 4, ..schema() },
             BoundarySchema { layer_start: 0, layer_end: 10, ..schema() },

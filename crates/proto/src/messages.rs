@@ -136,6 +136,9 @@ pub struct StageInfo {
     pub max_positions: u64,
     #[prost(string, tag = "8")]
     pub version: String,
+    /// The engine computing the stage (a compatibility key field): sessions never cross engines.
+    #[prost(string, tag = "9")]
+    pub engine: String,
 }
 
 /// What both sides of a seam must agree on before any hidden row crosses it.
@@ -156,6 +159,10 @@ pub struct BoundarySchema {
     /// The dtype of hidden rows this stage receives and sends.
     #[prost(enumeration = "crate::SeamDtype", tag = "6")]
     pub seam_dtype: i32,
+    /// The engine computing the stage: the same weights under another engine are another
+    /// model's numbers.
+    #[prost(string, tag = "7")]
+    pub engine: String,
 }
 
 #[derive(Clone, Copy, PartialEq, prost::Message)]

@@ -166,6 +166,7 @@ mod tests {
                 layer_end: range.1,
                 hidden: 8,
                 seam_dtype: 0,
+                engine: "e".into(),
             }),
             stage_index,
             n_stages: 2,

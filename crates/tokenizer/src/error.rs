@@ -29,6 +29,10 @@ pub enum TokenizerError {
     MissingByteToken(u8),
     #[error("the model has no chat template")]
     NoChatTemplate,
+    #[error("{path}: {reason}")]
+    HfFile { path: String, reason: String },
+    #[error("tokenizer.json could not encode the text: {0}")]
+    HfEncode(String),
     #[error("chat template: {0}")]
     Template(#[from] minijinja::Error),
 }

@@ -1,14 +1,16 @@
 //! Tokenization of GGUF models, reproducing llama.cpp's `llama_tokenize`
-//! exactly, plus chat-template rendering.
+//! exactly, and of Transformers checkpoints through Hugging Face's own
+//! `tokenizers`; plus chat-template rendering.
 //!
-//! Supported vocabularies: byte-level BPE (`tokenizer.ggml.model = "gpt2"`)
-//! with the common pre-tokenizers, and SentencePiece (`"llama"`).
+//! Supported GGUF vocabularies: byte-level BPE (`tokenizer.ggml.model =
+//! "gpt2"`) with the common pre-tokenizers, and SentencePiece (`"llama"`).
 
 mod bpe;
 mod chat;
 mod config;
 mod error;
 mod gguf;
+mod hf;
 mod pretokenize;
 mod special;
 mod spm;
@@ -28,8 +30,16 @@ use vocab::{Kind, Vocab};
 /// A model's tokenizer. Immutable, so it can be shared across threads.
 #[derive(Debug)]
 pub struct Tokenizer {
-    vocab: Vocab,
+    backend: Backend,
     chat_template: Option<String>,
+}
+
+#[derive(Debug)]
+enum Backend {
+    /// A GGUF file's vocabulary, tokenized as llama.cpp does.
+    Gguf(Vocab),
+    /// A Transformers checkpoint's tokenizer.json, tokenized by `tokenizers`.
+    Hf(Box<hf::HfTokenizer>),
 }
 
 impl Tokenizer {
@@ -39,23 +49,48 @@ impl Tokenizer {
     }
 
     pub fn from_config(cfg: TokenizerConfig) -> Result<Tokenizer, TokenizerError> {
-        Ok(Tokenizer { vocab: Vocab::new(&cfg)?, chat_template: cfg.chat_template })
+        Ok(Tokenizer { backend: Backend::Gguf(Vocab::new(&cfg)?), chat_template: cfg.chat_template })
+    }
+
+    /// The tokenizer of the model at `path`, opened as `g`: a Transformers checkpoint
+    /// directory's own, or the GGUF file's.
+    pub fn for_model(path: &std::path::Path, g: &dgr_gguf::Gguf) -> Result<Tokenizer, TokenizerError> {
+        if path.is_dir() {
+            Tokenizer::from_hf_dir(path)
+        } else {
+            Tokenizer::from_gguf(g)
+        }
+    }
+
+    /// The tokenizer of the Transformers checkpoint in `dir` (its tokenizer.json, and
+    /// tokenizer_config.json and generation_config.json where present).
+    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Tokenizer, TokenizerError> {
+        let t = hf::HfTokenizer::from_dir(dir)?;
+        Ok(Tokenizer { chat_template: t.chat_template.clone(), backend: Backend::Hf(Box::new(t)) })
     }
 
     /// Tokenizes `text`. With `parse_special`, control tokens written in the
     /// text (e.g. `<|im_start|>`) become their ids; user-defined tokens always do.
+    /// (A Transformers tokenizer always recognizes its added tokens, and adds
+    /// its post-processor's special tokens for `add_bos`.)
     pub fn encode(&self, text: &str, add_bos: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        self.tokenize(text, add_bos, false, parse_special)
+        match &self.backend {
+            Backend::Gguf(vocab) => self.tokenize(vocab, text, add_bos, false, parse_special),
+            Backend::Hf(t) => t.encode(text, add_bos),
+        }
     }
 
     /// Tokenizes a completion prompt as llama.cpp does: special tokens parsed,
-    /// BOS/EOS added as the model's `add_bos_token`/`add_eos_token` say.
+    /// BOS/EOS added as the model's `add_bos_token`/`add_eos_token` say; for a
+    /// Transformers tokenizer, as `tokenizer(text)` does.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        self.tokenize(text, self.vocab.add_bos, self.vocab.add_eos, true)
+        match &self.backend {
+            Backend::Gguf(vocab) => self.tokenize(vocab, text, vocab.add_bos, vocab.add_eos, true),
+            Backend::Hf(t) => t.encode(text, true),
+        }
     }
 
-    fn tokenize(&self, text: &str, add_bos: bool, add_eos: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let vocab = &self.vocab;
+    fn tokenize(&self, vocab: &Vocab, text: &str, add_bos: bool, add_eos: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::new();
         if add_bos {
             out.push(vocab.bos.ok_or(TokenizerError::MissingBos)?);
@@ -104,40 +139,62 @@ impl Tokenizer {
     /// `special = true` renders it (control tokens as their text); `None` if
     /// `id` is out of range.
     pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
-        self.vocab.piece(id).map(<[u8]>::to_vec)
+        match &self.backend {
+            Backend::Gguf(vocab) => vocab.piece(id).map(<[u8]>::to_vec),
+            Backend::Hf(t) => t.token_bytes(id),
+        }
     }
 
     /// Concatenates the tokens' bytes and decodes them as lossy UTF-8;
     /// out-of-range ids contribute nothing.
     pub fn decode(&self, ids: &[u32]) -> String {
-        let bytes: Vec<u8> = ids.iter().filter_map(|&id| self.vocab.piece(id)).flatten().copied().collect();
+        let bytes: Vec<u8> = ids.iter().filter_map(|&id| self.token_bytes(id)).flatten().collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.vocab.len()
+        match &self.backend {
+            Backend::Gguf(vocab) => vocab.len(),
+            Backend::Hf(t) => t.vocab_size(),
+        }
     }
 
     pub fn bos(&self) -> Option<u32> {
-        self.vocab.bos
+        match &self.backend {
+            Backend::Gguf(vocab) => vocab.bos,
+            Backend::Hf(t) => t.bos,
+        }
     }
 
     pub fn eos(&self) -> Option<u32> {
-        self.vocab.eos
+        match &self.backend {
+            Backend::Gguf(vocab) => vocab.eos,
+            Backend::Hf(t) => t.eos,
+        }
     }
 
     /// Whether `id` ends generation (EOS, end-of-turn and similar), as
-    /// llama.cpp's `llama_vocab_is_eog`.
+    /// llama.cpp's `llama_vocab_is_eog`; for a Transformers tokenizer, its EOS
+    /// and the ids generation_config.json lists.
     pub fn is_eog(&self, id: u32) -> bool {
-        self.vocab.is_eog(id)
+        match &self.backend {
+            Backend::Gguf(vocab) => vocab.is_eog(id),
+            Backend::Hf(t) => t.eog.contains(&id),
+        }
     }
 
     /// Renders the model's chat template over `messages`, with `bos_token`
     /// and `eos_token` set to those tokens' texts.
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
         let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
-        let text = |id: Option<u32>| id.and_then(|id| self.vocab.text(id)).unwrap_or("");
-        chat::render(template, messages, add_generation_prompt, text(self.vocab.bos), text(self.vocab.eos))
+        let text = |id: Option<u32>| -> String {
+            let Some(id) = id else { return String::new() };
+            match &self.backend {
+                Backend::Gguf(vocab) => vocab.text(id).unwrap_or("").to_owned(),
+                Backend::Hf(t) => t.text(id).unwrap_or_default(),
+            }
+        };
+        chat::render(template, messages, add_generation_prompt, &text(self.bos()), &text(self.eos()))
     }
 }
 

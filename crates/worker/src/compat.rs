@@ -32,6 +32,4 @@ pub struct CompatKey {
     pub kv: KvLayout,
 }
 
-/// dgr's CPU engine: f32 activations, fixed-order reductions.
-pub const ENGINE: &str = "dgr-cpu-f32";
 pub const KV_LAYOUT: KvLayout = KvLayout { dtype: "f32", block: 1 };

@@ -108,12 +108,12 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compat::{ENGINE, KV_LAYOUT};
+    use crate::compat::KV_LAYOUT;
     use dgr_proto::SeamDtype;
     use std::time::Duration;
 
     fn key(phase: Phase, seam_dtype: SeamDtype) -> CompatKey {
-        CompatKey { engine: ENGINE, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype, kv: KV_LAYOUT }
+        CompatKey { engine: dgr_engine::GGUF_ENGINE, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype, kv: KV_LAYOUT }
     }
 
     fn ready(i: u8, phase: Phase, dtype: SeamDtype, rows: usize, age_ms: u64) -> Ready {

@@ -2,7 +2,7 @@
 //! which rows run (decode first, then capped prompt chunks, within a token budget; see `plan`)
 //! and runs one batched forward per compatibility key.
 
-use crate::compat::{CompatKey, Phase, ENGINE, KV_LAYOUT};
+use crate::compat::{CompatKey, Phase, KV_LAYOUT};
 use crate::plan::{plan, Batch, Policy, Ready};
 use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
@@ -454,7 +454,7 @@ impl Scheduler {
 
     fn key(&self, s: &Session, phase: Phase) -> CompatKey {
         CompatKey {
-            engine: ENGINE,
+            engine: self.stage.engine(),
             model_id: self.model_id.clone(),
             layers: (s.kv.layers().start as u32, s.kv.layers().end as u32),
             phase,
@@ -702,6 +702,7 @@ mod tests {
             layer_end: held.end as u32,
             hidden: stage.config().hidden as u32,
             seam_dtype: SeamDtype::F32 as i32,
+            engine: stage.engine().into(),
         };
         let mut cfg = WorkerConfig::new("m.gguf".into(), held);
         cfg.kv_budget_tokens = budget;

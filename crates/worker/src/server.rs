@@ -40,6 +40,8 @@ pub enum WorkerError {
     Model(#[from] dgr_gguf::GgufError),
     #[error(transparent)]
     Engine(#[from] dgr_engine::EngineError),
+    #[error(transparent)]
+    Checkpoint(#[from] dgr_hf::HfError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error("the slice holds layers {}..{}, not all of {}..{}", .holds.start, .holds.end, .asked.start, .asked.end)]
@@ -87,11 +89,12 @@ impl Worker {
         let model_id = identity.id.clone();
         let gguf = Arc::new(gguf);
         let holdings = match &cfg.tracker {
-            Some(t) => {
+            // Slices are served from GGUF files only.
+            Some(t) if !gguf.is_assembled() => {
                 let layers = cfg.layers.start as u32..cfg.layers.end as u32;
                 Some(Arc::new(crate::share::Holdings::new(gguf.clone(), &identity, layers, &t.join_token)?))
             }
-            None => None,
+            _ => None,
         };
         let stage = Stage::open(gguf, cfg.layers.clone(), StageOptions { threads: cfg.threads, isa: None })?;
         let c = stage.config();
@@ -104,6 +107,7 @@ impl Worker {
             vocab: c.vocab as u32,
             max_positions: c.context as u64,
             version: env!("CARGO_PKG_VERSION").into(),
+            engine: stage.engine().into(),
         };
         let schema = BoundarySchema {
             protocol_version: PROTOCOL_VERSION,
@@ -112,6 +116,7 @@ impl Worker {
             layer_end: info.layer_end,
             hidden: info.hidden,
             seam_dtype: SeamDtype::F32 as i32,
+            engine: info.engine.clone(),
         };
         let step_us_per_layer = measure_step(&stage)?;
         let metrics = Arc::new(Metrics::default());
@@ -203,7 +208,7 @@ impl Worker {
     fn registration(&self, addr: String) -> Registration {
         let i = &self.info;
         Registration {
-            engine: crate::compat::ENGINE.into(),
+            engine: i.engine.clone(),
             model_id: i.model_id.clone(),
             n_layers: i.n_layers,
             layer_start: i.layer_start,
@@ -255,6 +260,9 @@ async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, S
 /// Opens the model file for layers `range`: reads its header, maps only the tensors those
 /// layers need, and establishes the model's identity (verifying a slice's tensors against it).
 fn open_model(path: &std::path::Path, range: &std::ops::Range<usize>) -> Result<(Gguf, ModelIdentity), WorkerError> {
+    if dgr_hf::is_checkpoint(path) {
+        return Ok(dgr_hf::open_stage(path, range.clone())?);
+    }
     let mut g = Gguf::read_header(path)?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     if range.start >= range.end || range.end > n_layers {

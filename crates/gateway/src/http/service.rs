@@ -126,11 +126,17 @@ impl Gateway {
         }
         let mut models = Vec::new();
         for path in &cfg.models {
-            let g = dgr_gguf::Gguf::read_header(path).map_err(|e| model_error(path, e))?;
-            let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| model_error(path, e))?;
+            let (g, model_id) = if dgr_hf::is_checkpoint(path) {
+                let g = dgr_hf::Checkpoint::open(path, &|_| false).map_err(|e| model_error(path, e))?.model;
+                (g, dgr_hf::identity(path).map_err(|e| model_error(path, e))?.id)
+            } else {
+                let g = dgr_gguf::Gguf::read_header(path).map_err(|e| model_error(path, e))?;
+                let id = dgr_gguf::identity(path, &g).map_err(|e| model_error(path, e))?.id;
+                (g, id)
+            };
+            let tokenizer = Tokenizer::for_model(path, &g).map_err(|e| model_error(path, e))?;
             let arch = g.get_str("general.architecture").map_err(|e| model_error(path, e))?.to_string();
             let context = g.get_u64(&format!("{arch}.context_length")).unwrap_or(2048).clamp(1, 1 << 24) as usize;
-            let model_id = dgr_gguf::identity(path, &g).map_err(|e| model_error(path, e))?.id;
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model_id.clone());
             let name = name.strip_suffix(".gguf").map(String::from).unwrap_or(name);
             models.push(Arc::new(ServedModel { name, model_id, tokenizer, context }));
