@@ -62,7 +62,8 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
         let map: String =
             cover.iter().map(|c| if *c == 0 { '.' } else { char::from_digit((*c).min(9) as u32, 10).unwrap_or('9') }).collect();
         let state = if m["covered"].as_bool() == Some(true) { "covered" } else { "NOT covered" };
-        println!("model {} ({} layers, {state})\n  replicas per layer: {map}", m["model_id"].as_str().unwrap_or(""), cover.len());
+        let engine = m["workers"][0]["engine"].as_str().unwrap_or("");
+        println!("model {} ({} layers, {engine}, {state})\n  replicas per layer: {map}", m["model_id"].as_str().unwrap_or(""), cover.len());
         println!(
             "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>11} {:>7}",
             "worker", "addr", "layers", "state", "sessions", "queue", "us/layer", "routes"
@@ -130,14 +131,15 @@ pub fn usage(a: UsageArgs) -> Result<()> {
         }
     } else {
         println!(
-            "{:<18} {:<18} {:>8} {:>10} {:>10} {:>14} {:>8}",
-            "worker", "model", "sessions", "prefilled", "decoded", "layer_tokens", "disagree"
+            "{:<18} {:<18} {:<21} {:>8} {:>10} {:>10} {:>14} {:>8}",
+            "worker", "model", "engine", "sessions", "prefilled", "decoded", "layer_tokens", "disagree"
         );
         for u in &r.rows {
             println!(
-                "{:<18} {:<18} {:>8} {:>10} {:>10} {:>14} {:>8}",
+                "{:<18} {:<18} {:<21} {:>8} {:>10} {:>10} {:>14} {:>8}",
                 &u.who[..u.who.len().min(16)],
                 &u.model_id[..u.model_id.len().min(16)],
+                u.engine,
                 u.requests,
                 u.tokens_prefilled,
                 u.tokens_decoded,

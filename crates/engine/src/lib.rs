@@ -1,9 +1,10 @@
 //! dgr's compute engine: CPU kernels over GGUF's quantized blocks, a `Stage` holding the weights
 //! of one contiguous layer range of a llama-family decoder (llama, mistral, qwen2, qwen3,
 //! gemma3), per-sequence KV state kept apart from the weights, and one batched forward over many
-//! sequences at their own positions.
+//! sequences at their own positions; the [`Engine`] trait a worker drives any engine through.
 
 mod config;
+mod engine;
 mod error;
 mod kernels;
 mod kv;
@@ -15,6 +16,7 @@ mod stage;
 pub mod synth;
 
 pub use config::{Activation, ModelConfig, RopeStyle, SlidingWindow};
+pub use engine::{Engine, SeqState};
 pub use error::EngineError;
 pub use kernels::Isa;
 pub use kv::KvCache;

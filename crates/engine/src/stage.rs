@@ -49,9 +49,10 @@ pub enum LogitRows {
     All,
 }
 
-/// One sequence's part of a batched forward. Its rows take positions `kv.len()..`.
-pub struct SeqInput<'a> {
-    pub kv: &'a mut KvCache,
+/// One sequence's part of a batched forward. Its rows take positions `kv.len()..`. `K` is the
+/// engine's per-sequence state (this engine's: a [`KvCache`]).
+pub struct SeqInput<'a, K = KvCache> {
+    pub kv: &'a mut K,
     pub input: Input<'a>,
     pub logits: LogitRows,
 }

@@ -178,7 +178,7 @@ impl Config {
         }
         let rope_dim = match raw.partial_rotary_factor {
             None => head_dim,
-            Some(f) if f > 0.0 && f <= 1.0 && (head_dim as f64 * f) as usize % 2 == 0 => (head_dim as f64 * f) as usize,
+            Some(f) if f > 0.0 && f <= 1.0 && ((head_dim as f64 * f) as usize).is_multiple_of(2) => (head_dim as f64 * f) as usize,
             Some(f) => return Err(HfError::BadConfig(format!("partial_rotary_factor {f}"))),
         };
 

@@ -69,3 +69,38 @@ fn half_precision_checkpoints_and_shards_compute_as_their_gguf() {
     same_model("qwen3", GgmlType::F16, false);
     same_model("gemma3", GgmlType::BF16, true);
 }
+
+/// Last-row logits of each prompt, its prefill batched with the others `b` at a time, then 3
+/// greedy steps batched the same way.
+fn batched(g: &Arc<Gguf>, prompts: &[Vec<u32>], b: usize) -> Vec<Vec<Vec<f32>>> {
+    let stage = Stage::open(g.clone(), 0..LAYERS, StageOptions { threads: 2, isa: None }).unwrap();
+    let mut out = vec![Vec::new(); prompts.len()];
+    for (c, chunk) in prompts.chunks(b).enumerate() {
+        let mut kvs: Vec<_> = chunk.iter().map(|_| stage.new_kv(64)).collect();
+        let mut inputs: Vec<Vec<u32>> = chunk.to_vec();
+        for _ in 0..4 {
+            let mut batch: Vec<SeqInput> =
+                kvs.iter_mut().zip(&inputs).map(|(kv, t)| SeqInput { kv, input: Input::Tokens(t), logits: LogitRows::Last }).collect();
+            let res = stage.forward(&mut batch).unwrap();
+            for (i, r) in res.into_iter().enumerate() {
+                inputs[i] = vec![dgr_engine::argmax(&r.logits)];
+                out[c * b + i].push(r.logits);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_checkpoints_sessions_batch_as_a_gguf_models_do() {
+    let spec = SynthSpec { ty: GgmlType::BF16, layers: LAYERS, hidden: 64, ffn: 128, arch: "qwen2", ..SynthSpec::default() };
+    let gguf = Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap();
+    let dir = TempDir::new("batch");
+    write_checkpoint(&gguf, "qwen2", &dir.0, false);
+    let hf = Arc::new(Checkpoint::open(&dir.0, &|_| true).unwrap().model);
+    let prompts: Vec<Vec<u32>> = (0..8u32).map(|s| (0..3 + s * 4).map(|i| (i * 31 + s * 7 + 3) % 300).collect()).collect();
+    let solo = batched(&hf, &prompts, 1);
+    for b in [2, 4, 8] {
+        assert!(batched(&hf, &prompts, b) == solo, "batches of {b} differ from each session alone");
+    }
+}

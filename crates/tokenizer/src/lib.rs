@@ -37,7 +37,7 @@ pub struct Tokenizer {
 #[derive(Debug)]
 enum Backend {
     /// A GGUF file's vocabulary, tokenized as llama.cpp does.
-    Gguf(Vocab),
+    Gguf(Box<Vocab>),
     /// A Transformers checkpoint's tokenizer.json, tokenized by `tokenizers`.
     Hf(Box<hf::HfTokenizer>),
 }
@@ -49,7 +49,7 @@ impl Tokenizer {
     }
 
     pub fn from_config(cfg: TokenizerConfig) -> Result<Tokenizer, TokenizerError> {
-        Ok(Tokenizer { backend: Backend::Gguf(Vocab::new(&cfg)?), chat_template: cfg.chat_template })
+        Ok(Tokenizer { backend: Backend::Gguf(Box::new(Vocab::new(&cfg)?)), chat_template: cfg.chat_template })
     }
 
     /// The tokenizer of the model at `path`, opened as `g`: a Transformers checkpoint

@@ -5,7 +5,7 @@
 use crate::compat::{CompatKey, Phase, KV_LAYOUT};
 use crate::plan::{plan, Batch, Policy, Ready};
 use crate::{Metrics, WorkerConfig};
-use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
+use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
     check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, ProtoError,
     SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
@@ -102,7 +102,7 @@ struct Pending {
     at: Instant,
 }
 
-struct Session {
+struct Session<K> {
     id: SessionId,
     driver: ConnId,
     /// Keeps the driver's connection from being closed for idleness.
@@ -112,7 +112,7 @@ struct Session {
     reply: Outbox,
     next: Option<(String, Outbox)>,
     /// Over the layers the session runs here: a part of the stage's, named at open.
-    kv: dgr_engine::KvCache,
+    kv: K,
     /// The session's layers start at 0 (it takes token ids) / end at the model's last (it samples).
     first: bool,
     last: bool,
@@ -135,7 +135,7 @@ struct Session {
     decoding: bool,
 }
 
-impl Session {
+impl<K> Session<K> {
     fn phase(&self) -> Phase {
         if self.decoding {
             Phase::Decode
@@ -145,12 +145,12 @@ impl Session {
     }
 }
 
-pub(crate) struct Scheduler {
-    pub stage: Stage,
+pub(crate) struct Scheduler<E: Engine = Stage> {
+    pub stage: E,
     pub cfg: WorkerConfig,
     pub schema: BoundarySchema,
     pub metrics: Arc<Metrics>,
-    sessions: HashMap<SessionId, Session>,
+    sessions: HashMap<SessionId, Session<E::State>>,
     /// KV reserved by the open sessions, in layer-positions.
     reserved: usize,
     drain: Option<Instant>,
@@ -184,8 +184,8 @@ fn send(to: &Outbox, body: Body) -> bool {
     to.try_send(Frame::new(body)).is_ok()
 }
 
-impl Scheduler {
-    pub fn new(stage: Stage, cfg: WorkerConfig, schema: BoundarySchema, metrics: Arc<Metrics>, ledger: Option<LedgerTx>) -> Scheduler {
+impl<E: Engine> Scheduler<E> {
+    pub fn new(stage: E, cfg: WorkerConfig, schema: BoundarySchema, metrics: Arc<Metrics>, ledger: Option<LedgerTx>) -> Scheduler<E> {
         let per_position = 2 * stage.layers().len() * stage.config().kv_dim() * 4;
         metrics.kv_bytes_capacity.store((cfg.kv_budget_tokens * per_position) as u64, Relaxed);
         metrics.weight_bytes.store(stage.weight_bytes() as u64, Relaxed);
@@ -253,7 +253,7 @@ impl Scheduler {
     }
 
     /// Frees a session (already out of the map) and tells its driver why, if it failed.
-    fn end(&mut self, s: Session, err: Option<(ErrorKind, String)>) {
+    fn end(&mut self, s: Session<E::State>, err: Option<(ErrorKind, String)>) {
         self.release(&s);
         if let Some((kind, msg)) = err {
             self.error_to(&s.reply, &s.id, kind, s.stage_index, msg);
@@ -261,13 +261,13 @@ impl Scheduler {
     }
 
     /// Takes a session out of the map and frees it.
-    fn remove(&mut self, id: &SessionId) -> Option<Session> {
+    fn remove(&mut self, id: &SessionId) -> Option<Session<E::State>> {
         let s = self.sessions.remove(id)?;
         self.release(&s);
         Some(s)
     }
 
-    fn release(&mut self, s: &Session) {
+    fn release(&mut self, s: &Session<E::State>) {
         if let Some(tx) = &self.ledger {
             let layers = s.kv.layers();
             let u = WorkerUsage {
@@ -362,7 +362,7 @@ impl Scheduler {
             );
             return refuse(self, ErrorKind::Overloaded, msg);
         }
-        let kv = match self.stage.new_kv_for(want, layers) {
+        let kv = match self.stage.new_state(want, layers) {
             Ok(kv) => kv,
             Err(e) => return refuse(self, ErrorKind::SchemaMismatch, e.to_string()),
         };
@@ -422,7 +422,7 @@ impl Scheduler {
                 (e.kind(), e.to_string())
             })
             .and_then(|rows| {
-                let expected = s.kv.len() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
+                let expected = s.kv.positions() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
                 if f.position as usize != expected {
                     Err((ErrorKind::BadInput, format!("rows at position {} but the session is at {expected}", f.position)))
                 } else if s.pending.len() >= MAX_PENDING {
@@ -452,9 +452,9 @@ impl Scheduler {
         }
     }
 
-    fn key(&self, s: &Session, phase: Phase) -> CompatKey {
+    fn key(&self, s: &Session<E::State>, phase: Phase) -> CompatKey {
         CompatKey {
-            engine: self.stage.engine(),
+            engine: self.stage.name(),
             model_id: self.model_id.clone(),
             layers: (s.kv.layers().start as u32, s.kv.layers().end as u32),
             phase,
@@ -477,7 +477,7 @@ impl Scheduler {
     /// have joined it.
     fn hold(&self) -> Option<Duration> {
         const ARRIVAL_GAP: Duration = Duration::from_micros(300);
-        let waiting: Vec<&Session> = self.sessions.values().filter(|s| !s.pending.is_empty()).collect();
+        let waiting: Vec<&Session<E::State>> = self.sessions.values().filter(|s| !s.pending.is_empty()).collect();
         if waiting.iter().any(|s| s.phase() == Phase::Prefill) {
             return None;
         }
@@ -513,7 +513,7 @@ impl Scheduler {
     /// Runs `rows` of the first waiting frame of each session in `batch` as one forward, and
     /// passes each result on: hidden rows to the next stage, or a sampled token to the driver.
     fn run_batch(&mut self, batch: Batch) {
-        let mut chosen: Vec<(Session, usize)> =
+        let mut chosen: Vec<(Session<E::State>, usize)> =
             batch.items.iter().filter_map(|&(id, n)| self.sessions.remove(&id).map(|s| (s, n))).collect();
         let started = Instant::now();
         let h = self.stage.config().hidden;
@@ -535,7 +535,7 @@ impl Scheduler {
             .map(|(s, n)| if s.first { s.pending[0].f.tokens[s.pending[0].done..s.pending[0].done + n].to_vec() } else { Vec::new() })
             .collect();
         let wants: Vec<bool> = chosen.iter().map(|(s, n)| s.pending[0].done + n == s.pending[0].rows && s.pending[0].f.sample).collect();
-        let mut seqs: Vec<SeqInput> = Vec::with_capacity(chosen.len());
+        let mut seqs: Vec<SeqInput<E::State>> = Vec::with_capacity(chosen.len());
         let mut bad: Vec<(usize, String)> = Vec::new();
         // The sequences borrow each session's KV mutably, nothing else.
         for (i, (s, _)) in chosen.iter_mut().enumerate() {
@@ -627,7 +627,7 @@ impl Scheduler {
                     send(next, Body::Forward(f))
                 }
                 None if wants[i] => {
-                    let position = s.kv.len() as u64;
+                    let position = s.kv.positions() as u64;
                     let token = dgr_engine::sample(&out.logits, &s.sampling, position);
                     let (logprob, top) = dgr_engine::logprobs(&out.logits, token, s.top_logprobs);
                     s.carry.append(&mut trace);
@@ -675,7 +675,7 @@ impl Scheduler {
     fn publish(&self) {
         let m = &self.metrics;
         m.sessions_open.store(self.sessions.len() as u64, Relaxed);
-        m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.len() as u64).sum(), Relaxed);
+        m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.positions() as u64).sum(), Relaxed);
         m.kv_bytes_used.store(self.sessions.values().map(|s| s.kv.bytes() as u64).sum(), Relaxed);
         m.queue_depth.store(self.sessions.values().map(|s| s.pending.len() as u64).sum(), Relaxed);
     }

@@ -1,6 +1,6 @@
 use super::{median, peer, prompt, record};
 use crate::model::ModelArg;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
 use serde_json::json;
 use std::path::PathBuf;
@@ -25,6 +25,14 @@ pub struct Args {
     /// The llama-bench binary [default: $DGR_REF_DIR/bin/llama-bench]
     #[arg(long)]
     llama_bench: Option<PathBuf>,
+    /// The GGUF file llama-bench runs [default: the model; needed when the model is a
+    /// Transformers checkpoint: its conversion by llama.cpp's convert_hf_to_gguf.py]
+    #[arg(long)]
+    peer_model: Option<PathBuf>,
+    /// Also time Transformers' own CPU generation on the checkpoint, with this Python (one
+    /// that has torch and transformers, e.g. target/hf-venv/bin/python from scripts/hf-ref.sh)
+    #[arg(long)]
+    transformers: Option<PathBuf>,
     /// Directory for the run's record
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
@@ -52,16 +60,31 @@ fn dgr_rep(stage: &Stage, p: usize, n: usize) -> Result<(f64, f64)> {
 pub fn run(a: Args) -> Result<()> {
     let model = a.model.path()?;
     let bench = peer::tool("llama-bench", a.llama_bench.as_deref())?;
+    let peer_model = match &a.peer_model {
+        Some(p) => p.clone(),
+        None if model.is_dir() => bail!("{} is a Transformers checkpoint: give llama-bench its GGUF with --peer-model", model.display()),
+        None => model.clone(),
+    };
+    if a.transformers.is_some() && !model.is_dir() {
+        bail!("--transformers times a Transformers checkpoint; {} is not one", model.display());
+    }
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
     dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?; // warm-up: page in the weights
-    let (mut dp, mut dd, mut lp, mut ld) = (vec![], vec![], vec![], vec![]);
-    let mut version = String::new();
+    let (mut dp, mut dd, mut lp, mut ld, mut tp, mut td) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut version, mut hf_version) = (String::new(), String::new());
     for rep in 0..a.reps {
         let (p, d) = dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?;
-        let l = peer::llama_bench(&bench, &model, a.threads, a.prompt_tokens, a.gen_tokens)?;
+        let l = peer::llama_bench(&bench, &peer_model, a.threads, a.prompt_tokens, a.gen_tokens)?;
         eprintln!("rep {rep}: dgr pp {p:.1} tg {d:.1} tok/s | llama.cpp pp {:.1} tg {:.1} tok/s", l.prompt_tok_s, l.gen_tok_s);
+        if let Some(py) = &a.transformers {
+            let t = peer::transformers(py, &model, a.threads, a.prompt_tokens, a.gen_tokens)?;
+            eprintln!("        transformers pp {:.1} tg {:.1} tok/s", t.prompt_tok_s, t.gen_tok_s);
+            tp.push(t.prompt_tok_s);
+            td.push(t.gen_tok_s);
+            hf_version = t.version;
+        }
         dp.push(p);
         dd.push(d);
         lp.push(l.prompt_tok_s);
@@ -70,21 +93,31 @@ pub fn run(a: Args) -> Result<()> {
     }
     let ratio = |a: &[f64], b: &[f64]| median(&a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>());
     let (rp, rd) = (ratio(&dp, &lp), ratio(&dd, &ld));
-    println!("threads {}  isa {}  reps {}", a.threads, stage.isa().name(), a.reps);
+    println!("threads {}  isa {}  reps {}  engine {}", a.threads, stage.isa().name(), a.reps, stage.engine());
     println!("{:<28} {:>12} {:>12} {:>8}", "test", "dgr tok/s", "llama tok/s", "ratio");
     println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("prefill pp{}", a.prompt_tokens), median(&dp), median(&lp), rp);
     println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("decode tg{}", a.gen_tokens), median(&dd), median(&ld), rd);
+    let mut hf_ratios = serde_json::Value::Null;
+    if a.transformers.is_some() {
+        let (tp_r, td_r) = (ratio(&dp, &tp), ratio(&dd, &td));
+        println!("{:<28} {:>12} {:>12} {:>8}", "against transformers", "dgr tok/s", "hf tok/s", "ratio");
+        println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("prefill pp{}", a.prompt_tokens), median(&dp), median(&tp), tp_r);
+        println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("decode tg{}", a.gen_tokens), median(&dd), median(&td), td_r);
+        hf_ratios = json!({ "prefill": tp_r, "decode": td_r, "version": hf_version, "prefill_tok_s": tp, "decode_tok_s": td });
+    }
     let path = record::write(
         &a.out,
         "engine",
         &model,
         json!({
             "split": format!("one process, layers 0..{n_layers}"),
-            "peer": { "tool": "llama-bench", "version": version },
+            "engine": stage.engine(),
+            "peer": { "tool": "llama-bench", "version": version, "model": record::model_field(&peer_model)? },
             "threads": a.threads,
             "isa": stage.isa().name(),
             "samples": { "dgr_prefill_tok_s": dp, "dgr_decode_tok_s": dd, "llama_prefill_tok_s": lp, "llama_decode_tok_s": ld },
             "ratios": { "prefill": rp, "decode": rd },
+            "transformers": hf_ratios,
         }),
     )?;
     println!("record: {}", path.display());

@@ -71,3 +71,24 @@ fn run_llama_bench(mut c: Command) -> Result<LlamaBench> {
     }
     Ok(r)
 }
+
+/// Transformers' own CPU rates on a checkpoint, from `scripts/ref/hf_speed.py` (embedded here)
+/// run by `python`: a `prompt`-token prefill, then `gen` single-token steps with its KV cache.
+pub fn transformers(python: &Path, dir: &Path, threads: usize, prompt: usize, gen: usize) -> Result<LlamaBench> {
+    const SCRIPT: &str = include_str!("../../../../scripts/ref/hf_speed.py");
+    let out = Command::new(python)
+        .args(["-c", SCRIPT])
+        .arg(dir)
+        .args([threads.to_string(), prompt.to_string(), gen.to_string()])
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    if !out.status.success() {
+        bail!("transformers timing failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing the transformers timing")?;
+    Ok(LlamaBench {
+        prompt_tok_s: v["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
+        gen_tok_s: v["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
+        version: format!("transformers {}, torch {}", v["transformers"].as_str().unwrap_or("?"), v["torch"].as_str().unwrap_or("?")),
+    })
+}

@@ -12,6 +12,17 @@ fn cpu() -> Value {
     json!({ "model": field("model name"), "flags": field("flags"), "logical_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0) })
 }
 
+/// A model file's name and SHA-256; for a Transformers checkpoint directory, its name and
+/// identity (a hash over its config and tensors).
+pub fn model_field(m: &Path) -> Result<Value> {
+    let name = m.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok(if m.is_dir() {
+        json!({ "dir": name, "identity": dgr_hf::identity(m).with_context(|| format!("hashing {}", m.display()))?.id })
+    } else {
+        json!({ "file": name, "sha256": dgr_gguf::file_sha256(m).with_context(|| format!("hashing {}", m.display()))? })
+    })
+}
+
 /// Writes `{the common fields} + extra` as `<dir>/<name>-<unix seconds>.json` and returns the path.
 pub fn write(dir: &Path, name: &str, model: &Path, extra: Value) -> Result<PathBuf> {
     write_maybe_model(dir, name, Some(model), extra)
@@ -20,10 +31,7 @@ pub fn write(dir: &Path, name: &str, model: &Path, extra: Value) -> Result<PathB
 /// As `write`, for a run whose model file may be unknown (a remote endpoint): `"model": null` then.
 pub fn write_maybe_model(dir: &Path, name: &str, model: Option<&Path>, extra: Value) -> Result<PathBuf> {
     let model = match model {
-        Some(m) => json!({
-            "file": m.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-            "sha256": dgr_gguf::file_sha256(m).with_context(|| format!("hashing {}", m.display()))?,
-        }),
+        Some(m) => model_field(m)?,
         None => Value::Null,
     };
     let mut rec = json!({

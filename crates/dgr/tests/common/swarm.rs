@@ -81,7 +81,7 @@ impl Tracker {
         String::from_utf8_lossy(&self.log.lock().unwrap()).into_owned()
     }
 
-    fn query(&self, args: &[&str]) -> Value {
+    pub fn query(&self, args: &[&str]) -> Value {
         let out = dgr().args(args).args(["--tracker", &self.addr, "--format", "json"]).output().unwrap();
         assert!(out.status.success(), "dgr {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()

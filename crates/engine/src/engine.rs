@@ -1,0 +1,74 @@
+//! The seam between an engine and what drives it: a worker's scheduler computes one stage's
+//! layers through this trait alone, so another engine (a GPU backend) slots in beside dgr's CPU
+//! [`Stage`] without the scheduler changing. The contract each engine keeps: a sequence's
+//! output is bitwise independent of what it is batched with and of how the layers are split.
+
+use crate::{EngineError, ModelConfig, SeqInput, SeqOutput, Stage};
+use std::ops::Range;
+
+/// A sequence's state over the layers it runs on a stage (its KV cache).
+pub trait SeqState: Send {
+    /// Positions cached (the next row's position).
+    fn positions(&self) -> usize;
+    /// The model's layers this sequence runs on its stage.
+    fn layers(&self) -> Range<usize>;
+    /// Memory held for the cached positions.
+    fn bytes(&self) -> usize;
+}
+
+/// One stage's layers of a model, computed batched.
+pub trait Engine: Send + 'static {
+    type State: SeqState;
+    /// The engine's name: a compatibility key field, sent in a worker's registration and
+    /// boundary schema.
+    fn name(&self) -> &'static str;
+    fn config(&self) -> &ModelConfig;
+    /// The layers this stage holds.
+    fn layers(&self) -> Range<usize>;
+    /// Bytes of weights the stage reads per forward.
+    fn weight_bytes(&self) -> usize;
+    /// Fresh state for a sequence running layers `sub` (a part of `layers`), holding at most
+    /// `capacity` positions.
+    fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<Self::State, EngineError>;
+    /// What `forward` would refuse in this sequence, without running it; its row count if none.
+    fn check(&self, s: &SeqInput<Self::State>) -> Result<usize, EngineError>;
+    /// Every sequence's rows through its layers, in one batch.
+    fn forward(&self, batch: &mut [SeqInput<Self::State>]) -> Result<Vec<SeqOutput>, EngineError>;
+}
+
+impl SeqState for crate::KvCache {
+    fn positions(&self) -> usize {
+        crate::KvCache::len(self)
+    }
+    fn layers(&self) -> Range<usize> {
+        crate::KvCache::layers(self)
+    }
+    fn bytes(&self) -> usize {
+        crate::KvCache::bytes(self)
+    }
+}
+
+impl Engine for Stage {
+    type State = crate::KvCache;
+    fn name(&self) -> &'static str {
+        self.engine()
+    }
+    fn config(&self) -> &ModelConfig {
+        Stage::config(self)
+    }
+    fn layers(&self) -> Range<usize> {
+        Stage::layers(self)
+    }
+    fn weight_bytes(&self) -> usize {
+        Stage::weight_bytes(self)
+    }
+    fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<Self::State, EngineError> {
+        self.new_kv_for(capacity, sub)
+    }
+    fn check(&self, s: &SeqInput<Self::State>) -> Result<usize, EngineError> {
+        Stage::check(self, s)
+    }
+    fn forward(&self, batch: &mut [SeqInput<Self::State>]) -> Result<Vec<SeqOutput>, EngineError> {
+        Stage::forward(self, batch)
+    }
+}
