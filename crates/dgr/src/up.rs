@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// GGUF model [default: the SmolLM2-135M-Instruct Q4_1 default model, fetched if missing]
+    /// GGUF model, or a Transformers checkpoint directory [default: the SmolLM2-135M-Instruct Q4_1 default model, fetched if missing]
     #[arg(long, short = 'm', env = "DGR_MODEL")]
     model: Option<PathBuf>,
     /// Workers per route (stages), layer ranges balanced by compute with the head counted
@@ -37,7 +37,7 @@ pub fn run(a: Args) -> Result<()> {
         Some(m) => m.clone(),
         None => crate::fetch::default_model()?,
     };
-    let g = dgr_gguf::Gguf::open(&model).with_context(|| format!("opening {}", model.display()))?;
+    let g = dgr_hf::open_any(&model).with_context(|| format!("opening {}", model.display()))?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     crate::swarm::check_split(n_layers, a.workers)?;
     let ranges = balanced_split(&g, n_layers, a.workers);

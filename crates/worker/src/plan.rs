@@ -140,6 +140,16 @@ mod tests {
     }
 
     #[test]
+    fn sessions_of_two_engines_never_share_a_batch() {
+        let mut r = vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 3), ready(2, Phase::Decode, SeamDtype::F32, 1, 2)];
+        r[1].key.engine = dgr_engine::TRANSFORMERS_ENGINE;
+        r.push(ready(3, Phase::Decode, SeamDtype::F32, 1, 1));
+        let b = plan(r, 3, &Policy::default());
+        let ids: Vec<Vec<u8>> = b.iter().map(|b| b.items.iter().map(|(id, _)| id[0]).collect()).collect();
+        assert_eq!(ids, vec![vec![1, 3], vec![2]]);
+    }
+
+    #[test]
     fn decode_first_then_capped_prompt_chunks_within_the_budget() {
         let p = Policy { step_tokens: 16, prefill_chunk: 512, busy_chunk: 4, ..Policy::default() };
         let mut r: Vec<Ready> = (0..8).map(|i| ready(i, Phase::Decode, SeamDtype::F32, 1, 10)).collect();

@@ -218,7 +218,8 @@ pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut
     // Checked arithmetic: a wrapped product must not let a short buffer through.
     let needed = n_rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(w.row_bytes).and_then(|b| b.checked_add(row_len)));
     assert!(needed.is_some_and(|n| w.bytes.len() >= n), "{n_rows} rows of {row_len} bytes every {} in {}", w.row_bytes, w.bytes.len());
-    if !ty.plain() && xs.len() >= PANEL_COLS {
+    // F32 rows are already what a panel holds; F16/BF16 rows of whole chunks convert as blocks do.
+    if ty != FastType::F32 && k.is_multiple_of(32) && xs.len() >= PANEL_COLS {
         // SAFETY: as the caller vouches, with the reads kept in bounds by the asserts above.
         unsafe { panels(isa, w, n_blocks, k, xs, out, stride) };
         return;
@@ -264,7 +265,7 @@ const PANEL_ROWS: usize = 32;
 /// Bytes of activations a panel is multiplied by at a time.
 const COLUMN_BYTES: usize = 1 << 20;
 
-/// `gemv` for many columns over block rows: `PANEL_ROWS` rows at a time, dequantized to f32 and
+/// `gemv` for many columns over block (or half-precision) rows: `PANEL_ROWS` rows at a time, dequantized to f32 and
 /// multiplied as plain rows. The weights are the same exact values and every row and column
 /// accumulates in the canonical order, so the results are those of the direct kernels.
 ///
@@ -276,6 +277,9 @@ unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, xs: &[&[f32]], o
     // Columns a panel meets at a time: about 1 MiB of them, so they stay in L2 beside the panel
     // while it passes, at the cost of dequantizing each panel once per block of columns.
     let block = (COLUMN_BYTES / (4 * k)).max(3) / 3 * 3;
+    // A few columns past the block are cheaper taken along than paid for with a second
+    // dequantization of every panel (128 prompt rows of 2048 would otherwise split 126 + 2).
+    let block = if xs.len() <= block + block / 4 { xs.len() } else { block };
     SCRATCH.with_borrow_mut(|[lines, sums]| {
         lines.resize(PANEL_ROWS * k / 16, Line([0.0; 16]));
         for c0 in (0..xs.len()).step_by(block) {

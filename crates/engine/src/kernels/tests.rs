@@ -96,7 +96,8 @@ fn every_isa_and_every_batch_width_gives_identical_bits_close_to_exact() {
         let fast = FastType::of(ty).unwrap();
         // Lengths past one part of a row, for every column group (see `PART_BYTES`), too.
         for k in [256usize, 512, 1536, 8192] {
-            let k = if fast.plain() { k + 7 } else { k }; // plain rows also exercise the tail
+            // Plain rows also exercise the tail (and, whole, the panels).
+            let k = if fast.plain() && k == 1536 { k + 7 } else { k };
             let row = random_row(&mut rng, ty, k);
             let mut w = vec![0f32; k];
             dgr_gguf::quant::dequantize_row(ty, &row, &mut w).unwrap();
