@@ -430,19 +430,22 @@ pub(super) unsafe fn dequant<const T: u8>(p: *const u8, n_blocks: usize, out: *m
     }
 }
 
-/// Chunks of a row a tile runs over before its running sums go to memory: four rows' worth of
-/// them (16 KiB) stay in L1 while every column passes.
+/// Chunks of a row a tile runs over before its running sums go to memory: six rows' worth of
+/// them (24 KiB) stay in L1 while every column passes.
 #[cfg(target_arch = "x86_64")]
 const TILE_PART: usize = 32;
 
-/// Columns `tiles` takes through every part before the next: a multiple of 3.
+/// Columns `tiles` takes through every part before the next: a multiple of 2.
 #[cfg(target_arch = "x86_64")]
 const TILE_COLUMNS: usize = 48;
 
+/// Rows of one tile.
+pub(super) const TILE_ROWS: usize = 6;
+
 /// `out[c * stride + r] = row r · x[c]` for the `n_rows` f32 rows at `w` (`k` floats each, `k` a
-/// multiple of 32, `n_rows` a multiple of 4) and the columns `x`, in the canonical order: four
-/// rows by three columns at a time, so each row's chunk loaded feeds three columns and each
-/// column's four rows, and the multiply-adds, not the loads, set the pace. `sums` is scratch.
+/// multiple of 32, `n_rows` a multiple of `TILE_ROWS`) and the columns `x`, in the canonical
+/// order: six rows by two columns at a time, so each column's chunk loaded (from L2) feeds six
+/// rows (held in L1) and the multiply-adds, not the loads, set the pace. `sums` is scratch.
 ///
 /// # Safety
 /// The CPU has AVX-512F/BW, FMA and F16C; `w` holds `n_rows * k` floats, each column `k`, and
@@ -460,10 +463,10 @@ pub(super) unsafe fn tiles(
 ) {
     let nb = k / 32;
     let parts = nb.div_ceil(TILE_PART);
-    // Each tile's running sums between parts: 4 rows × 3 columns × 2 sets of 16 lanes.
-    let triples = x.len().div_ceil(3);
+    // Each tile's running sums between parts: 6 rows × 2 columns × 2 sets of 16 lanes.
+    let pairs = x.len().div_ceil(2);
     if parts > 1 {
-        sums.resize(n_rows / 4 * triples * 24, super::Line([0.0; 16]));
+        sums.resize(n_rows / TILE_ROWS * pairs * 24, super::Line([0.0; 16]));
     }
     let acc = super::Line::floats_mut(sums).as_mut_ptr();
     // A block of columns at a time, and a part of each of them: the part and the block's sums
@@ -473,22 +476,22 @@ pub(super) unsafe fn tiles(
         for p in 0..parts {
             let chunks = p * TILE_PART..((p + 1) * TILE_PART).min(nb);
             let (resume, suspend) = (p > 0, p + 1 < parts);
-            for r0 in (0..n_rows).step_by(4) {
-                let rows: [*const f32; 4] = std::array::from_fn(|i| w.wrapping_add((r0 + i) * k));
-                for c in cols.clone().step_by(3) {
-                    let three: [*const f32; 3] = std::array::from_fn(|j| x.get(c + j).map_or(std::ptr::null(), |c| c.as_ptr()));
+            for r0 in (0..n_rows).step_by(TILE_ROWS) {
+                let rows: [*const f32; TILE_ROWS] = std::array::from_fn(|i| w.wrapping_add((r0 + i) * k));
+                for c in cols.clone().step_by(2) {
+                    let two: [*const f32; 2] = std::array::from_fn(|j| x.get(c + j).map_or(std::ptr::null(), |c| c.as_ptr()));
                     let (sums, out) = (
-                        acc.wrapping_add((c0 / 3 * n_rows / 4 + r0 / 4 * cols.len().div_ceil(3) + (c - c0) / 3) * 384),
+                        acc.wrapping_add((c0 / 2 * n_rows / TILE_ROWS + r0 / TILE_ROWS * cols.len().div_ceil(2) + (c - c0) / 2) * 384),
                         out.wrapping_add(c * stride + r0),
                     );
-                    // SAFETY: rows `r0..r0 + 4 <= n_rows` and the tile's columns (up to 3 from
-                    // `c`, the ones it reads) hold the chunks `chunks` (below `nb`); the tile's
-                    // sums lie in `sums` when there are parts, and its outputs are the caller's.
+                    // SAFETY: rows `r0..r0 + TILE_ROWS <= n_rows` and the tile's columns (up to
+                    // 2 from `c`, the ones it reads) hold the chunks `chunks` (below `nb`); the
+                    // tile's sums lie in `sums` when there are parts, and its outputs are the
+                    // caller's.
                     unsafe {
                         match cols.end - c {
-                            1 => tile::<1>(rows, three, chunks.clone(), sums, resume, suspend, out, stride),
-                            2 => tile::<2>(rows, three, chunks.clone(), sums, resume, suspend, out, stride),
-                            _ => tile::<3>(rows, three, chunks.clone(), sums, resume, suspend, out, stride),
+                            1 => tile::<1>(rows, two, chunks.clone(), sums, resume, suspend, out, stride),
+                            _ => tile::<2>(rows, two, chunks.clone(), sums, resume, suspend, out, stride),
                         }
                     }
                 }
@@ -497,7 +500,7 @@ pub(super) unsafe fn tiles(
     }
 }
 
-/// One tile of `tiles`: four rows by the first `N` (at most 3) columns of `x` over `chunks`, its
+/// One tile of `tiles`: six rows by the first `N` (at most 2) columns of `x` over `chunks`, its
 /// sums kept at `acc` (row by row, column by column, the two sets of 16 lanes each) between
 /// parts: read first when `resume`, left there when `suspend`, otherwise reduced into
 /// `out[c * stride + r]`.
@@ -509,8 +512,8 @@ pub(super) unsafe fn tiles(
 #[allow(clippy::too_many_arguments)]
 #[inline]
 unsafe fn tile<const N: usize>(
-    w: [*const f32; 4],
-    x: [*const f32; 3],
+    w: [*const f32; TILE_ROWS],
+    x: [*const f32; 2],
     chunks: std::ops::Range<usize>,
     acc: *mut f32,
     resume: bool,
@@ -518,12 +521,12 @@ unsafe fn tile<const N: usize>(
     out: *mut f32,
     stride: usize,
 ) {
-    let mut a = [[_mm512_setzero_ps(); 6]; 4];
+    let mut a = [[_mm512_setzero_ps(); 4]; TILE_ROWS];
     if resume {
-        for r in 0..4 {
+        for r in 0..TILE_ROWS {
             for j in 0..2 * N {
-                // SAFETY: sum `6 r + j` of the tile, inside the 384 floats the caller vouches for.
-                a[r][j] = unsafe { _mm512_loadu_ps(acc.add((6 * r + j) * 16)) };
+                // SAFETY: sum `4 r + j` of the tile, inside the 384 floats the caller vouches for.
+                a[r][j] = unsafe { _mm512_loadu_ps(acc.add((4 * r + j) * 16)) };
             }
         }
     }
@@ -532,29 +535,38 @@ unsafe fn tile<const N: usize>(
             let o = 32 * b + 16 * h;
             // SAFETY: chunk `b` of each row and column is inside what the caller vouches for.
             unsafe {
-                let wv: [__m512; 4] = std::array::from_fn(|r| _mm512_loadu_ps(w[r].add(o)));
-                for c in 0..N {
-                    let xv = _mm512_loadu_ps(x[c].add(o));
-                    for r in 0..4 {
-                        a[r][2 * c + h] = _mm512_fmadd_ps(wv[r], xv, a[r][2 * c + h]);
+                let xv: [__m512; N] = std::array::from_fn(|c| _mm512_loadu_ps(x[c].add(o)));
+                for r in 0..TILE_ROWS {
+                    let wv = _mm512_loadu_ps(w[r].add(o));
+                    for c in 0..N {
+                        a[r][2 * c + h] = _mm512_fmadd_ps(wv, xv[c], a[r][2 * c + h]);
                     }
                 }
             }
         }
     }
     if suspend {
-        for r in 0..4 {
+        for r in 0..TILE_ROWS {
             for j in 0..2 * N {
                 // SAFETY: as for the loads above.
-                unsafe { _mm512_storeu_ps(acc.add((6 * r + j) * 16), a[r][j]) };
+                unsafe { _mm512_storeu_ps(acc.add((4 * r + j) * 16), a[r][j]) };
             }
         }
         return;
     }
     for c in 0..N {
-        let sums = reduce4(std::array::from_fn(|r| _mm512_add_ps(a[r][2 * c], a[r][2 * c + 1])));
-        // SAFETY: `c < N`: outputs `c * stride + r` for r < 4, four of this tile's, adjacent.
-        unsafe { _mm_storeu_ps(out.add(c * stride), sums) };
+        let row = |r: usize| _mm512_add_ps(a[r][2 * c], a[r][2 * c + 1]);
+        let first = reduce4([row(0), row(1), row(2), row(3)]);
+        let last = reduce4([row(4), row(5), row(4), row(5)]);
+        let mut tail = [0f32; 4];
+        // SAFETY: `tail` holds 4 floats.
+        unsafe { _mm_storeu_ps(tail.as_mut_ptr(), last) };
+        // SAFETY: `c < N`: outputs `c * stride + r` for r < 6, six of this tile's, adjacent.
+        unsafe {
+            _mm_storeu_ps(out.add(c * stride), first);
+            *out.add(c * stride + 4) = tail[0];
+            *out.add(c * stride + 5) = tail[1];
+        }
     }
 }
 

@@ -13,8 +13,8 @@
 //! identical results, and a row's result never depends on how many columns (sequences) are
 //! computed beside it, on which thread computes it, or on how the work is cut: up to 8 columns
 //! at a time against blocks dequantized on the fly, the row split into parts whose running sums
-//! wait in memory, or, for many columns, rows dequantized to f32 once and multiplied four rows by
-//! three columns at a time (AVX-512). Each shape performs the same operations on each lane.
+//! wait in memory, or, for many columns, rows dequantized to f32 once and multiplied six rows by
+//! two columns at a time (AVX-512). Each shape performs the same operations on each lane.
 
 // The kernels index accumulators, columns and outputs by the same column number.
 #![allow(clippy::needless_range_loop)]
@@ -260,8 +260,9 @@ pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut
 /// Columns from which dequantizing a few rows to f32 once, then multiplying every column group by
 /// those plain rows, beats dequantizing the rows again for each group of 8 columns.
 const PANEL_COLS: usize = 16;
-/// Rows dequantized at a time: their f32 copy stays in L2 while every column group passes.
-const PANEL_ROWS: usize = 32;
+/// Rows dequantized at a time (a multiple of the AVX-512 tile's rows): their f32 copy stays in
+/// L2 while every column group passes.
+const PANEL_ROWS: usize = 48;
 /// Bytes of activations a panel is multiplied by at a time.
 const COLUMN_BYTES: usize = 1 << 20;
 
@@ -293,8 +294,8 @@ unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, xs: &[&[f32]], o
                     unsafe { dequant(isa, w.ty, w.bytes.as_ptr().add((r0 + r) * w.row_bytes), n_blocks, panel[r * k..].as_mut_ptr()) };
                 }
                 let out = out.wrapping_add(c0 * stride + r0);
-                // AVX-512 takes the rows four at a time; the rest go as plain rows.
-                let quads = if isa.level() == Level::Avx512 { n_rows / 4 * 4 } else { 0 };
+                // AVX-512 takes the rows a tile at a time; the rest go as plain rows.
+                let quads = if isa.level() == Level::Avx512 { n_rows / avx512::TILE_ROWS * avx512::TILE_ROWS } else { 0 };
                 let bytes = &Line::bytes(lines)[quads * 4 * k..n_rows * 4 * k];
                 let plain = Rows { ty: FastType::F32, bytes, row_bytes: 4 * k, n_rows: n_rows - quads };
                 // SAFETY: the panel holds `n_rows` rows of `k` floats (`k` a multiple of 32), each
