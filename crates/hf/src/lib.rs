@@ -35,6 +35,16 @@ pub struct Checkpoint {
     pub config: Config,
     /// The model in GGUF's terms, holding the tensors `keep` selected.
     pub model: Gguf,
+    dir: std::path::PathBuf,
+    config_sha256: String,
+    shards: Vec<shards::Shard>,
+    /// Each tensor of the model: its GGUF name, and its stored bytes' shard, offset and length.
+    locations: Vec<(String, usize, u64, u64)>,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn ggml_type(name: &str, dtype: Dtype) -> Result<GgmlType, HfError> {
@@ -51,12 +61,14 @@ impl Checkpoint {
     /// the others are listed with their shapes but never mapped.
     pub fn open(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<Checkpoint, HfError> {
         let config_path = dir.join("config.json");
-        let config = Config::parse(&shards::read_small(&config_path)?, &config_path)?;
+        let config_text = shards::read_small(&config_path)?;
+        let config = Config::parse(&config_text, &config_path)?;
         let shards = shards::open_shards(dir)?;
         let expected = names::expected(&config);
         let mut parts = Vec::with_capacity(expected.len());
+        let mut locations = Vec::with_capacity(expected.len());
         let mut seen: std::collections::HashMap<String, &Path> = std::collections::HashMap::new();
-        for shard in &shards {
+        for (s, shard) in shards.iter().enumerate() {
             for (hf_name, info) in &shard.tensors {
                 let Some(name) = names::gguf_name(hf_name, config.family) else {
                     return Err(HfError::UnexpectedTensor(hf_name.clone()));
@@ -88,6 +100,7 @@ impl Checkpoint {
                 };
                 // ggml lists dims innermost first.
                 let dims = shape.iter().rev().map(|&d| d as u64).collect();
+                locations.push((name.clone(), s, at, len));
                 parts.push(Part { name, ty, dims, bytes });
             }
         }
@@ -95,7 +108,31 @@ impl Checkpoint {
             return Err(HfError::MissingTensor(names::hf_name(missing, config.family)));
         }
         let model = Gguf::assemble(config.metadata.clone(), parts)?;
-        Ok(Checkpoint { config, model })
+        Ok(Checkpoint { config, model, dir: dir.to_owned(), config_sha256: sha256_hex(&config_text), shards, locations })
+    }
+
+    /// The checkpoint's identity, as a GGUF model's is defined ([`ModelIdentity::compute`]): the
+    /// metadata dgr reads from config.json plus the SHA-256s of config.json and tokenizer.json
+    /// (keys `dgr.hf.config_sha256`, `dgr.hf.tokenizer_sha256`), and per tensor, in the order of
+    /// the shards and their data, its GGUF name, the type and dims the engine computes with, and
+    /// the SHA-256 of its bytes as the checkpoint stores them (read with plain reads).
+    pub fn identity(&self) -> Result<ModelIdentity, HfError> {
+        let mut metadata = self.config.metadata.clone();
+        metadata.push(("dgr.hf.config_sha256".into(), Value::String(self.config_sha256.clone())));
+        let tokenizer = self.dir.join("tokenizer.json");
+        if tokenizer.exists() {
+            let text = std::fs::read(&tokenizer).map_err(|source| HfError::Io { path: tokenizer.clone(), source })?;
+            metadata.push(("dgr.hf.tokenizer_sha256".into(), Value::String(sha256_hex(&text))));
+        }
+        let mut tensors = Vec::with_capacity(self.locations.len());
+        for (name, s, at, len) in &self.locations {
+            let shard = &self.shards[*s];
+            let t = self.model.tensor(name).ok_or_else(|| HfError::MissingTensor(name.clone()))?;
+            let sha256 =
+                dgr_gguf::sha256_range(&shard.file, *at, *len).map_err(|source| HfError::Io { path: shard.path.clone(), source })?;
+            tensors.push(TensorHash { name: name.clone(), ty: t.ty, dims: t.dims.clone(), sha256 });
+        }
+        Ok(ModelIdentity::compute(&metadata, tensors))
     }
 }
 
@@ -124,40 +161,11 @@ pub fn open_stage(dir: &Path, range: std::ops::Range<usize>) -> Result<(Gguf, Mo
     let c = Config::parse(&shards::read_small(&config_path)?, &config_path)?;
     let (start, end, n) = (range.start as u32, range.end as u32, c.n_layers as u32);
     let ck = Checkpoint::open(dir, &|name| dgr_gguf::needed_by_stage(name, start, end, n, c.tied))?;
-    Ok((ck.model, identity(dir)?))
+    let id = ck.identity()?;
+    Ok((ck.model, id))
 }
 
-/// The identity of the checkpoint in `dir`, as a GGUF model's is defined
-/// ([`ModelIdentity::compute`]): the metadata dgr reads from config.json plus the SHA-256s of
-/// config.json and tokenizer.json (keys `dgr.hf.config_sha256`, `dgr.hf.tokenizer_sha256`), and
-/// per tensor, in the order of the shards and their data, its GGUF name, the type and dims the
-/// engine computes with, and the SHA-256 of its bytes as the checkpoint stores them.
+/// The identity of the checkpoint in `dir` (see [`Checkpoint::identity`]).
 pub fn identity(dir: &Path) -> Result<ModelIdentity, HfError> {
-    let config_path = dir.join("config.json");
-    let config_text = shards::read_small(&config_path)?;
-    let config = Config::parse(&config_text, &config_path)?;
-    let mut metadata = config.metadata.clone();
-    let sha = |bytes: &[u8]| -> String {
-        use sha2::Digest;
-        sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
-    };
-    metadata.push(("dgr.hf.config_sha256".into(), Value::String(sha(&config_text))));
-    let tokenizer = dir.join("tokenizer.json");
-    if tokenizer.exists() {
-        let io = |source| HfError::Io { path: tokenizer.clone(), source };
-        metadata.push(("dgr.hf.tokenizer_sha256".into(), Value::String(sha(&std::fs::read(&tokenizer).map_err(io)?))));
-    }
-    let ck = Checkpoint::open(dir, &|_| false)?;
-    let mut tensors = Vec::new();
-    for shard in shards::open_shards(dir)? {
-        for (hf_name, info) in &shard.tensors {
-            let name = names::gguf_name(hf_name, config.family).ok_or_else(|| HfError::UnexpectedTensor(hf_name.clone()))?;
-            // What `open` skipped (a tied model's stored head) is not part of the model.
-            let Some(t) = ck.model.tensor(&name) else { continue };
-            let (at, len) = (shard.data_start + info.data_offsets.0 as u64, (info.data_offsets.1 - info.data_offsets.0) as u64);
-            let sha256 = dgr_gguf::sha256_range(&shard.file, at, len).map_err(|source| HfError::Io { path: shard.path.clone(), source })?;
-            tensors.push(TensorHash { name, ty: t.ty, dims: t.dims.clone(), sha256 });
-        }
-    }
-    Ok(ModelIdentity::compute(&metadata, tensors))
+    Checkpoint::open(dir, &|_| false)?.identity()
 }

@@ -127,8 +127,9 @@ impl Gateway {
         let mut models = Vec::new();
         for path in &cfg.models {
             let (g, model_id) = if dgr_hf::is_checkpoint(path) {
-                let g = dgr_hf::Checkpoint::open(path, &|_| false).map_err(|e| model_error(path, e))?.model;
-                (g, dgr_hf::identity(path).map_err(|e| model_error(path, e))?.id)
+                let ck = dgr_hf::Checkpoint::open(path, &|_| false).map_err(|e| model_error(path, e))?;
+                let id = ck.identity().map_err(|e| model_error(path, e))?.id;
+                (ck.model, id)
             } else {
                 let g = dgr_gguf::Gguf::read_header(path).map_err(|e| model_error(path, e))?;
                 let id = dgr_gguf::identity(path, &g).map_err(|e| model_error(path, e))?.id;
