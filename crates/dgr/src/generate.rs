@@ -61,13 +61,13 @@ pub fn run(a: Args) -> Result<()> {
     }
     let g = a.model.open()?;
     let tok = a.model.tokenizer(&g)?;
-    let text = if a.chat {
-        tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: a.prompt.clone() }], true)?
+    let prompt_tokens = if a.chat {
+        tok.encode_chat(&tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: a.prompt.clone() }], true)?)?
     } else {
-        a.prompt.clone()
+        tok.encode_prompt(&a.prompt)?
     };
     let req = Request {
-        prompt_tokens: tok.encode_prompt(&text)?,
+        prompt_tokens,
         max_tokens: a.max_tokens,
         sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         top_logprobs: a.top_logprobs,

@@ -1,7 +1,7 @@
 //! Generation in one process: the whole model as one stage.
 
 use anyhow::{bail, Result};
-use dgr_engine::{Input, LogitRows, SamplingParams, SeqInput, Stage};
+use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState};
 use dgr_gateway::Completion;
 use std::time::Instant;
 
@@ -17,12 +17,12 @@ pub struct Request {
 /// Prefills the prompt in one forward, then decodes one token per forward until `max_tokens`,
 /// an end-of-generation token (unless ignored) or the context's end. `on_token` sees each token
 /// as it is chosen.
-pub fn generate(stage: &Stage, is_eog: impl Fn(u32) -> bool, req: &Request, mut on_token: impl FnMut(u32)) -> Result<Completion> {
+pub fn generate<E: Engine>(stage: &E, is_eog: impl Fn(u32) -> bool, req: &Request, mut on_token: impl FnMut(u32)) -> Result<Completion> {
     if req.prompt_tokens.is_empty() {
         bail!("the prompt is empty");
     }
     let capacity = req.prompt_tokens.len() + req.max_tokens;
-    let mut kv = stage.new_kv(capacity);
+    let mut kv = stage.new_state(capacity, stage.layers())?;
     if kv.capacity() < req.prompt_tokens.len() + 1 {
         bail!("the prompt's {} tokens leave no room in the model's context of {}", req.prompt_tokens.len(), kv.capacity());
     }
@@ -31,13 +31,13 @@ pub fn generate(stage: &Stage, is_eog: impl Fn(u32) -> bool, req: &Request, mut 
     let mut input = req.prompt_tokens.clone();
     let mut decode_start = start;
     while out.tokens.len() < req.max_tokens {
-        if kv.len() + input.len() > kv.capacity() {
+        if kv.positions() + input.len() > kv.capacity() {
             out.finish_reason = "context".into();
             break;
         }
         let result = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&input), logits: LogitRows::Last }])?;
         let logits = &result[0].logits;
-        let token = dgr_engine::sample(logits, &req.sampling, kv.len() as u64);
+        let token = dgr_engine::sample(logits, &req.sampling, kv.positions() as u64);
         let (lp, top) = dgr_engine::logprobs(logits, token, req.top_logprobs);
         if out.tokens.is_empty() {
             out.timings.first_token(start, req.prompt_tokens.len());

@@ -1,6 +1,6 @@
-//! The seam between an engine and what drives it: a worker's scheduler computes one stage's
-//! layers through this trait alone, so another engine (a GPU backend) slots in beside dgr's CPU
-//! [`Stage`] without the scheduler changing. The contract each engine keeps: a sequence's
+//! The seam between an engine and what drives it: a worker's scheduler and the one-process
+//! driver compute through this trait alone, so another engine (a GPU backend) slots in beside
+//! dgr's CPU [`Stage`] without either changing. The contract each engine keeps: a sequence's
 //! output is bitwise independent of what it is batched with and of how the layers are split.
 
 use crate::{EngineError, ModelConfig, SeqInput, SeqOutput, Stage};
@@ -10,6 +10,8 @@ use std::ops::Range;
 pub trait SeqState: Send {
     /// Positions cached (the next row's position).
     fn positions(&self) -> usize;
+    /// Most positions it may hold.
+    fn capacity(&self) -> usize;
     /// The model's layers this sequence runs on its stage.
     fn layers(&self) -> Range<usize>;
     /// Memory held for the cached positions.
@@ -39,6 +41,9 @@ pub trait Engine: Send + 'static {
 impl SeqState for crate::KvCache {
     fn positions(&self) -> usize {
         crate::KvCache::len(self)
+    }
+    fn capacity(&self) -> usize {
+        crate::KvCache::capacity(self)
     }
     fn layers(&self) -> Range<usize> {
         crate::KvCache::layers(self)

@@ -90,6 +90,16 @@ impl Tokenizer {
         }
     }
 
+    /// Tokenizes a rendered chat template: for a GGUF model as a completion prompt (as
+    /// llama.cpp's server does); for a Transformers tokenizer as `apply_chat_template` does,
+    /// adding no special tokens (the template writes its own BOS).
+    pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        match &self.backend {
+            Backend::Gguf(_) => self.encode_prompt(text),
+            Backend::Hf(t) => t.encode(text, false),
+        }
+    }
+
     fn tokenize(&self, vocab: &Vocab, text: &str, add_bos: bool, add_eos: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::new();
         if add_bos {

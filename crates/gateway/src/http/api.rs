@@ -152,7 +152,7 @@ fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Resul
         let text = tok
             .apply_chat_template(&chat_messages, true)
             .map_err(|e| ApiError::bad_request(format!("the chat template failed: {e}")).param("messages"))?;
-        tok.encode_prompt(&text).map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?
+        tok.encode_chat(&text).map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?
     } else {
         if body.messages.is_some() {
             return Err(ApiError::bad_request("completions take a prompt, not messages").param("messages"));
