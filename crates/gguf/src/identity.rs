@@ -94,11 +94,27 @@ impl ModelIdentity {
     }
 }
 
-/// SHA-256 of each of `g`'s tensors, read from `file` with positioned reads (never through a
-/// map, so hashing leaves the caller's address space alone).
-fn hash_tensors(file: &File, g: &Gguf) -> std::io::Result<Vec<[u8; 32]>> {
-    // Ranges were checked against the file's length at open.
-    g.tensors().iter().map(|t| sha256_range(file, g.data_offset().saturating_add(t.offset), t.n_bytes)).collect()
+/// SHA-256 of each of `tensors` of the file at `path` (opened as `file`; tensor `t`'s bytes are
+/// `t.n_bytes` at `base + t.offset`, inside the file), read with positioned reads (never through
+/// a map, so hashing leaves the caller's address space alone) — or, on a file unchanged since
+/// they were hashed, taken from the cache beside it (see `sidecar`) without reading a tensor
+/// byte. Freshly computed hashes are cached, unless the file changed while they were computed.
+pub fn cached_tensor_hashes(path: &Path, file: &File, base: u64, tensors: &[TensorInfo]) -> Result<Vec<[u8; 32]>, GgufError> {
+    let io = |source| GgufError::Io { path: path.to_owned(), source };
+    let key = Key::of(&file.metadata().map_err(io)?);
+    if let Some(hashes) = key.and_then(|k| sidecar::load(path, k, tensors)) {
+        return Ok(hashes);
+    }
+    let hashes = tensors
+        .iter()
+        .map(|t| sha256_range(file, base.saturating_add(t.offset), t.n_bytes))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(io)?;
+    let after = file.metadata().map_err(io)?;
+    if let Some(k) = key.filter(|&k| Key::of(&after) == Some(k)) {
+        sidecar::store(path, k, tensors, &hashes);
+    }
+    Ok(hashes)
 }
 
 /// SHA-256 of `len` bytes of `file` from offset `at`, with plain positioned reads (never through
@@ -146,20 +162,8 @@ pub fn identity(path: &Path, g: &Gguf) -> Result<ModelIdentity, GgufError> {
     if before.len() != g.file_len() {
         return Err(GgufError::LengthMismatch { what: "file length since it was opened", expected: g.file_len(), found: before.len() });
     }
-    let key = Key::of(&before);
-    let cached = key.and_then(|k| sidecar::load(path, k, g.tensors()));
-    let hashes = match cached {
-        Some(hashes) => hashes,
-        None => {
-            let hashes = hash_tensors(&file, g).map_err(io)?;
-            // A file that changed while it was hashed is not cached under either time.
-            let after = file.metadata().map_err(io)?;
-            if let Some(k) = key.filter(|&k| Key::of(&after) == Some(k)) {
-                sidecar::store(path, k, g.tensors(), &hashes);
-            }
-            hashes
-        }
-    };
+    // Ranges were checked against the file's length at open.
+    let hashes = cached_tensor_hashes(path, &file, g.data_offset(), g.tensors())?;
     let own = own_table(g.tensors(), hashes);
     let Some(table) = g.slice_table() else {
         return Ok(ModelIdentity::compute(g.metadata(), own));

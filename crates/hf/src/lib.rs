@@ -12,7 +12,7 @@ mod shards;
 pub use config::{Config, Family};
 pub use error::HfError;
 
-use dgr_gguf::{GgmlType, Gguf, ModelIdentity, Part, PartBytes, TensorHash, Value};
+use dgr_gguf::{GgmlType, Gguf, ModelIdentity, Part, PartBytes, TensorHash, TensorInfo, Value};
 use safetensors::Dtype;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -115,7 +115,8 @@ impl Checkpoint {
     /// metadata dgr reads from config.json plus the SHA-256s of config.json and tokenizer.json
     /// (keys `dgr.hf.config_sha256`, `dgr.hf.tokenizer_sha256`), and per tensor, in the order of
     /// the shards and their data, its GGUF name, the type and dims the engine computes with, and
-    /// the SHA-256 of its bytes as the checkpoint stores them (read with plain reads).
+    /// the SHA-256 of its bytes as the checkpoint stores them (read with plain reads, or from
+    /// the cache beside each shard, `<shard>.dgr-hashes`, while the shard is unchanged).
     pub fn identity(&self) -> Result<ModelIdentity, HfError> {
         let mut metadata = self.config.metadata.clone();
         metadata.push(("dgr.hf.config_sha256".into(), Value::String(self.config_sha256.clone())));
@@ -124,13 +125,17 @@ impl Checkpoint {
             let text = std::fs::read(&tokenizer).map_err(|source| HfError::Io { path: tokenizer.clone(), source })?;
             metadata.push(("dgr.hf.tokenizer_sha256".into(), Value::String(sha256_hex(&text))));
         }
+        // Per shard, its tensors' hashes: cached beside the shard as a GGUF file's are, so a
+        // restart reads no tensor bytes.
         let mut tensors = Vec::with_capacity(self.locations.len());
-        for (name, s, at, len) in &self.locations {
-            let shard = &self.shards[*s];
-            let t = self.model.tensor(name).ok_or_else(|| HfError::MissingTensor(name.clone()))?;
-            let sha256 =
-                dgr_gguf::sha256_range(&shard.file, *at, *len).map_err(|source| HfError::Io { path: shard.path.clone(), source })?;
-            tensors.push(TensorHash { name: name.clone(), ty: t.ty, dims: t.dims.clone(), sha256 });
+        for (s, shard) in self.shards.iter().enumerate() {
+            let mut infos = Vec::new();
+            for (name, _, at, len) in self.locations.iter().filter(|l| l.1 == s) {
+                let t = self.model.tensor(name).ok_or_else(|| HfError::MissingTensor(name.clone()))?;
+                infos.push(TensorInfo { name: name.clone(), ty: t.ty, dims: t.dims.clone(), offset: at - shard.data_start, n_bytes: *len });
+            }
+            let hashes = dgr_gguf::cached_tensor_hashes(&shard.path, &shard.file, shard.data_start, &infos)?;
+            tensors.extend(infos.into_iter().zip(hashes).map(|(t, sha256)| TensorHash { name: t.name, ty: t.ty, dims: t.dims, sha256 }));
         }
         Ok(ModelIdentity::compute(&metadata, tensors))
     }

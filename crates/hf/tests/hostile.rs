@@ -153,3 +153,23 @@ fn an_index_naming_files_outside_the_directory_or_tensors_elsewhere_is_refused()
     std::fs::write(d.0.join("model.safetensors.index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
     assert!(matches!(open(&d.0), Err(HfError::BadHeader { .. })));
 }
+
+#[test]
+fn tensor_hashes_are_cached_beside_each_shard_until_it_changes() {
+    let d = valid("cache");
+    let path = d.0.join("model.safetensors");
+    let first = dgr_hf::identity(&d.0).unwrap().id;
+    assert!(d.0.join("model.safetensors.dgr-hashes").is_file());
+    // A byte altered under the same length and modification time: the cache answers (no tensor
+    // byte is read again), so the identity stays.
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let touch = |t| std::fs::File::options().write(true).open(&path).unwrap().set_modified(t).unwrap();
+    touch(mtime);
+    assert_eq!(dgr_hf::identity(&d.0).unwrap().id, first);
+    // Modified later: hashed again, and the altered byte shows.
+    touch(mtime + std::time::Duration::from_secs(1));
+    assert_ne!(dgr_hf::identity(&d.0).unwrap().id, first);
+}
