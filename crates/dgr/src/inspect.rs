@@ -20,21 +20,13 @@ fn show(v: &Value) -> String {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let (g, id) = if dgr_hf::is_checkpoint(&a.file) {
-        let ck = dgr_hf::Checkpoint::open(&a.file, &|_| false).with_context(|| format!("opening {}", a.file.display()))?;
-        let id = ck.identity().with_context(|| format!("hashing the tensors of {}", a.file.display()))?;
-        println!(
-            "checkpoint: {} (Transformers layout, engine {}; names and metadata below in GGUF's terms)",
-            a.file.display(),
-            dgr_engine::TRANSFORMERS_ENGINE
-        );
-        (ck.model, id)
+    let (g, id) = dgr_hf::describe(&a.file).with_context(|| format!("reading and hashing {}", a.file.display()))?;
+    if g.is_assembled() {
+        let engine = dgr_engine::TRANSFORMERS_ENGINE;
+        println!("checkpoint: {} (Transformers layout, engine {engine}; names and metadata below in GGUF's terms)", a.file.display());
     } else {
-        let g = dgr_gguf::Gguf::open(&a.file).with_context(|| format!("opening {}", a.file.display()))?;
         println!("file: {} (GGUF v{}, alignment {})", a.file.display(), g.version(), g.alignment());
-        let id = dgr_gguf::identity(&a.file, &g).with_context(|| format!("hashing the tensors of {}", a.file.display()))?;
-        (g, id)
-    };
+    }
     match g.slice() {
         Some(s) => println!(
             "slice: layers {}..{} of model {} ({} of its {} tensors here, every one verified)",

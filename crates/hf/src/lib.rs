@@ -150,13 +150,23 @@ pub fn open_any(path: &Path) -> Result<Gguf, HfError> {
     }
 }
 
+/// The model at `path` with no tensor mapped (a GGUF file's header, a checkpoint's table), and
+/// its identity: what describes a model without computing with it.
+pub fn describe(path: &Path) -> Result<(Gguf, ModelIdentity), HfError> {
+    if is_checkpoint(path) {
+        let ck = Checkpoint::open(path, &|_| false)?;
+        let id = ck.identity()?;
+        Ok((ck.model, id))
+    } else {
+        let g = Gguf::read_header(path)?;
+        let id = dgr_gguf::identity(path, &g)?;
+        Ok((g, id))
+    }
+}
+
 /// The identity of the model at `path`, a GGUF file or a checkpoint directory.
 pub fn identity_any(path: &Path) -> Result<ModelIdentity, HfError> {
-    if is_checkpoint(path) {
-        identity(path)
-    } else {
-        Ok(dgr_gguf::model_identity(path)?)
-    }
+    Ok(describe(path)?.1)
 }
 
 /// Opens the checkpoint in `dir` for a stage of layers `range`: only the tensors those layers

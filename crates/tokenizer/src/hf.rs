@@ -28,17 +28,20 @@ impl std::fmt::Debug for HfTokenizer {
     }
 }
 
-fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
+/// The bytes of a JSON side file, refusing one past `MAX_JSON`; None if it does not exist.
+fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, TokenizerError> {
     let bad = |reason: String| TokenizerError::HfFile { path: path.display().to_string(), reason };
     match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(bad(e.to_string())),
         Ok(m) if m.len() > MAX_JSON => Err(bad(format!("larger than {MAX_JSON} bytes"))),
-        Ok(_) => {
-            let text = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
-            serde_json::from_slice(&text).map(Some).map_err(|e| bad(e.to_string()))
-        }
+        Ok(_) => std::fs::read(path).map(Some).map_err(|e| bad(e.to_string())),
     }
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
+    let Some(text) = read_bounded(path)? else { return Ok(None) };
+    serde_json::from_slice(&text).map(Some).map_err(|e| TokenizerError::HfFile { path: path.display().to_string(), reason: e.to_string() })
 }
 
 /// A special token named in tokenizer_config.json: a string, or an object with `content`.
@@ -66,12 +69,10 @@ impl HfTokenizer {
     pub fn from_dir(dir: &Path) -> Result<HfTokenizer, TokenizerError> {
         let path = dir.join("tokenizer.json");
         let bad = |reason: String| TokenizerError::HfFile { path: path.display().to_string(), reason };
-        let len = std::fs::metadata(&path).map_err(|e| bad(e.to_string()))?.len();
-        if len > MAX_JSON {
-            return Err(bad(format!("larger than {MAX_JSON} bytes")));
-        }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| bad(e.to_string()))?;
-        let json = read_json(&path)?.unwrap_or(Value::Null);
+        // Read once: for `tokenizers`, and for the decoder's kind, which it does not expose.
+        let text = read_bounded(&path)?.ok_or_else(|| bad("not found".into()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&text).map_err(|e| bad(e.to_string()))?;
+        let json: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
         let byte_level = {
             let d = &json["decoder"];
             d["type"] == "ByteLevel" || d["decoders"].as_array().is_some_and(|ds| ds.iter().any(|d| d["type"] == "ByteLevel"))

@@ -126,15 +126,8 @@ impl Gateway {
         }
         let mut models = Vec::new();
         for path in &cfg.models {
-            let (g, model_id) = if dgr_hf::is_checkpoint(path) {
-                let ck = dgr_hf::Checkpoint::open(path, &|_| false).map_err(|e| model_error(path, e))?;
-                let id = ck.identity().map_err(|e| model_error(path, e))?.id;
-                (ck.model, id)
-            } else {
-                let g = dgr_gguf::Gguf::read_header(path).map_err(|e| model_error(path, e))?;
-                let id = dgr_gguf::identity(path, &g).map_err(|e| model_error(path, e))?.id;
-                (g, id)
-            };
+            let (g, id) = dgr_hf::describe(path).map_err(|e| model_error(path, e))?;
+            let model_id = id.id;
             let tokenizer = Tokenizer::for_model(path, &g).map_err(|e| model_error(path, e))?;
             let arch = g.get_str("general.architecture").map_err(|e| model_error(path, e))?.to_string();
             let context = g.get_u64(&format!("{arch}.context_length")).unwrap_or(2048).clamp(1, 1 << 24) as usize;
