@@ -4,6 +4,7 @@
 //! sequences at their own positions; the [`Engine`] trait a worker drives any engine through.
 
 mod config;
+mod denormal;
 mod engine;
 mod error;
 mod kernels;

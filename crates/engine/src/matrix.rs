@@ -1,6 +1,6 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
-use crate::kernels::{self, FastType, Isa, Line, Rows};
+use crate::kernels::{self, Columns, FastType, Isa, Line, Rows};
 use crate::pool::{Disjoint, ThreadPool};
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
@@ -70,11 +70,12 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize,
     for p in products.iter() {
         assert!(p.w.k == k && x.len() >= n * k && p.out.len() >= n * p.w.rows);
     }
-    let lines = aligned(x, n, k);
-    let (x, stride) = match &lines {
-        Some(l) => (Line::floats(l), k.next_multiple_of(16)),
-        None => (x, k),
+    let mut lines = ALIGNED.take();
+    let (x, stride) = match aligned(x, n, k, &mut lines) {
+        true => (Line::floats(&lines), k.next_multiple_of(16)),
+        false => (x, k),
     };
+    let cols = Columns::new(isa, (0..n).map(|c| &x[c * stride..][..k]).collect(), k);
     let mut jobs: [Option<(&Matrix, Disjoint)>; 3] = [None, None, None];
     for (j, p) in jobs.iter_mut().zip(products.iter_mut()) {
         *j = Some((p.w, Disjoint::new(p.out)));
@@ -87,38 +88,44 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize,
         for (w, out) in jobs.iter().flatten() {
             let (lo, hi) = (items.start.max(base), items.end.min(base + w.rows));
             if lo < hi {
-                rows(isa, g, x, stride, n, w, out, lo - base..hi - base);
+                rows(isa, g, &cols, w, out, lo - base..hi - base);
             }
             base += w.rows;
         }
     });
+    drop(cols);
+    ALIGNED.set(lines);
 }
 
-/// The `n` columns of `x` (`k` floats each) copied so each starts on a cache line, unless they
-/// already do: a 16-float load that straddles two lines costs the kernels twice as much.
-fn aligned(x: &[f32], n: usize, k: usize) -> Option<Vec<Line>> {
+/// Copies the `n` columns of `x` (`k` floats each) into `lines` so each starts on a cache line,
+/// unless they already do (then returns false): a 16-float load that straddles two lines costs
+/// the kernels twice as much.
+fn aligned(x: &[f32], n: usize, k: usize, lines: &mut Vec<Line>) -> bool {
     if (x.as_ptr() as usize).is_multiple_of(64) && k.is_multiple_of(16) {
-        return None;
+        return false;
     }
     let stride = k.next_multiple_of(16);
-    let mut lines = vec![Line([0.0; 16]); n * stride / 16];
-    for (dst, col) in Line::floats_mut(&mut lines).chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
+    lines.clear();
+    lines.resize(n * stride / 16, Line([0.0; 16]));
+    for (dst, col) in Line::floats_mut(lines).chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
         dst[..k].copy_from_slice(col);
     }
-    Some(lines)
+    true
 }
 
-/// Rows `rows` of `w` for every column (column `c` of `x` at `c * stride`): the unit of work one
-/// thread does without a break.
-#[allow(clippy::too_many_arguments)]
-fn rows(isa: Isa, model: &Gguf, x: &[f32], stride: usize, n: usize, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
-    let k = w.k;
+thread_local! {
+    /// The buffer of the thread's last aligned copy of columns, for its next: a fresh one would
+    /// be mapped and faulted in for every product.
+    static ALIGNED: std::cell::Cell<Vec<Line>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Rows `rows` of `w` for every column: the unit of work one thread does without a break.
+fn rows(isa: Isa, model: &Gguf, cols: &Columns, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
     let m = Rows { ty: w.fast, bytes: w.rows(model, rows.clone()), row_bytes: w.row_bytes, n_rows: rows.len() };
-    let xs: Vec<&[f32]> = (0..n).map(|c| &x[c * stride..][..k]).collect();
     // This call alone writes rows `rows` of every column of `out` (`matmul` hands each row to
     // one chunk), and `matmul`'s assert keeps them inside the buffer.
     let dst = out.at(rows.start);
     // SAFETY: the kernel writes `dst[c * w.rows + r]` for c < n and r < rows.len(): exactly the
     // outputs this call alone owns (above).
-    unsafe { kernels::gemv(isa, &m, k, &xs, dst, w.rows) };
+    unsafe { kernels::gemv(isa, &m, w.k, cols, dst, w.rows) };
 }

@@ -2,6 +2,7 @@
 //! sequences, each at its own positions.
 
 use crate::config::{Activation, ModelConfig};
+use crate::denormal::FlushSubnormals;
 use crate::kernels::Isa;
 use crate::kv::{KvCache, Window};
 use crate::matrix::{matmul, Matrix, Product};
@@ -298,6 +299,7 @@ impl Stage {
     /// a batch must run the same layers. Each sequence's result is bitwise what it would be
     /// alone: every operation is per row or per sequence, and every reduction has a fixed order.
     pub fn forward(&self, batch: &mut [SeqInput]) -> Result<Vec<SeqOutput>, EngineError> {
+        let _flush = FlushSubnormals::on();
         let Some(sub) = batch.first().map(|s| s.kv.layers.clone()) else { return Ok(Vec::new()) };
         let mut rows_of = Vec::with_capacity(batch.len());
         for s in batch.iter() {
@@ -411,10 +413,7 @@ impl Stage {
                 t_all,
                 &mut [Product { w: &layer.gate, out: &mut gate }, Product { w: &layer.up, out: &mut up }],
             );
-            match cfg.activation {
-                Activation::Silu => ops::silu_mul(&mut gate, &up),
-                Activation::GeluTanh => ops::gelu_mul(&mut gate, &up),
-            }
+            self.activate(&mut gate, &up);
             matmul(&self.pool, self.isa, g, &gate, t_all, &mut [Product { w: &layer.down, out: &mut o }]);
             self.residual(&mut x, &o, layer.post_norms.as_ref().map(|[_, n]| n.as_slice()), &mut xn);
         }
@@ -465,6 +464,23 @@ impl Stage {
 
     /// Adds a block's output `o` to the residual stream `x`, normed by `norm` first when the
     /// model has one there (gemma3; `scratch` takes the normed rows).
+    /// `gate = act(gate) * up`, row by row, spread over the pool (GELU's tanh is dear).
+    fn activate(&self, gate: &mut [f32], up: &[f32]) {
+        let ffn = self.cfg.ffn;
+        let rows = gate.len() / ffn;
+        let out = Disjoint::new(gate);
+        let grain = (rows / (4 * self.pool.threads())).max(4);
+        self.pool.run(rows, grain, &|r| {
+            // SAFETY: the pool hands each row to one chunk, so these rows are this call's alone.
+            let g = unsafe { out.slice(r.start * ffn, r.len() * ffn) };
+            let u = &up[r.start * ffn..r.end * ffn];
+            match self.cfg.activation {
+                Activation::Silu => ops::silu_mul(g, u),
+                Activation::GeluTanh => ops::gelu_mul(g, u),
+            }
+        });
+    }
+
     fn residual(&self, x: &mut [f32], o: &[f32], norm: Option<&[f32]>, scratch: &mut [f32]) {
         let Some(w) = norm else { return add(x, o) };
         let h = self.cfg.hidden;

@@ -430,68 +430,117 @@ pub(super) unsafe fn dequant<const T: u8>(p: *const u8, n_blocks: usize, out: *m
     }
 }
 
+/// Dequantizes `TILE_ROWS` rows of type number `T`, `row_bytes` apart from `p` and `n_blocks`
+/// blocks each, into the layout `tiles` reads: set by set (the first halves of the chunks, then
+/// the second halves), chunk by chunk, the six rows' 16 floats side by side.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW, FMA and F16C; `p` is valid for reading the rows and `out` for
+/// writing their `TILE_ROWS * k` elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+pub(super) unsafe fn dequant_tile<const T: u8>(p: *const u8, row_bytes: usize, n_blocks: usize, out: *mut f32) {
+    let ty = FastType::ALL[T as usize];
+    let nb = n_blocks * ty.block_chunks();
+    for r in 0..TILE_ROWS {
+        let (mut first, mut second) = (out.wrapping_add(16 * r), out.wrapping_add(16 * (r + TILE_ROWS * nb)));
+        for b in 0..n_blocks {
+            // SAFETY: block `b` of row `r` lies inside what the caller vouches for, and each
+            // chunk's two halves go to their places among the `TILE_ROWS * k` floats at `out`.
+            unsafe {
+                block(ty, p.add(r * row_bytes + b * ty.block_bytes()), &mut |lo, hi| {
+                    _mm512_storeu_ps(first, lo);
+                    _mm512_storeu_ps(second, hi);
+                    (first, second) = (first.add(16 * TILE_ROWS), second.add(16 * TILE_ROWS));
+                })
+            };
+        }
+    }
+}
+
 /// Chunks of a row a tile runs over before its running sums go to memory: six rows' worth of
 /// them (24 KiB) stay in L1 while every column passes.
 #[cfg(target_arch = "x86_64")]
 const TILE_PART: usize = 32;
 
-/// Columns `tiles` takes through every part before the next: a multiple of 2.
+/// Columns `tiles` takes through every part before the next: a multiple of `TILE_COLS`.
 #[cfg(target_arch = "x86_64")]
 const TILE_COLUMNS: usize = 48;
 
 /// Rows of one tile.
 pub(super) const TILE_ROWS: usize = 6;
 
-/// `out[c * stride + r] = row r · x[c]` for the `n_rows` f32 rows at `w` (`k` floats each, `k` a
-/// multiple of 32, `n_rows` a multiple of `TILE_ROWS`) and the columns `x`, in the canonical
-/// order: six rows by two columns at a time, so each column's chunk loaded (from L2) feeds six
-/// rows (held in L1) and the multiply-adds, not the loads, set the pace. `sums` is scratch.
+/// Columns of one tile.
+pub(super) const TILE_COLS: usize = 4;
+
+/// Floats of one tile's running sums: both sets of 16 lanes for each row and column.
+#[cfg(target_arch = "x86_64")]
+const TILE_SUMS: usize = 2 * TILE_ROWS * TILE_COLS * 16;
+
+/// `out[c * stride + r] = row r · column c` for `n_rows` f32 rows (`k` floats each, `k` a
+/// multiple of 32, `n_rows` a multiple of `TILE_ROWS`) laid out at `w` as `dequant_tile` writes
+/// them, and `n_cols` columns laid out at `x` as `super::pack_columns` writes them, in the
+/// canonical order: six rows by four columns at a time, one set of lanes at a time, so the 24
+/// sums of a set fill the registers, each vector loaded feeds four or six multiply-adds, and
+/// both operands are read in address order. `sums` is scratch.
 ///
 /// # Safety
-/// The CPU has AVX-512F/BW, FMA and F16C; `w` holds `n_rows * k` floats, each column `k`, and
-/// `out` is valid for the writes at `c * stride + r` (c < x.len(), r < n_rows).
+/// The CPU has AVX-512F/BW, FMA and F16C; `w` holds `n_rows * k` floats, `x`
+/// `n_cols.div_ceil(TILE_COLS) * TILE_COLS * k`, and `out` is valid for the writes at
+/// `c * stride + r` (c < n_cols, r < n_rows).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tiles(
     w: *const f32,
     k: usize,
     n_rows: usize,
-    x: &[&[f32]],
+    x: *const f32,
+    n_cols: usize,
     out: *mut f32,
     stride: usize,
     sums: &mut Vec<super::Line>,
 ) {
     let nb = k / 32;
     let parts = nb.div_ceil(TILE_PART);
-    // Each tile's running sums between parts: 6 rows × 2 columns × 2 sets of 16 lanes.
-    let pairs = x.len().div_ceil(2);
-    if parts > 1 {
-        sums.resize(n_rows / TILE_ROWS * pairs * 24, super::Line([0.0; 16]));
+    // Each tile's running sums, for a block of columns: the first set waits there for the
+    // second, and both between parts. (Grown only: a shorter resize then a longer one would
+    // zero the difference again.)
+    let groups = n_rows / TILE_ROWS;
+    let quads = TILE_COLUMNS / TILE_COLS;
+    if sums.len() < groups * quads * TILE_SUMS / 16 {
+        sums.resize(groups * quads * TILE_SUMS / 16, super::Line([0.0; 16]));
     }
     let acc = super::Line::floats_mut(sums).as_mut_ptr();
     // A block of columns at a time, and a part of each of them: the part and the block's sums
     // stay in L2 while every row passes.
-    for c0 in (0..x.len()).step_by(TILE_COLUMNS) {
-        let cols = c0..x.len().min(c0 + TILE_COLUMNS);
+    for c0 in (0..n_cols).step_by(TILE_COLUMNS) {
+        let cols = c0..n_cols.min(c0 + TILE_COLUMNS);
         for p in 0..parts {
             let chunks = p * TILE_PART..((p + 1) * TILE_PART).min(nb);
-            let (resume, suspend) = (p > 0, p + 1 < parts);
-            for r0 in (0..n_rows).step_by(TILE_ROWS) {
-                let rows: [*const f32; TILE_ROWS] = std::array::from_fn(|i| w.wrapping_add((r0 + i) * k));
-                for c in cols.clone().step_by(2) {
-                    let two: [*const f32; 2] = std::array::from_fn(|j| x.get(c + j).map_or(std::ptr::null(), |c| c.as_ptr()));
-                    let (sums, out) = (
-                        acc.wrapping_add((c0 / 2 * n_rows / TILE_ROWS + r0 / TILE_ROWS * cols.len().div_ceil(2) + (c - c0) / 2) * 384),
-                        out.wrapping_add(c * stride + r0),
-                    );
-                    // SAFETY: rows `r0..r0 + TILE_ROWS <= n_rows` and the tile's columns (up to
-                    // 2 from `c`, the ones it reads) hold the chunks `chunks` (below `nb`); the
-                    // tile's sums lie in `sums` when there are parts, and its outputs are the
-                    // caller's.
+            for g in 0..groups {
+                for c in cols.clone().step_by(TILE_COLS) {
+                    let q = c / TILE_COLS;
+                    let t = Tile {
+                        w: w.wrapping_add(g * TILE_ROWS * k),
+                        x: x.wrapping_add(q * TILE_COLS * k),
+                        nb,
+                        chunks: chunks.clone(),
+                        acc: acc.wrapping_add((g * quads + (c - c0) / TILE_COLS) * TILE_SUMS),
+                        resume: p > 0,
+                        last: p + 1 == parts,
+                        out: out.wrapping_add(c * stride + g * TILE_ROWS),
+                        stride,
+                    };
+                    // SAFETY: the tile's rows, columns (up to 4 from `c`, the ones it reads) and
+                    // chunks (below `nb`) are inside what the caller vouches for, its sums inside
+                    // `sums`, and its outputs are the caller's.
                     unsafe {
                         match cols.end - c {
-                            1 => tile::<1>(rows, two, chunks.clone(), sums, resume, suspend, out, stride),
-                            _ => tile::<2>(rows, two, chunks.clone(), sums, resume, suspend, out, stride),
+                            1 => t.run::<1>(),
+                            2 => t.run::<2>(),
+                            3 => t.run::<3>(),
+                            _ => t.run::<4>(),
                         }
                     }
                 }
@@ -500,72 +549,94 @@ pub(super) unsafe fn tiles(
     }
 }
 
-/// One tile of `tiles`: six rows by the first `N` (at most 2) columns of `x` over `chunks`, its
-/// sums kept at `acc` (row by row, column by column, the two sets of 16 lanes each) between
-/// parts: read first when `resume`, left there when `suspend`, otherwise reduced into
-/// `out[c * stride + r]`.
-///
-/// # Safety
-/// As for `tiles`, for these rows, columns and outputs; `acc` holds 384 floats when used.
+/// One tile of `tiles`: six rows by the first `N` (at most 4) columns of a group over `chunks`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-#[inline]
-unsafe fn tile<const N: usize>(
-    w: [*const f32; TILE_ROWS],
-    x: [*const f32; 2],
+struct Tile {
+    /// The group's rows and columns, as `tiles` reads them, each `nb` chunks long.
+    w: *const f32,
+    x: *const f32,
+    nb: usize,
     chunks: std::ops::Range<usize>,
+    /// The sums, set by set, row by row, column by column: read first when `resume`; the second
+    /// set's left there unless `last`, when both are reduced into `out[c * stride + r]`.
     acc: *mut f32,
     resume: bool,
-    suspend: bool,
+    last: bool,
     out: *mut f32,
     stride: usize,
-) {
-    let mut a = [[_mm512_setzero_ps(); 4]; TILE_ROWS];
-    if resume {
-        for r in 0..TILE_ROWS {
-            for j in 0..2 * N {
-                // SAFETY: sum `4 r + j` of the tile, inside the 384 floats the caller vouches for.
-                a[r][j] = unsafe { _mm512_loadu_ps(acc.add((4 * r + j) * 16)) };
-            }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tile {
+    /// # Safety
+    /// As for `tiles`, for these rows, columns and outputs; `acc` holds `TILE_SUMS` floats.
+    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+    #[inline]
+    unsafe fn run<const N: usize>(&self) {
+        // SAFETY: as the caller vouches.
+        unsafe {
+            self.set::<N>(0);
+            self.set::<N>(1);
         }
     }
-    for b in chunks {
-        for h in 0..2 {
-            let o = 32 * b + 16 * h;
-            // SAFETY: chunk `b` of each row and column is inside what the caller vouches for.
-            unsafe {
-                let xv: [__m512; N] = std::array::from_fn(|c| _mm512_loadu_ps(x[c].add(o)));
-                for r in 0..TILE_ROWS {
-                    let wv = _mm512_loadu_ps(w[r].add(o));
-                    for c in 0..N {
-                        a[r][2 * c + h] = _mm512_fmadd_ps(wv, xv[c], a[r][2 * c + h]);
-                    }
+
+    /// The set `h` (lanes from the first or second half of each chunk) of the tile's sums.
+    ///
+    /// # Safety
+    /// As for `run`.
+    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+    #[inline]
+    unsafe fn set<const N: usize>(&self, h: usize) {
+        let acc = self.acc.wrapping_add(h * TILE_SUMS / 2);
+        let mut a = [[_mm512_setzero_ps(); N]; TILE_ROWS];
+        if self.resume {
+            for r in 0..TILE_ROWS {
+                for c in 0..N {
+                    // SAFETY: sum `(r, c)` of set `h`, inside the floats the caller vouches for.
+                    a[r][c] = unsafe { _mm512_loadu_ps(acc.add((TILE_COLS * r + c) * 16)) };
                 }
             }
         }
-    }
-    if suspend {
-        for r in 0..TILE_ROWS {
-            for j in 0..2 * N {
-                // SAFETY: as for the loads above.
-                unsafe { _mm512_storeu_ps(acc.add((4 * r + j) * 16), a[r][j]) };
+        let at = h * self.nb + self.chunks.start;
+        let (mut w, mut x) = (self.w.wrapping_add(at * TILE_ROWS * 16), self.x.wrapping_add(at * TILE_COLS * 16));
+        for _ in self.chunks.clone() {
+            // SAFETY: this chunk's half of each row and column is inside what the caller vouches
+            // for.
+            unsafe {
+                let xv: [__m512; N] = std::array::from_fn(|c| _mm512_loadu_ps(x.add(16 * c)));
+                for r in 0..TILE_ROWS {
+                    let wv = _mm512_loadu_ps(w.add(16 * r));
+                    for c in 0..N {
+                        a[r][c] = _mm512_fmadd_ps(wv, xv[c], a[r][c]);
+                    }
+                }
             }
+            (w, x) = (w.wrapping_add(16 * TILE_ROWS), x.wrapping_add(16 * TILE_COLS));
         }
-        return;
-    }
-    for c in 0..N {
-        let row = |r: usize| _mm512_add_ps(a[r][2 * c], a[r][2 * c + 1]);
-        let first = reduce4([row(0), row(1), row(2), row(3)]);
-        let last = reduce4([row(4), row(5), row(4), row(5)]);
-        let mut tail = [0f32; 4];
-        // SAFETY: `tail` holds 4 floats.
-        unsafe { _mm_storeu_ps(tail.as_mut_ptr(), last) };
-        // SAFETY: `c < N`: outputs `c * stride + r` for r < 6, six of this tile's, adjacent.
-        unsafe {
-            _mm_storeu_ps(out.add(c * stride), first);
-            *out.add(c * stride + 4) = tail[0];
-            *out.add(c * stride + 5) = tail[1];
+        if h == 0 || !self.last {
+            for r in 0..TILE_ROWS {
+                for c in 0..N {
+                    // SAFETY: as for the loads above.
+                    unsafe { _mm512_storeu_ps(acc.add((TILE_COLS * r + c) * 16), a[r][c]) };
+                }
+            }
+            return;
+        }
+        let first = self.acc;
+        for c in 0..N {
+            // SAFETY: the first set's sum `(r, c)`, stored by `set(0)` above.
+            let row = |r: usize| _mm512_add_ps(unsafe { _mm512_loadu_ps(first.add((TILE_COLS * r + c) * 16)) }, a[r][c]);
+            let head = reduce4([row(0), row(1), row(2), row(3)]);
+            let tail = reduce4([row(4), row(5), row(4), row(5)]);
+            let mut t = [0f32; 4];
+            // SAFETY: `t` holds 4 floats.
+            unsafe { _mm_storeu_ps(t.as_mut_ptr(), tail) };
+            // SAFETY: `c < N`: outputs `c * stride + r` for r < 6, six of this tile's, adjacent.
+            unsafe {
+                _mm_storeu_ps(self.out.add(c * self.stride), head);
+                *self.out.add(c * self.stride + 4) = t[0];
+                *self.out.add(c * self.stride + 5) = t[1];
+            }
         }
     }
 }
@@ -608,6 +679,14 @@ pub(super) unsafe fn dequant<const T: u8>(p: *const u8, n_blocks: usize, out: *m
 /// # Safety
 /// Never called: elsewhere no `Isa` has the AVX-512 level.
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn tiles(_: *const f32, _: usize, _: usize, _: &[&[f32]], _: *mut f32, _: usize, _: &mut Vec<super::Line>) {
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tiles(_: *const f32, _: usize, _: usize, _: *const f32, _: usize, _: *mut f32, _: usize, _: &mut Vec<super::Line>) {
+    unreachable!("AVX-512 tiles off x86-64")
+}
+
+/// # Safety
+/// Never called: elsewhere no `Isa` has the AVX-512 level.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn dequant_tile<const T: u8>(_: *const u8, _: usize, _: usize, _: *mut f32) {
     unreachable!("AVX-512 tiles off x86-64")
 }

@@ -206,7 +206,8 @@ const ROW_GROUP: usize = 16;
 /// # Safety
 /// `out` is valid for writes at every such index, and nothing else accesses those elements
 /// during the call (other threads may write other rows of the same buffer).
-pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
+pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, cols: &Columns, out: *mut f32, stride: usize) {
+    let xs = &cols.xs[..];
     let (ty, per) = (w.ty, w.ty.block_chunks());
     let nb = k / 32;
     assert!(ty.plain() || k.is_multiple_of(32 * per), "{k} elements are not whole {ty:?} blocks");
@@ -221,15 +222,27 @@ pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut
     // F32 rows are already what a panel holds; F16/BF16 rows of whole chunks convert as blocks do.
     if ty != FastType::F32 && k.is_multiple_of(32) && xs.len() >= PANEL_COLS {
         // SAFETY: as the caller vouches, with the reads kept in bounds by the asserts above.
-        unsafe { panels(isa, w, n_blocks, k, xs, out, stride) };
+        unsafe { panels(isa, w, n_blocks, k, cols, out, stride) };
         return;
     }
+    // SAFETY: as the caller vouches, with the reads kept in bounds by the asserts above.
+    unsafe { direct(isa, w, k, row_len, xs, out, stride) };
+}
+
+/// `gemv` by the kernels that read the rows' blocks directly, up to 8 columns at a time; `row_len`
+/// is the bytes of a row's `k` elements.
+///
+/// # Safety
+/// As for `gemv`, and each row and column holds its `k` elements.
+unsafe fn direct(isa: Isa, w: &Rows, k: usize, row_len: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
+    let (ty, nb) = (w.ty, k / 32);
+    let n_blocks = nb / ty.block_chunks();
     let mut c0 = 0;
     while c0 < xs.len() {
         let g = group(xs.len() - c0);
         let cols = &xs[c0..c0 + g];
-        // SAFETY: the asserts above keep every read in bounds (each of the `n_rows` rows holds
-        // `n_blocks` whole blocks, each column `32 * nb` floats); the outputs of columns
+        // SAFETY: each of the rows holds `n_blocks` whole blocks and each column `32 * nb`
+        // floats, as the caller vouches; the outputs of columns
         // `c0..c0 + g` are among those the caller vouches for, starting at `out + c0 * stride`.
         unsafe {
             match g {
@@ -242,7 +255,7 @@ pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut
         c0 += g;
     }
     // Plain rows whose length is not a multiple of 32 finish sequentially.
-    for r in (0..n_rows).filter(|_| nb * 32 < k) {
+    for r in (0..w.n_rows).filter(|_| nb * 32 < k) {
         let row = &w.bytes[r * w.row_bytes..r * w.row_bytes + row_len];
         for (c, x) in xs.iter().enumerate() {
             for j in nb * 32..k {
@@ -260,63 +273,122 @@ pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, xs: &[&[f32]], out: *mut
 /// Columns from which dequantizing a few rows to f32 once, then multiplying every column group by
 /// those plain rows, beats dequantizing the rows again for each group of 8 columns.
 const PANEL_COLS: usize = 16;
-/// Rows dequantized at a time (a multiple of the AVX-512 tile's rows): their f32 copy stays in
-/// L2 while every column group passes.
+/// Bytes of f32 rows dequantized at a time: the panel stays in L2 beside a block of columns while
+/// they pass (about a quarter of it: more measured slower for long rows).
+const PANEL_BYTES: usize = 256 * 1024;
+/// At most this many rows a panel, for short rows.
 const PANEL_ROWS: usize = 48;
 /// Bytes of activations a panel is multiplied by at a time.
 const COLUMN_BYTES: usize = 1 << 20;
 
-/// `gemv` for many columns over block (or half-precision) rows: `PANEL_ROWS` rows at a time, dequantized to f32 and
-/// multiplied as plain rows. The weights are the same exact values and every row and column
+/// `gemv` for many columns over block (or half-precision) rows: a panel of rows at a time,
+/// dequantized to f32 and multiplied as plain rows. The weights are the same exact values and every row and column
 /// accumulates in the canonical order, so the results are those of the direct kernels.
 ///
 /// # Safety
 /// Each row of `w` holds `n_blocks` whole blocks (`k` elements), each column `k` floats, and
 /// `out` is valid for the writes at `c * stride + r` (c < xs.len(), r < w.n_rows), which nothing
 /// else accesses meanwhile.
-unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, xs: &[&[f32]], out: *mut f32, stride: usize) {
+unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, cols: &Columns, out: *mut f32, stride: usize) {
+    let xs = &cols.xs[..];
     // Columns a panel meets at a time: about 1 MiB of them, so they stay in L2 beside the panel
-    // while it passes, at the cost of dequantizing each panel once per block of columns.
-    let block = (COLUMN_BYTES / (4 * k)).max(3) / 3 * 3;
+    // while it passes, at the cost of dequantizing each panel once per block of columns. (Whole
+    // groups of a tile's columns, so a block starts at a group of the packed columns.)
+    let block = (COLUMN_BYTES / (4 * k)).max(avx512::TILE_COLS) / avx512::TILE_COLS * avx512::TILE_COLS;
     // A few columns past the block are cheaper taken along than paid for with a second
     // dequantization of every panel (128 prompt rows of 2048 would otherwise split 126 + 2).
     let block = if xs.len() <= block + block / 4 { xs.len() } else { block };
+    let tiled = isa.level() == Level::Avx512;
+    // Whole tiles of rows.
+    let panel_rows = (PANEL_BYTES / (4 * k) / avx512::TILE_ROWS * avx512::TILE_ROWS).clamp(avx512::TILE_ROWS, PANEL_ROWS);
+    // The tiles read the columns' packed copy (see `Columns::new`), which must be whole.
+    assert!(!tiled || cols.tiled.len() == xs.len().div_ceil(avx512::TILE_COLS) * avx512::TILE_COLS * k / 16);
     SCRATCH.with_borrow_mut(|[lines, sums]| {
-        lines.resize(PANEL_ROWS * k / 16, Line([0.0; 16]));
+        // Grown only: a shorter resize then a longer one would zero the difference again.
+        if lines.len() < panel_rows * k / 16 {
+            lines.resize(panel_rows * k / 16, Line([0.0; 16]));
+        }
         for c0 in (0..xs.len()).step_by(block) {
             let xs = &xs[c0..xs.len().min(c0 + block)];
-            for r0 in (0..w.n_rows).step_by(PANEL_ROWS) {
-                let n_rows = PANEL_ROWS.min(w.n_rows - r0);
-                let panel = Line::floats_mut(lines);
-                for r in 0..n_rows {
+            for r0 in (0..w.n_rows).step_by(panel_rows) {
+                let n_rows = panel_rows.min(w.n_rows - r0);
+                // AVX-512 takes the rows a tile at a time, laid out for it; the rest go as plain rows.
+                let in_tiles = if tiled { n_rows / avx512::TILE_ROWS * avx512::TILE_ROWS } else { 0 };
+                let panel = Line::floats_mut(lines).as_mut_ptr();
+                for r in (0..in_tiles).step_by(avx512::TILE_ROWS) {
+                    // SAFETY: rows `r0 + r..` of `w` hold `n_blocks` blocks each, and the panel
+                    // `TILE_ROWS * k` floats from row `r`'s place on.
+                    unsafe { dequant_tile(w.ty, w.bytes.as_ptr().add((r0 + r) * w.row_bytes), w.row_bytes, n_blocks, panel.add(r * k)) };
+                }
+                for r in in_tiles..n_rows {
                     // SAFETY: row `r0 + r` of `w` holds `n_blocks` blocks, and row `r` of the
                     // panel `k` floats, their elements.
-                    unsafe { dequant(isa, w.ty, w.bytes.as_ptr().add((r0 + r) * w.row_bytes), n_blocks, panel[r * k..].as_mut_ptr()) };
+                    unsafe { dequant(isa, w.ty, w.bytes.as_ptr().add((r0 + r) * w.row_bytes), n_blocks, panel.add(r * k)) };
                 }
                 let out = out.wrapping_add(c0 * stride + r0);
-                // AVX-512 takes the rows a tile at a time; the rest go as plain rows.
-                let quads = if isa.level() == Level::Avx512 { n_rows / avx512::TILE_ROWS * avx512::TILE_ROWS } else { 0 };
-                let bytes = &Line::bytes(lines)[quads * 4 * k..n_rows * 4 * k];
-                let plain = Rows { ty: FastType::F32, bytes, row_bytes: 4 * k, n_rows: n_rows - quads };
-                // SAFETY: the panel holds `n_rows` rows of `k` floats (`k` a multiple of 32), each
-                // column `k` floats, and these are outputs of rows `r0..r0 + n_rows` and columns
-                // `c0..`, which the caller vouches for; the instruction set is present, as `isa`
-                // says.
+                let bytes = &Line::bytes(lines)[in_tiles * 4 * k..n_rows * 4 * k];
+                let plain = Rows { ty: FastType::F32, bytes, row_bytes: 4 * k, n_rows: n_rows - in_tiles };
+                // SAFETY: the panel holds `n_rows` rows of `k` floats (`k` a multiple of 32), the
+                // packed columns `xs.len()` columns of `k`, and these are outputs of rows
+                // `r0..r0 + n_rows` and columns `c0..`, which the caller vouches for; the
+                // instruction set is present, as `isa` says.
                 unsafe {
-                    if quads > 0 {
-                        avx512::tiles(Line::floats(lines).as_ptr(), k, quads, xs, out, stride, sums);
+                    if in_tiles > 0 {
+                        avx512::tiles(panel, k, in_tiles, Line::floats(&cols.tiled[c0 * k / 16..]).as_ptr(), xs.len(), out, stride, sums);
                     }
-                    gemv(isa, &plain, k, xs, out.add(quads), stride);
+                    direct(isa, &plain, k, 4 * k, xs, out.add(in_tiles), stride);
                 }
             }
         }
     })
 }
 
+/// The columns `xs` (`k` floats each, `k` a multiple of 32) laid out as the AVX-512 tiles read
+/// them: four columns at a time (the last group padded with zeros), set by set (the first
+/// halves of the chunks, then the second halves), chunk by chunk, the four columns' 16 floats
+/// side by side.
+fn pack_columns(xs: &[&[f32]], k: usize, mut packed: Vec<Line>) -> Vec<Line> {
+    let (nb, cols) = (k / 32, avx512::TILE_COLS);
+    packed.clear();
+    packed.resize(xs.len().div_ceil(cols) * cols * k / 16, Line([0.0; 16]));
+    for (c, x) in xs.iter().enumerate() {
+        let group = &mut packed[c / cols * cols * k / 16..][..cols * k / 16];
+        for (i, half) in x[..k].chunks_exact(16).enumerate() {
+            let (b, h) = (i / 2, i % 2);
+            group[(h * nb + b) * cols + c % cols].0.copy_from_slice(half);
+        }
+    }
+    packed
+}
+
+/// The columns of a product (each at least `k` floats), and, where the AVX-512 tiles will read
+/// them, their copy laid out for the tiles: made once for every thread's share of the rows.
+pub(crate) struct Columns<'a> {
+    pub xs: Vec<&'a [f32]>,
+    tiled: Vec<Line>,
+}
+
+impl<'a> Columns<'a> {
+    pub(crate) fn new(isa: Isa, xs: Vec<&'a [f32]>, k: usize) -> Columns<'a> {
+        let tiles = isa.level() == Level::Avx512 && k.is_multiple_of(32) && xs.len() >= PANEL_COLS;
+        let tiled = if tiles { pack_columns(&xs, k, PACKED.take()) } else { Vec::new() };
+        Columns { xs, tiled }
+    }
+}
+
+impl Drop for Columns<'_> {
+    fn drop(&mut self) {
+        PACKED.set(std::mem::take(&mut self.tiled));
+    }
+}
+
 thread_local! {
     /// Each thread's panel and tile sums, kept between calls: fresh buffers this size would be
     /// mapped, faulted in and zeroed on every call.
     static SCRATCH: std::cell::RefCell<[Vec<Line>; 2]> = const { std::cell::RefCell::new([Vec::new(), Vec::new()]) };
+    /// The buffer of the thread's last packed columns, for its next: a fresh one would be
+    /// mapped and faulted in for every product.
+    static PACKED: std::cell::Cell<Vec<Line>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// The widest group (8, 4, 2 or 1 columns) that `n` remaining columns fill.
@@ -393,6 +465,16 @@ unsafe fn kernel<const N: usize>(isa: Isa, p: &Part<N>) {
             Level::Scalar => scalar::gemv::<N, T>(p),
         })
     }
+}
+
+/// Dequantizes `avx512::TILE_ROWS` rows of type `ty`, `row_bytes` apart from `p` and `n_blocks`
+/// blocks each, into `out` as the AVX-512 tiles read them.
+///
+/// # Safety
+/// The CPU has AVX-512; `p` is valid for reading the rows and `out` for writing their elements.
+unsafe fn dequant_tile(ty: FastType, p: *const u8, row_bytes: usize, n_blocks: usize, out: *mut f32) {
+    // SAFETY: as the caller vouches.
+    unsafe { by_type!(ty, T => avx512::dequant_tile::<T>(p, row_bytes, n_blocks, out)) }
 }
 
 /// Dequantizes the `n_blocks` blocks of type `ty` at `p` into `out`, exactly.

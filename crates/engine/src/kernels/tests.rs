@@ -65,14 +65,13 @@ const TYPES: [GgmlType; 13] = [
     GgmlType::Q6_K,
 ];
 
-/// `xs.len()` columns against `n` copies of `row`.
-fn products(isa: Isa, ty: FastType, row: &[u8], n: usize, k: usize, xs: &[&[f32]]) -> Vec<f32> {
-    let all_rows = row.repeat(n);
-    let rows = Rows { ty, bytes: &all_rows, row_bytes: row.len(), n_rows: n };
+/// `xs.len()` columns against the `n` rows of `all_rows`, column by column.
+fn products(isa: Isa, ty: FastType, all_rows: &[u8], n: usize, k: usize, xs: &[&[f32]]) -> Vec<f32> {
+    let rows = Rows { ty, bytes: all_rows, row_bytes: all_rows.len() / n, n_rows: n };
     let mut out = vec![0f32; xs.len() * n];
     // SAFETY: outputs `c * n + r` for c < xs.len() and r < n, all inside `out`, which nothing
     // else touches meanwhile.
-    unsafe { gemv(isa, &rows, k, xs, out.as_mut_ptr(), n) };
+    unsafe { gemv(isa, &rows, k, &Columns::new(isa, xs.to_vec(), k), out.as_mut_ptr(), n) };
     out
 }
 
@@ -92,37 +91,42 @@ fn types_are_numbered_by_their_place() {
 #[test]
 fn every_isa_and_every_batch_width_gives_identical_bits_close_to_exact() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
+    // More rows than a group of rows or a panel holds (see `ROW_GROUP` and `PANEL_ROWS`), and not
+    // a whole number of tiles.
+    let n = PANEL_ROWS + 7;
     for ty in TYPES {
         let fast = FastType::of(ty).unwrap();
         // Lengths past one part of a row, for every column group (see `PART_BYTES`), too.
         for k in [256usize, 512, 1536, 8192] {
             // Plain rows also exercise the tail (and, whole, the panels).
             let k = if fast.plain() && k == 1536 { k + 7 } else { k };
-            let row = random_row(&mut rng, ty, k);
-            let mut w = vec![0f32; k];
-            dgr_gguf::quant::dequantize_row(ty, &row, &mut w).unwrap();
+            let rows: Vec<Vec<u8>> = (0..n).map(|_| random_row(&mut rng, ty, k)).collect();
             let cols: Vec<Vec<f32>> = (0..19).map(|_| (0..k).map(|_| rng.f32()).collect()).collect();
             let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
-            let mut alone = vec![0f32; xs.len()];
-            for (c, x) in xs.iter().enumerate() {
-                alone[c] = products(Isa::SCALAR, fast, &row, 1, k, &[x])[0];
-                let exact: f64 = w.iter().zip(x.iter()).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let mag: f64 = w.iter().zip(x.iter()).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
-                assert!((alone[c] as f64 - exact).abs() <= 1e-6 * mag + 1e-30, "{ty:?} k={k}: {} vs {exact}", alone[c]);
+            // Each product alone, by the scalar kernel: `alone[c * n + r]`.
+            let mut alone = vec![0f32; xs.len() * n];
+            for (r, row) in rows.iter().enumerate() {
+                let mut w = vec![0f32; k];
+                dgr_gguf::quant::dequantize_row(ty, row, &mut w).unwrap();
+                for (c, x) in xs.iter().enumerate() {
+                    let v = products(Isa::SCALAR, fast, row, 1, k, &[x])[0];
+                    let exact: f64 = w.iter().zip(x.iter()).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let mag: f64 = w.iter().zip(x.iter()).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                    assert!((v as f64 - exact).abs() <= 1e-6 * mag + 1e-30, "{ty:?} k={k}: {v} vs {exact}");
+                    alone[c * n + r] = v;
+                }
+                // The weights the kernels dequantize are ggml's, bit for bit: the same products
+                // over the reference's f32 row come out the same.
+                let plain: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let via_f32 = products(Isa::SCALAR, FastType::F32, &plain, 1, k, &xs);
+                let want: Vec<f32> = (0..xs.len()).map(|c| alone[c * n + r]).collect();
+                assert_eq!(bits(&via_f32), bits(&want), "{ty:?} k={k}: dequantization differs from the reference");
             }
-            // The weights the kernels dequantize are ggml's, bit for bit: the same products over
-            // the reference's f32 row come out the same.
-            let plain: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let via_f32 = products(Isa::SCALAR, FastType::F32, &plain, 1, k, &xs);
-            assert_eq!(bits(&via_f32), bits(&alone), "{ty:?} k={k}: dequantization differs from the reference");
+            let all_rows = rows.concat();
             for isa in Isa::available() {
                 for width in [1, 2, 3, 4, 7, 8, 11, 16, 17, 19] {
-                    // Copies of the row, so every output row must come out the same; more than
-                    // a group of rows (see `ROW_GROUP` and `PANEL_ROWS`).
-                    let n = 18;
-                    let out = products(isa, fast, &row, n, k, &xs[..width]);
-                    let want: Vec<f32> = (0..width * n).map(|i| alone[i / n]).collect();
-                    assert_eq!(bits(&out), bits(&want), "{ty:?} {isa:?} k={k} width={width}");
+                    let out = products(isa, fast, &all_rows, n, k, &xs[..width]);
+                    assert_eq!(bits(&out), bits(&alone[..width * n]), "{ty:?} {isa:?} k={k} width={width}");
                 }
             }
         }
