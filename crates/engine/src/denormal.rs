@@ -63,18 +63,44 @@ impl Drop for FlushSubnormals {
 mod tests {
     use super::*;
 
+    /// `a * b`, computed where it is written: black boxes around the operands and the result
+    /// keep the compiler from moving the multiply across a change of mode.
+    fn product(a: f32, b: f32) -> f32 {
+        std::hint::black_box(std::hint::black_box(a) * std::hint::black_box(b))
+    }
+
     #[test]
     fn subnormal_products_flush_inside_the_guard_only() {
-        let tiny = std::hint::black_box(1e-30f32);
-        let before = tiny * tiny;
+        // 1e-40: a subnormal.
+        let before = product(1e-20, 1e-20);
+        assert!(before > 0.0 && before < f32::MIN_POSITIVE);
         {
             let _on = FlushSubnormals::on();
-            let inside = std::hint::black_box(tiny) * std::hint::black_box(tiny);
             #[cfg(target_arch = "x86_64")]
-            assert_eq!(inside, 0.0);
-            let _ = inside;
+            assert_eq!(product(1e-20, 1e-20), 0.0);
         }
-        let after = std::hint::black_box(tiny) * std::hint::black_box(tiny);
-        assert_eq!(before.to_bits(), after.to_bits());
+        assert_eq!(product(1e-20, 1e-20).to_bits(), before.to_bits());
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_thread_of_a_forward_flushes() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let pool = crate::pool::ThreadPool::new(3);
+        let _on = FlushSubnormals::on();
+        let flushed = AtomicUsize::new(0);
+        // Items one at a time, each taking a while, so the workers wake and take some.
+        pool.run(300, 1, &|items| {
+            for _ in items {
+                let t = std::time::Instant::now();
+                while t.elapsed() < std::time::Duration::from_micros(50) {
+                    std::hint::spin_loop();
+                }
+                if product(1e-20, 1e-20) == 0.0 {
+                    flushed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        assert_eq!(flushed.load(Ordering::Relaxed), 300);
     }
 }
