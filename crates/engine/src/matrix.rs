@@ -71,10 +71,7 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize,
         assert!(p.w.k == k && x.len() >= n * k && p.out.len() >= n * p.w.rows);
     }
     let mut lines = ALIGNED.take();
-    let (x, stride) = match aligned(x, n, k, &mut lines) {
-        true => (Line::floats(&lines), k.next_multiple_of(16)),
-        false => (x, k),
-    };
+    let (x, stride) = if aligned(x, n, k, &mut lines) { (Line::floats(&lines), k.next_multiple_of(16)) } else { (x, k) };
     let cols = Columns::new(isa, (0..n).map(|c| &x[c * stride..][..k]).collect(), k);
     let mut jobs: [Option<(&Matrix, Disjoint)>; 3] = [None, None, None];
     for (j, p) in jobs.iter_mut().zip(products.iter_mut()) {

@@ -462,8 +462,6 @@ impl Stage {
         Ok(outputs)
     }
 
-    /// Adds a block's output `o` to the residual stream `x`, normed by `norm` first when the
-    /// model has one there (gemma3; `scratch` takes the normed rows).
     /// `gate = act(gate) * up`, row by row, spread over the pool (GELU's tanh is dear).
     fn activate(&self, gate: &mut [f32], up: &[f32]) {
         let ffn = self.cfg.ffn;
@@ -481,6 +479,8 @@ impl Stage {
         });
     }
 
+    /// Adds a block's output `o` to the residual stream `x`, normed by `norm` first when the
+    /// model has one there (gemma3; `scratch` takes the normed rows).
     fn residual(&self, x: &mut [f32], o: &[f32], norm: Option<&[f32]>, scratch: &mut [f32]) {
         let Some(w) = norm else { return add(x, o) };
         let h = self.cfg.hidden;

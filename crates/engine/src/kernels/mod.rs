@@ -14,7 +14,8 @@
 //! computed beside it, on which thread computes it, or on how the work is cut: up to 8 columns
 //! at a time against blocks dequantized on the fly, the row split into parts whose running sums
 //! wait in memory, or, for many columns, rows dequantized to f32 once and multiplied six rows by
-//! two columns at a time (AVX-512). Each shape performs the same operations on each lane.
+//! four columns at a time, one set of lanes after the other (AVX-512). Each shape performs the
+//! same operations on each lane.
 
 // The kernels index accumulators, columns and outputs by the same column number.
 #![allow(clippy::needless_range_loop)]
@@ -242,8 +243,8 @@ unsafe fn direct(isa: Isa, w: &Rows, k: usize, row_len: usize, xs: &[&[f32]], ou
         let g = group(xs.len() - c0);
         let cols = &xs[c0..c0 + g];
         // SAFETY: each of the rows holds `n_blocks` whole blocks and each column `32 * nb`
-        // floats, as the caller vouches; the outputs of columns
-        // `c0..c0 + g` are among those the caller vouches for, starting at `out + c0 * stride`.
+        // floats, as the caller vouches; the outputs of columns `c0..c0 + g` are among those the
+        // caller vouches for, starting at `out + c0 * stride`.
         unsafe {
             match g {
                 8 => columns::<8>(isa, w, n_blocks, cols, out.add(c0 * stride), stride),
@@ -282,8 +283,9 @@ const PANEL_ROWS: usize = 48;
 const COLUMN_BYTES: usize = 1 << 20;
 
 /// `gemv` for many columns over block (or half-precision) rows: a panel of rows at a time,
-/// dequantized to f32 and multiplied as plain rows. The weights are the same exact values and every row and column
-/// accumulates in the canonical order, so the results are those of the direct kernels.
+/// dequantized to f32 and multiplied as plain rows. The weights are the same exact values and
+/// every row and column accumulates in the canonical order, so the results are those of the
+/// direct kernels.
 ///
 /// # Safety
 /// Each row of `w` holds `n_blocks` whole blocks (`k` elements), each column `k` floats, and
