@@ -102,8 +102,7 @@ fn aligned(x: &[f32], n: usize, k: usize, lines: &mut Vec<Line>) -> bool {
         return false;
     }
     let stride = k.next_multiple_of(16);
-    lines.clear();
-    lines.resize(n * stride / 16, Line([0.0; 16]));
+    kernels::grow(lines, n * stride / 16);
     for (dst, col) in Line::floats_mut(lines).chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
         dst[..k].copy_from_slice(col);
     }

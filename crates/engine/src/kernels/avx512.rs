@@ -504,13 +504,10 @@ pub(super) unsafe fn tiles(
     let nb = k / 32;
     let parts = nb.div_ceil(TILE_PART);
     // Each tile's running sums, for a block of columns: the first set waits there for the
-    // second, and both between parts. (Grown only: a shorter resize then a longer one would
-    // zero the difference again.)
+    // second, and both between parts.
     let groups = n_rows / TILE_ROWS;
     let quads = TILE_COLUMNS / TILE_COLS;
-    if sums.len() < groups * quads * TILE_SUMS / 16 {
-        sums.resize(groups * quads * TILE_SUMS / 16, super::Line([0.0; 16]));
-    }
+    super::grow(sums, groups * quads * TILE_SUMS / 16);
     let acc = super::Line::floats_mut(sums).as_mut_ptr();
     // A block of columns at a time, and a part of each of them: the part and the block's sums
     // stay in L2 while every row passes.

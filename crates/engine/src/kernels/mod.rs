@@ -304,12 +304,9 @@ unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, cols: &Columns, 
     // Whole tiles of rows.
     let panel_rows = (PANEL_BYTES / (4 * k) / avx512::TILE_ROWS * avx512::TILE_ROWS).clamp(avx512::TILE_ROWS, PANEL_ROWS);
     // The tiles read the columns' packed copy (see `Columns::new`), which must be whole.
-    assert!(!tiled || cols.tiled.len() == xs.len().div_ceil(avx512::TILE_COLS) * avx512::TILE_COLS * k / 16);
+    assert!(!tiled || cols.tiled.len() >= xs.len().div_ceil(avx512::TILE_COLS) * avx512::TILE_COLS * k / 16);
     SCRATCH.with_borrow_mut(|[lines, sums]| {
-        // Grown only: a shorter resize then a longer one would zero the difference again.
-        if lines.len() < panel_rows * k / 16 {
-            lines.resize(panel_rows * k / 16, Line([0.0; 16]));
-        }
+        grow(lines, panel_rows * k / 16);
         for c0 in (0..xs.len()).step_by(block) {
             let xs = &xs[c0..xs.len().min(c0 + block)];
             for r0 in (0..w.n_rows).step_by(panel_rows) {
@@ -346,13 +343,12 @@ unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, cols: &Columns, 
 }
 
 /// The columns `xs` (`k` floats each, `k` a multiple of 32) laid out as the AVX-512 tiles read
-/// them: four columns at a time (the last group padded with zeros), set by set (the first
-/// halves of the chunks, then the second halves), chunk by chunk, the four columns' 16 floats
-/// side by side.
+/// them: four columns at a time (the last group's missing columns left as they were: a tile
+/// reads only the columns it has), set by set (the first halves of the chunks, then the second
+/// halves), chunk by chunk, the four columns' 16 floats side by side.
 fn pack_columns(xs: &[&[f32]], k: usize, mut packed: Vec<Line>) -> Vec<Line> {
     let (nb, cols) = (k / 32, avx512::TILE_COLS);
-    packed.clear();
-    packed.resize(xs.len().div_ceil(cols) * cols * k / 16, Line([0.0; 16]));
+    grow(&mut packed, xs.len().div_ceil(cols) * cols * k / 16);
     for (c, x) in xs.iter().enumerate() {
         let group = &mut packed[c / cols * cols * k / 16..][..cols * k / 16];
         for (i, half) in x[..k].chunks_exact(16).enumerate() {
@@ -361,6 +357,15 @@ fn pack_columns(xs: &[&[f32]], k: usize, mut packed: Vec<Line>) -> Vec<Line> {
         }
     }
     packed
+}
+
+/// Makes `v` at least `len` long, zeroing only what it never held: a scratch buffer reused for
+/// products of every size would otherwise be zeroed, megabytes at a time, before being
+/// overwritten.
+pub(crate) fn grow(v: &mut Vec<Line>, len: usize) {
+    if v.len() < len {
+        v.resize(len, Line([0.0; 16]));
+    }
 }
 
 /// The columns of a product (each at least `k` floats), and, where the AVX-512 tiles will read
