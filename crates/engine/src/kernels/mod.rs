@@ -385,7 +385,10 @@ impl<'a> Columns<'a> {
 
 impl Drop for Columns<'_> {
     fn drop(&mut self) {
-        PACKED.set(std::mem::take(&mut self.tiled));
+        // Columns that were not packed took no buffer, and must not drop the one kept.
+        if self.tiled.capacity() > 0 {
+            PACKED.set(std::mem::take(&mut self.tiled));
+        }
     }
 }
 
