@@ -144,7 +144,7 @@ impl V16 {
 unsafe fn f16x1(p: *const u8) -> __m256 {
     // SAFETY: the caller vouches for 2 readable bytes; the read is unaligned.
     let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
-    _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    _mm256_set1_ps(at::F16_TO_F32[bits as usize])
 }
 
 /// The two f16 values at `p`, widened and broadcast.
@@ -155,10 +155,8 @@ unsafe fn f16x1(p: *const u8) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn f16x2(p: *const u8) -> (__m256, __m256) {
-    // SAFETY: the caller vouches for 4 readable bytes; the read is unaligned.
-    let bits = unsafe { std::ptr::read_unaligned(p as *const i32) };
-    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-    (_mm256_broadcastss_ps(dm), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)))
+    // SAFETY: as the caller vouches.
+    unsafe { (f16x1(p), f16x1(p.add(2))) }
 }
 
 /// `-v`, as a sign flip (so a zero's sign flips too, as the scalar kernel's does).

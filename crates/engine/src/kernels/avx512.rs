@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 unsafe fn f16x1(p: *const u8) -> __m512 {
     // SAFETY: the caller vouches for 2 readable bytes; the read is unaligned.
     let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
-    _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    _mm512_set1_ps(at::F16_TO_F32[bits as usize])
 }
 
 /// The two f16 values at `p`, widened and broadcast.
@@ -29,10 +29,8 @@ unsafe fn f16x1(p: *const u8) -> __m512 {
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 #[inline]
 unsafe fn f16x2(p: *const u8) -> (__m512, __m512) {
-    // SAFETY: the caller vouches for 4 readable bytes; the read is unaligned.
-    let bits = unsafe { std::ptr::read_unaligned(p as *const i32) };
-    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-    (_mm512_broadcastss_ps(dm), _mm512_broadcastss_ps(_mm_movehdup_ps(dm)))
+    // SAFETY: as the caller vouches.
+    unsafe { (f16x1(p), f16x1(p.add(2))) }
 }
 
 /// Sixteen bytes at `p`, widened to i32 lanes (unsigned).
@@ -285,32 +283,11 @@ unsafe fn legacy(ty: FastType, p: *const u8, d: __m512, m: __m512) -> (__m512, _
     }
 }
 
-/// The f16 pairs at the start of `n` (at most 16) blocks `bb` bytes apart from `p`, widened:
-/// the legacy types' scales (and minimums, or whatever follows the scale), gathered and
-/// converted for 16 blocks at once rather than one by one.
-///
-/// # Safety
-/// The CPU has AVX-512F/BW, FMA and F16C; `p + i * bb` is valid for reading 4 bytes, i < n.
+/// How far ahead of the current block to prefetch weights, in bytes: far enough that rows
+/// streaming from L3 arrive in time (a model's layers outgrow L2; 1 KiB ahead left decode 20%
+/// slower there, and no faster in L2).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-#[inline]
-unsafe fn scales16(p: *const u8, bb: usize, n: usize) -> ([f32; 16], [f32; 16]) {
-    let at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), splat(bb as i32));
-    let lanes = ((1u32 << n) - 1) as u16;
-    // SAFETY: the masked gather reads 4 bytes at `p + i * bb` for each i < n, as vouched for.
-    let pairs = unsafe { _mm512_mask_i32gather_epi32::<1>(splat(0), lanes, at, p as *const i32) };
-    let (mut d, mut m) = ([0f32; 16], [0f32; 16]);
-    // SAFETY: each store writes 16 floats, unaligned, into a 16-float array.
-    unsafe {
-        _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs)));
-        _mm512_storeu_ps(m.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(pairs))));
-    }
-    (d, m)
-}
-
-/// How far ahead of the current block to prefetch weights, in bytes.
-#[cfg(target_arch = "x86_64")]
-pub(super) const PREFETCH: usize = 1024;
+pub(super) const PREFETCH: usize = 4096;
 
 /// The kernel for type number `T` (`p.ty`, specialized so each block's dequantization is inlined).
 ///
@@ -322,88 +299,125 @@ pub(super) const PREFETCH: usize = 1024;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 pub(super) unsafe fn gemv<const N: usize, const T: u8>(p: &Part<N>) {
-    let ty = FastType::ALL[T as usize];
-    let (bb, per) = (ty.block_bytes(), ty.block_chunks());
     // Each row's sums (the two sets added), reduced four rows at a time.
     let mut pending = [[_mm512_setzero_ps(); 4]; N];
-    for r in 0..p.n_rows {
-        let row = p.w.wrapping_add(r * p.row_bytes);
-        let acc = p.acc.wrapping_add(r * N * 32);
-        let (mut lo_acc, mut hi_acc) = ([_mm512_setzero_ps(); N], [_mm512_setzero_ps(); N]);
-        if p.resume {
-            for c in 0..N {
-                // SAFETY: the caller gave room for row `r`'s sums, `N * 32` floats at `acc`.
-                unsafe { (lo_acc[c], hi_acc[c]) = (_mm512_loadu_ps(acc.add(c * 32)), _mm512_loadu_ps(acc.add(c * 32 + 16))) };
+    let mut r = 0;
+    while r < p.n_rows {
+        // Four rows of the legacy 4- and 5-bit types side by side (where their sums fit in
+        // registers): each lane's sum is one chain of multiply-adds in a fixed order, and a row
+        // alone, with these types' few instructions a block, waits on the latency of each.
+        let four = N <= 2
+            && p.n_rows - r >= 4
+            && matches!(FastType::ALL[T as usize], FastType::Q4_0 | FastType::Q4_1 | FastType::Q5_0 | FastType::Q5_1);
+        // SAFETY: the rows passed are below `n_rows`; the rest as the caller vouches.
+        r += unsafe {
+            if four {
+                rows::<N, T, 4>(p, r, &mut pending)
+            } else {
+                rows::<N, T, 1>(p, r, &mut pending)
             }
+        };
+    }
+}
+
+/// Rows `r..r + R` multiplied by the columns, block by block, each row's chunks in order;
+/// returns `R`.
+///
+/// # Safety
+/// As for `gemv`, and `r + R <= p.n_rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+unsafe fn rows<const N: usize, const T: u8, const R: usize>(p: &Part<N>, r: usize, pending: &mut [[__m512; 4]; N]) -> usize {
+    let ty = FastType::ALL[T as usize];
+    let (bb, per) = (ty.block_bytes(), ty.block_chunks());
+    let row: [*const u8; R] = std::array::from_fn(|i| p.w.wrapping_add((r + i) * p.row_bytes));
+    let mut sums: [([__m512; N], [__m512; N]); R] = std::array::from_fn(|i| start(p, r + i));
+    for b in p.blocks.clone() {
+        for (row, (lo_acc, hi_acc)) in row.iter().zip(&mut sums) {
+            let blk = row.wrapping_add(b * bb);
+            prefetch(blk, bb);
+            let mut xo = b * per * 32;
+            let mut chunk = |lo, hi| {
+                for c in 0..N {
+                    // SAFETY: chunk `xo / 32` is inside `blocks`, so its 32 floats are inside
+                    // each column, as the caller vouches.
+                    let xb = unsafe { p.x[c].add(xo) };
+                    // SAFETY: as above.
+                    unsafe {
+                        lo_acc[c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), lo_acc[c]);
+                        hi_acc[c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), hi_acc[c]);
+                    }
+                }
+                xo += 32;
+            };
+            // SAFETY: the row is below `n_rows` and `b < blocks.end`, so the block lies inside
+            // `w`, as the caller vouches.
+            unsafe { block(ty, blk, &mut chunk) };
         }
-        let mut xo = p.blocks.start * per * 32;
-        let mut chunk = |lo, hi| {
-            for c in 0..N {
-                // SAFETY: chunk `xo / 32` is inside `blocks`, so its 32 floats are inside each
-                // column, as the caller vouches.
-                let xb = unsafe { p.x[c].add(xo) };
-                // SAFETY: as above.
-                unsafe {
-                    lo_acc[c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), lo_acc[c]);
-                    hi_acc[c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), hi_acc[c]);
-                }
-            }
-            xo += 32;
-        };
-        // Ask for the weights a few hundred bytes ahead: one core's stream of misses, not its
-        // arithmetic, is what bounds decode. (A prefetch never faults, so the address may lie
-        // past the row.)
-        let prefetch = |blk: *const u8| {
-            for o in (0..bb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(o + PREFETCH) as *const i8);
-            }
-        };
-        if per == 1 && !matches!(ty, FastType::F32 | FastType::F16 | FastType::Bf16) {
-            // The legacy types: scales of 16 blocks at a time.
-            for b0 in p.blocks.clone().step_by(16) {
-                let n = 16.min(p.blocks.end - b0);
-                // SAFETY: blocks `b0..b0 + n` of row `r` lie inside `w`, as the caller vouches.
-                let (d, m) = unsafe { scales16(row.wrapping_add(b0 * bb), bb, n) };
-                for i in 0..n {
-                    let blk = row.wrapping_add((b0 + i) * bb);
-                    prefetch(blk);
-                    // SAFETY: as above, for block `b0 + i`.
-                    let (lo, hi) = unsafe { legacy(ty, blk, _mm512_set1_ps(d[i]), _mm512_set1_ps(m[i])) };
-                    chunk(lo, hi);
-                }
+    }
+    for (i, (lo, hi)) in sums.into_iter().enumerate() {
+        finish(p, r + i, lo, hi, pending);
+    }
+    R
+}
+
+/// Row `r`'s running sums: zero, or those a previous part left.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+fn start<const N: usize>(p: &Part<N>, r: usize) -> ([__m512; N], [__m512; N]) {
+    let (mut lo, mut hi) = ([_mm512_setzero_ps(); N], [_mm512_setzero_ps(); N]);
+    if p.resume {
+        let acc = p.acc.wrapping_add(r * N * 32);
+        for c in 0..N {
+            // SAFETY: the caller of `gemv` gave room for row `r`'s sums, `N * 32` floats at `acc`.
+            unsafe { (lo[c], hi[c]) = (_mm512_loadu_ps(acc.add(c * 32)), _mm512_loadu_ps(acc.add(c * 32 + 16))) };
+        }
+    }
+    (lo, hi)
+}
+
+/// Row `r`'s sums kept for the next part, or added and, every four rows, reduced into `out`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+fn finish<const N: usize>(p: &Part<N>, r: usize, lo: [__m512; N], hi: [__m512; N], pending: &mut [[__m512; 4]; N]) {
+    let acc = p.acc.wrapping_add(r * N * 32);
+    for c in 0..N {
+        if p.suspend {
+            // SAFETY: as for the loads in `start`.
+            unsafe {
+                _mm512_storeu_ps(acc.add(c * 32), lo[c]);
+                _mm512_storeu_ps(acc.add(c * 32 + 16), hi[c]);
             }
         } else {
-            for b in p.blocks.clone() {
-                let blk = row.wrapping_add(b * bb);
-                prefetch(blk);
-                // SAFETY: `r < n_rows` and `b < blocks.end`, so block `b` of row `r` lies
-                // inside `w`, as the caller vouches.
-                unsafe { block(ty, blk, &mut chunk) };
-            }
+            pending[c][r % 4] = _mm512_add_ps(lo[c], hi[c]);
         }
+    }
+    if !p.suspend && (r % 4 == 3 || r + 1 == p.n_rows) {
+        let r0 = r / 4 * 4;
         for c in 0..N {
-            if p.suspend {
-                // SAFETY: as for the loads above.
-                unsafe {
-                    _mm512_storeu_ps(acc.add(c * 32), lo_acc[c]);
-                    _mm512_storeu_ps(acc.add(c * 32 + 16), hi_acc[c]);
-                }
-            } else {
-                pending[c][r % 4] = _mm512_add_ps(lo_acc[c], hi_acc[c]);
+            let mut sums = [0f32; 4];
+            // SAFETY: the store writes 4 floats into the 4-float array `sums`.
+            unsafe { _mm_storeu_ps(sums.as_mut_ptr(), reduce4(pending[c])) };
+            for (i, v) in sums.iter().enumerate().take(r + 1 - r0) {
+                // SAFETY: `c < N` and `r0 + i <= r < n_rows`: an index the caller gave room for.
+                unsafe { *p.out.add(c * p.stride + r0 + i) = *v };
             }
         }
-        if !p.suspend && (r % 4 == 3 || r + 1 == p.n_rows) {
-            let r0 = r / 4 * 4;
-            for c in 0..N {
-                let mut sums = [0f32; 4];
-                // SAFETY: the store writes 4 floats into the 4-float array `sums`.
-                unsafe { _mm_storeu_ps(sums.as_mut_ptr(), reduce4(pending[c])) };
-                for (i, v) in sums.iter().enumerate().take(r + 1 - r0) {
-                    // SAFETY: `c < N` and `r0 + i <= r < n_rows`: an index the caller gave room for.
-                    unsafe { *p.out.add(c * p.stride + r0 + i) = *v };
-                }
-            }
-        }
+    }
+}
+
+/// Asks for the weights `PREFETCH` bytes past block `blk` (`bb` bytes): one core's stream of
+/// misses, not its arithmetic, is what bounds decode. (A prefetch never faults, so the address
+/// may lie past the row.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+fn prefetch(blk: *const u8, bb: usize) {
+    for o in (0..bb).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(o + PREFETCH) as *const i8);
     }
 }
 
