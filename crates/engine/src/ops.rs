@@ -1,7 +1,7 @@
 //! The small per-row operations between matrix products. Each reduces in a fixed order, so a
 //! row's result depends only on that row.
 
-use crate::config::RopeStyle;
+use crate::config::{Activation, RopeStyle};
 use crate::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::Level;
@@ -70,21 +70,64 @@ pub fn rope(x: &mut [f32], head_dim: usize, angles: &[(f64, f64)], style: RopeSt
     }
 }
 
-/// `g = silu(g) * u`, in place.
-pub fn silu_mul(g: &mut [f32], u: &[f32]) {
-    for (a, b) in g.iter_mut().zip(u) {
-        *a = *a / (1.0 + (-*a).exp()) * b;
+/// `g = act(g) * u`, in place, compiled for the widest vectors this CPU has: the same plain
+/// operations in the same order on every instruction set, so every version gives the same bits.
+pub fn activate(isa: Isa, act: Activation, g: &mut [f32], u: &[f32]) {
+    match isa.level() {
+        // SAFETY: an `Isa` at the AVX-512 level exists only where detection found AVX-512F/BW,
+        // FMA and F16C on this CPU (its field is private); the body itself is safe code.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { activate_avx512(act, g, u) },
+        // SAFETY: likewise, detection found AVX2, FMA and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { activate_avx2(act, g, u) },
+        _ => activate_body(act, g, u),
     }
 }
 
-/// `g = gelu(g) * u`, in place: GELU's tanh form (ggml's `gelu`), computed in f64 and rounded
-/// once.
-pub fn gelu_mul(g: &mut [f32], u: &[f32]) {
-    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-    for (a, b) in g.iter_mut().zip(u) {
-        let x = *a as f64;
-        let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh());
-        *a = (gelu * *b as f64) as f32;
+/// `activate_body` compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+unsafe fn activate_avx512(act: Activation, g: &mut [f32], u: &[f32]) {
+    activate_body(act, g, u)
+}
+
+/// `activate_body` compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn activate_avx2(act: Activation, g: &mut [f32], u: &[f32]) {
+    activate_body(act, g, u)
+}
+
+#[inline(always)]
+fn activate_body(act: Activation, g: &mut [f32], u: &[f32]) {
+    match act {
+        Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = *a * sigmoid(*a) * b),
+        // GELU's tanh form (ggml's `gelu`): 0.5 x (1 + tanh(y)) = x sigmoid(2y).
+        Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| {
+            const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+            let x = *a;
+            *a = x * sigmoid(2.0 * SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)) * b
+        }),
+    }
+}
+
+/// 1 / (1 + e^-x), through `exp` of a value ≤ 0 only (so nothing overflows) and without
+/// cancellation on either side: a few ulp, branch-free so it vectorizes.
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    let e = exp(-x.abs());
+    let s = 1.0 / (1.0 + e);
+    if x >= 0.0 {
+        s
+    } else {
+        e * s
     }
 }
 
@@ -307,13 +350,33 @@ mod tests {
     }
 
     #[test]
-    fn gelu_is_the_tanh_form_and_linear_rope_scaling_divides_positions() {
-        let mut g = [-3.0f32, -0.5, 0.0, 0.5, 3.0];
-        gelu_mul(&mut g, &[2.0; 5]);
-        for (x, got) in [-3.0f64, -0.5, 0.0, 0.5, 3.0].iter().zip(g) {
-            let want = x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
-            assert!((got as f64 - want).abs() < 1e-6, "gelu({x}) * 2 = {got}, want {want}");
+    fn activations_are_near_exact_and_the_same_bits_on_every_isa() {
+        // Every gate value from -100 to 100 in small steps, and the extremes.
+        let xs: Vec<f32> = (-200_000..=200_000).map(|i| i as f32 * 5e-4).chain([-1e30, -87.5, 87.5, 1e30]).collect();
+        let u: Vec<f32> = (0..xs.len()).map(|i| 1.0 + (i % 7) as f32 * 0.25).collect();
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            let mut want = xs.clone();
+            activate(Isa::SCALAR, act, &mut want, &u);
+            for ((x, b), got) in xs.iter().zip(&u).zip(&want) {
+                let (x, b) = (*x as f64, *b as f64);
+                let exact = match act {
+                    Activation::Silu => x / (1.0 + (-x).exp()) * b,
+                    // 0.5 x (1 + tanh y), written as x / (1 + e^-2y): in f64, tanh y rounds to
+                    // -1 long before the product underflows.
+                    Activation::GeluTanh => x / (1.0 + (-2.0 * (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).exp()) * b,
+                };
+                assert!((*got as f64 - exact).abs() <= 1e-5 * exact.abs() + 1e-12, "{act:?}({x}) * {b} = {got}, want {exact}");
+            }
+            for isa in Isa::available() {
+                let mut got = xs.clone();
+                activate(isa, act, &mut got, &u);
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{act:?} on {isa:?}");
+            }
         }
+    }
+
+    #[test]
+    fn linear_rope_scaling_divides_positions() {
         let (mut a, mut b) = (Vec::new(), Vec::new());
         rope_angles(40, 16, 1e6, 0.125, &mut a);
         rope_angles(5, 16, 1e6, 1.0, &mut b);

@@ -1,7 +1,7 @@
 //! A `Stage`: the weights of one contiguous layer range, and one batched forward over many
 //! sequences, each at its own positions.
 
-use crate::config::{Activation, ModelConfig};
+use crate::config::ModelConfig;
 use crate::denormal::FlushSubnormals;
 use crate::kernels::Isa;
 use crate::kv::{KvCache, Window};
@@ -472,10 +472,7 @@ impl Stage {
             // SAFETY: the pool hands each row to one chunk, so these rows are this call's alone.
             let g = unsafe { out.slice(r.start * ffn, r.len() * ffn) };
             let u = &up[r.start * ffn..r.end * ffn];
-            match self.cfg.activation {
-                Activation::Silu => ops::silu_mul(g, u),
-                Activation::GeluTanh => ops::gelu_mul(g, u),
-            }
+            ops::activate(self.isa, self.cfg.activation, g, u)
         });
     }
 
