@@ -376,11 +376,7 @@ pub(super) unsafe fn gemv<const N: usize, const T: u8>(p: &Part<N>) {
         let mut xo = p.blocks.start * per * 32;
         for b in p.blocks.clone() {
             let blk = row.wrapping_add(b * bb);
-            // As in the AVX-512 kernel: keep a stream of weight misses in flight. (A prefetch
-            // never faults, so the address may lie past the row.)
-            for o in (0..bb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(o + super::avx512::PREFETCH) as *const i8);
-            }
+            super::prefetch(blk, bb);
             // SAFETY: `r < n_rows` and `b < blocks.end`, so block `b` of row `r` lies inside
             // `w`, and its chunks' floats inside each column, as the caller vouches.
             unsafe {

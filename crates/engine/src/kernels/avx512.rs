@@ -283,12 +283,6 @@ unsafe fn legacy(ty: FastType, p: *const u8, d: __m512, m: __m512) -> (__m512, _
     }
 }
 
-/// How far ahead of the current block to prefetch weights, in bytes: far enough that rows
-/// streaming from L3 arrive in time (a model's layers outgrow L2; 1 KiB ahead left decode 20%
-/// slower there, and no faster in L2).
-#[cfg(target_arch = "x86_64")]
-pub(super) const PREFETCH: usize = 4096;
-
 /// The kernel for type number `T` (`p.ty`, specialized so each block's dequantization is inlined).
 ///
 /// # Safety
@@ -336,7 +330,7 @@ unsafe fn rows<const N: usize, const T: u8, const R: usize>(p: &Part<N>, r: usiz
     for b in p.blocks.clone() {
         for (row, (lo_acc, hi_acc)) in row.iter().zip(&mut sums) {
             let blk = row.wrapping_add(b * bb);
-            prefetch(blk, bb);
+            super::prefetch(blk, bb);
             let mut xo = b * per * 32;
             let mut chunk = |lo, hi| {
                 for c in 0..N {
@@ -406,18 +400,6 @@ fn finish<const N: usize>(p: &Part<N>, r: usize, lo: [__m512; N], hi: [__m512; N
                 unsafe { *p.out.add(c * p.stride + r0 + i) = *v };
             }
         }
-    }
-}
-
-/// Asks for the weights `PREFETCH` bytes past block `blk` (`bb` bytes): one core's stream of
-/// misses, not its arithmetic, is what bounds decode. (A prefetch never faults, so the address
-/// may lie past the row.)
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-#[inline]
-fn prefetch(blk: *const u8, bb: usize) {
-    for o in (0..bb).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(o + PREFETCH) as *const i8);
     }
 }
 

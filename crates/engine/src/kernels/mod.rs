@@ -271,6 +271,25 @@ unsafe fn direct(isa: Isa, w: &Rows, k: usize, row_len: usize, xs: &[&[f32]], ou
     }
 }
 
+/// How far ahead of the current block to prefetch weights, in bytes: far enough that rows
+/// streaming from L3 arrive in time (a model's layers outgrow L2; 1 KiB ahead left decode 20%
+/// slower there, and no faster in L2).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH: usize = 4096;
+
+/// Asks for the weights `PREFETCH` bytes past block `blk` (`bb` bytes): one core's stream of
+/// misses, not its arithmetic, is what bounds decode. (A prefetch never faults, so the address
+/// may lie past the row.)
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(blk: *const u8, bb: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    for o in (0..bb).step_by(64) {
+        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(o + PREFETCH) as *const i8) };
+    }
+}
+
 /// Columns from which dequantizing a few rows to f32 once, then multiplying every column group by
 /// those plain rows, beats dequantizing the rows again for each group of 8 columns.
 const PANEL_COLS: usize = 16;
