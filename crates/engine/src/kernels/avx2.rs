@@ -3,6 +3,7 @@
 //! Every function here is compiled for AVX2, FMA and F16C, so calling one requires that the CPU
 //! has them; `Isa` guarantees it (an `Isa` at the AVX2 level exists only after detection).
 
+use super::panel::{Tile, Tiling};
 use super::{layout as at, FastType, Part};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -434,6 +435,136 @@ pub(super) unsafe fn dequant<const T: u8>(p: *const u8, n_blocks: usize, out: *m
     }
 }
 
+/// Dequantizes `TILING.rows` rows of type number `T`, `row_bytes` apart from `p` and `n_blocks`
+/// blocks each, into the layout the tiles read: piece by piece (elements 0..8 of every chunk,
+/// then 8..16, 16..24, 24..32), chunk by chunk, the rows' 8 floats side by side.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `p` is valid for reading the rows and `out` for writing
+/// their `TILING.rows * k` elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequant_tile<const T: u8>(p: *const u8, row_bytes: usize, n_blocks: usize, out: *mut f32) {
+    const R: usize = TILING.rows;
+    let ty = FastType::ALL[T as usize];
+    let nb = n_blocks * ty.block_chunks();
+    for r in 0..R {
+        let mut o = out.wrapping_add(8 * r);
+        for b in 0..n_blocks {
+            // SAFETY: block `b` of row `r` lies inside what the caller vouches for, and each
+            // chunk's four pieces go to their places among the `R * k` floats at `out`.
+            unsafe {
+                block(ty, p.add(r * row_bytes + b * ty.block_bytes()), &mut |lo, hi| {
+                    for (h, v) in [lo.0, lo.1, hi.0, hi.1].into_iter().enumerate() {
+                        _mm256_storeu_ps(o.add(h * nb * R * 8), v);
+                    }
+                    o = o.add(8 * R);
+                })
+            };
+        }
+    }
+}
+
+/// Four rows by three columns, one piece (8 of the 32 lanes) at a time: 12 sums, three columns
+/// and a row fill the 16 registers, and each of the 7 vectors loaded feeds three or four
+/// multiply-adds.
+pub(super) const TILING: Tiling = Tiling { rows: 4, cols: 3, lanes: 8 };
+
+/// Runs `t` over its first `n` columns (1 to 3).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; the tile's rows, columns, sums and outputs are valid as
+/// `panel::tiles` lays them out.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn tile(t: &Tile, n: usize) {
+    // SAFETY: as the caller vouches.
+    unsafe {
+        match n {
+            1 => pieces::<1>(t),
+            2 => pieces::<2>(t),
+            _ => pieces::<3>(t),
+        }
+    }
+}
+
+/// The four pieces of the tile's sums over its first `N` columns.
+///
+/// # Safety
+/// As for `tile`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn pieces<const N: usize>(t: &Tile) {
+    for h in 0..4 {
+        // SAFETY: as the caller vouches.
+        unsafe { piece::<N>(t, h) };
+    }
+}
+
+/// Piece `h` of the tile's sums over its first `N` columns; after the last piece of the last
+/// part, the four pieces reduced into the outputs.
+///
+/// # Safety
+/// As for `tile`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn piece<const N: usize>(t: &Tile, h: usize) {
+    const R: usize = TILING.rows;
+    const C: usize = TILING.cols;
+    const SUMS: usize = R * C * 8;
+    let acc = t.acc.wrapping_add(h * SUMS);
+    let mut a = [[_mm256_setzero_ps(); N]; R];
+    if t.resume {
+        for r in 0..R {
+            for c in 0..N {
+                // SAFETY: sum `(r, c)` of piece `h`, inside the floats the caller vouches for.
+                a[r][c] = unsafe { _mm256_loadu_ps(acc.add((C * r + c) * 8)) };
+            }
+        }
+    }
+    let at = h * t.nb + t.chunks.start;
+    let (mut w, mut x) = (t.w.wrapping_add(at * R * 8), t.x.wrapping_add(at * C * 8));
+    for _ in t.chunks.clone() {
+        // SAFETY: this chunk's piece of each row and column is inside what the caller vouches
+        // for.
+        unsafe {
+            let xv: [__m256; N] = std::array::from_fn(|c| _mm256_loadu_ps(x.add(8 * c)));
+            for r in 0..R {
+                let wv = _mm256_loadu_ps(w.add(8 * r));
+                for c in 0..N {
+                    a[r][c] = _mm256_fmadd_ps(wv, xv[c], a[r][c]);
+                }
+            }
+        }
+        (w, x) = (w.wrapping_add(8 * R), x.wrapping_add(8 * C));
+    }
+    if h < 3 || !t.last {
+        for r in 0..R {
+            for c in 0..N {
+                // SAFETY: as for the loads above.
+                unsafe { _mm256_storeu_ps(acc.add((C * r + c) * 8), a[r][c]) };
+            }
+        }
+        return;
+    }
+    for r in 0..R {
+        for c in 0..N {
+            // SAFETY: the sums `(r, c)` of pieces 0..3, stored above.
+            let p = |i: usize| unsafe { _mm256_loadu_ps(t.acc.add(i * SUMS + (C * r + c) * 8)) };
+            // The two sets of 16 (pieces 0 1 and 2 3) added lane by lane, then `reduce16`: its
+            // halves (8 + 8), quarters, pairs and the last two.
+            let a8 = _mm256_add_ps(_mm256_add_ps(p(0), p(2)), _mm256_add_ps(p(1), a[r][c]));
+            let b4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps::<1>(a8));
+            let c2 = _mm_add_ps(b4, _mm_movehl_ps(b4, b4));
+            let d = _mm_add_ss(c2, _mm_shuffle_ps::<0b01>(c2, c2));
+            // SAFETY: `c < N` and `r < R`: one of this tile's outputs.
+            unsafe { *t.out.add(c * t.stride + r) = _mm_cvtss_f32(d) };
+        }
+    }
+}
+
 /// # Safety
 /// As for the x86-64 version, less the CPU features: elsewhere this is the scalar kernel.
 #[cfg(not(target_arch = "x86_64"))]
@@ -448,4 +579,18 @@ pub(super) unsafe fn gemv<const N: usize, const T: u8>(p: &Part<N>) {
 pub(super) unsafe fn dequant<const T: u8>(p: *const u8, n_blocks: usize, out: *mut f32) {
     // SAFETY: the scalar version asks the same of its arguments as this one.
     unsafe { super::scalar::dequant::<T>(p, n_blocks, out) }
+}
+
+/// # Safety
+/// Never called: elsewhere no `Isa` has the AVX2 level.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn tile(_: &Tile, _: usize) {
+    unreachable!("AVX2 tiles off x86-64")
+}
+
+/// # Safety
+/// Never called: elsewhere no `Isa` has the AVX2 level.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn dequant_tile<const T: u8>(_: *const u8, _: usize, _: usize, _: *mut f32) {
+    unreachable!("AVX2 tiles off x86-64")
 }

@@ -4,6 +4,7 @@
 //! the CPU has them; `Isa` guarantees it (an `Isa` at the AVX-512 level exists only after
 //! detection).
 
+use super::panel::{Tile, Tiling};
 use super::{layout as at, FastType, Part};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -426,210 +427,132 @@ pub(super) unsafe fn dequant<const T: u8>(p: *const u8, n_blocks: usize, out: *m
     }
 }
 
-/// Dequantizes `TILE_ROWS` rows of type number `T`, `row_bytes` apart from `p` and `n_blocks`
+/// Dequantizes `TILING.rows` rows of type number `T`, `row_bytes` apart from `p` and `n_blocks`
 /// blocks each, into the layout `tiles` reads: set by set (the first halves of the chunks, then
 /// the second halves), chunk by chunk, the six rows' 16 floats side by side.
 ///
 /// # Safety
 /// The CPU has AVX-512F/BW, FMA and F16C; `p` is valid for reading the rows and `out` for
-/// writing their `TILE_ROWS * k` elements.
+/// writing their `TILING.rows * k` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 pub(super) unsafe fn dequant_tile<const T: u8>(p: *const u8, row_bytes: usize, n_blocks: usize, out: *mut f32) {
     let ty = FastType::ALL[T as usize];
     let nb = n_blocks * ty.block_chunks();
-    for r in 0..TILE_ROWS {
-        let (mut first, mut second) = (out.wrapping_add(16 * r), out.wrapping_add(16 * (r + TILE_ROWS * nb)));
+    for r in 0..TILING.rows {
+        let (mut first, mut second) = (out.wrapping_add(16 * r), out.wrapping_add(16 * (r + TILING.rows * nb)));
         for b in 0..n_blocks {
             // SAFETY: block `b` of row `r` lies inside what the caller vouches for, and each
-            // chunk's two halves go to their places among the `TILE_ROWS * k` floats at `out`.
+            // chunk's two halves go to their places among the `TILING.rows * k` floats at `out`.
             unsafe {
                 block(ty, p.add(r * row_bytes + b * ty.block_bytes()), &mut |lo, hi| {
                     _mm512_storeu_ps(first, lo);
                     _mm512_storeu_ps(second, hi);
-                    (first, second) = (first.add(16 * TILE_ROWS), second.add(16 * TILE_ROWS));
+                    (first, second) = (first.add(16 * TILING.rows), second.add(16 * TILING.rows));
                 })
             };
         }
     }
 }
 
-/// Chunks of a row a tile runs over before its running sums go to memory: six rows' worth of
-/// them (24 KiB) stay in L1 while every column passes.
-#[cfg(target_arch = "x86_64")]
-const TILE_PART: usize = 32;
+/// Six rows by four columns, one set of 16 lanes at a time: the 24 sums of a set fill the
+/// registers, and each vector loaded feeds four or six multiply-adds.
+pub(super) const TILING: Tiling = Tiling { rows: 6, cols: 4, lanes: 16 };
 
-/// Columns `tiles` takes through every part before the next: a multiple of `TILE_COLS`.
-#[cfg(target_arch = "x86_64")]
-const TILE_COLUMNS: usize = 48;
-
-/// Rows of one tile.
-pub(super) const TILE_ROWS: usize = 6;
-
-/// Columns of one tile.
-pub(super) const TILE_COLS: usize = 4;
-
-/// Floats of one tile's running sums: both sets of 16 lanes for each row and column.
-#[cfg(target_arch = "x86_64")]
-const TILE_SUMS: usize = 2 * TILE_ROWS * TILE_COLS * 16;
-
-/// `out[c * stride + r] = row r · column c` for `n_rows` f32 rows (`k` floats each, `k` a
-/// multiple of 32, `n_rows` a multiple of `TILE_ROWS`) laid out at `w` as `dequant_tile` writes
-/// them, and `n_cols` columns laid out at `x` as `super::pack_columns` writes them, in the
-/// canonical order: six rows by four columns at a time, one set of lanes at a time, so the 24
-/// sums of a set fill the registers, each vector loaded feeds four or six multiply-adds, and
-/// both operands are read in address order. `sums` is scratch.
+/// Runs `t` over its first `n` columns (1 to 4).
 ///
 /// # Safety
-/// The CPU has AVX-512F/BW, FMA and F16C; `w` holds `n_rows * k` floats, `x`
-/// `n_cols.div_ceil(TILE_COLS) * TILE_COLS * k`, and `out` is valid for the writes at
-/// `c * stride + r` (c < n_cols, r < n_rows).
+/// The CPU has AVX-512F/BW, FMA and F16C; the tile's rows, columns, sums and outputs are valid
+/// as `panel::tiles` lays them out.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn tiles(
-    w: *const f32,
-    k: usize,
-    n_rows: usize,
-    x: *const f32,
-    n_cols: usize,
-    out: *mut f32,
-    stride: usize,
-    sums: &mut Vec<super::Line>,
-) {
-    let nb = k / 32;
-    let parts = nb.div_ceil(TILE_PART);
-    // Each tile's running sums, for a block of columns: the first set waits there for the
-    // second, and both between parts.
-    let groups = n_rows / TILE_ROWS;
-    let quads = TILE_COLUMNS / TILE_COLS;
-    super::grow(sums, groups * quads * TILE_SUMS / 16);
-    let acc = super::Line::floats_mut(sums).as_mut_ptr();
-    // A block of columns at a time, and a part of each of them: the part and the block's sums
-    // stay in L2 while every row passes.
-    for c0 in (0..n_cols).step_by(TILE_COLUMNS) {
-        let cols = c0..n_cols.min(c0 + TILE_COLUMNS);
-        for p in 0..parts {
-            let chunks = p * TILE_PART..((p + 1) * TILE_PART).min(nb);
-            for g in 0..groups {
-                for c in cols.clone().step_by(TILE_COLS) {
-                    let q = c / TILE_COLS;
-                    let t = Tile {
-                        w: w.wrapping_add(g * TILE_ROWS * k),
-                        x: x.wrapping_add(q * TILE_COLS * k),
-                        nb,
-                        chunks: chunks.clone(),
-                        acc: acc.wrapping_add((g * quads + (c - c0) / TILE_COLS) * TILE_SUMS),
-                        resume: p > 0,
-                        last: p + 1 == parts,
-                        out: out.wrapping_add(c * stride + g * TILE_ROWS),
-                        stride,
-                    };
-                    // SAFETY: the tile's rows, columns (up to 4 from `c`, the ones it reads) and
-                    // chunks (below `nb`) are inside what the caller vouches for, its sums inside
-                    // `sums`, and its outputs are the caller's.
-                    unsafe {
-                        match cols.end - c {
-                            1 => t.run::<1>(),
-                            2 => t.run::<2>(),
-                            3 => t.run::<3>(),
-                            _ => t.run::<4>(),
-                        }
-                    }
-                }
-            }
+pub(super) unsafe fn tile(t: &Tile, n: usize) {
+    // SAFETY: as the caller vouches.
+    unsafe {
+        match n {
+            1 => sets::<1>(t),
+            2 => sets::<2>(t),
+            3 => sets::<3>(t),
+            _ => sets::<4>(t),
         }
     }
 }
 
-/// One tile of `tiles`: six rows by the first `N` (at most 4) columns of a group over `chunks`.
+/// Both sets of the tile's sums over its first `N` columns.
+///
+/// # Safety
+/// As for `tile`.
 #[cfg(target_arch = "x86_64")]
-struct Tile {
-    /// The group's rows and columns, as `tiles` reads them, each `nb` chunks long.
-    w: *const f32,
-    x: *const f32,
-    nb: usize,
-    chunks: std::ops::Range<usize>,
-    /// The sums, set by set, row by row, column by column: read first when `resume`; the second
-    /// set's left there unless `last`, when both are reduced into `out[c * stride + r]`.
-    acc: *mut f32,
-    resume: bool,
-    last: bool,
-    out: *mut f32,
-    stride: usize,
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+unsafe fn sets<const N: usize>(t: &Tile) {
+    // SAFETY: as the caller vouches.
+    unsafe {
+        set::<N>(t, 0);
+        set::<N>(t, 1);
+    }
 }
 
+/// The set `h` (lanes from the first or second half of each chunk) of the tile's sums over its
+/// first `N` columns.
+///
+/// # Safety
+/// As for `tile`.
 #[cfg(target_arch = "x86_64")]
-impl Tile {
-    /// # Safety
-    /// As for `tiles`, for these rows, columns and outputs; `acc` holds `TILE_SUMS` floats.
-    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-    #[inline]
-    unsafe fn run<const N: usize>(&self) {
-        // SAFETY: as the caller vouches.
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[inline]
+unsafe fn set<const N: usize>(t: &Tile, h: usize) {
+    const R: usize = TILING.rows;
+    const C: usize = TILING.cols;
+    let acc = t.acc.wrapping_add(h * TILING.sums() / 2);
+    let mut a = [[_mm512_setzero_ps(); N]; R];
+    if t.resume {
+        for r in 0..R {
+            for c in 0..N {
+                // SAFETY: sum `(r, c)` of set `h`, inside the floats the caller vouches for.
+                a[r][c] = unsafe { _mm512_loadu_ps(acc.add((C * r + c) * 16)) };
+            }
+        }
+    }
+    let at = h * t.nb + t.chunks.start;
+    let (mut w, mut x) = (t.w.wrapping_add(at * R * 16), t.x.wrapping_add(at * C * 16));
+    for _ in t.chunks.clone() {
+        // SAFETY: this chunk's half of each row and column is inside what the caller vouches
+        // for.
         unsafe {
-            self.set::<N>(0);
-            self.set::<N>(1);
+            let xv: [__m512; N] = std::array::from_fn(|c| _mm512_loadu_ps(x.add(16 * c)));
+            for r in 0..R {
+                let wv = _mm512_loadu_ps(w.add(16 * r));
+                for c in 0..N {
+                    a[r][c] = _mm512_fmadd_ps(wv, xv[c], a[r][c]);
+                }
+            }
         }
+        (w, x) = (w.wrapping_add(16 * R), x.wrapping_add(16 * C));
     }
-
-    /// The set `h` (lanes from the first or second half of each chunk) of the tile's sums.
-    ///
-    /// # Safety
-    /// As for `run`.
-    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-    #[inline]
-    unsafe fn set<const N: usize>(&self, h: usize) {
-        let acc = self.acc.wrapping_add(h * TILE_SUMS / 2);
-        let mut a = [[_mm512_setzero_ps(); N]; TILE_ROWS];
-        if self.resume {
-            for r in 0..TILE_ROWS {
-                for c in 0..N {
-                    // SAFETY: sum `(r, c)` of set `h`, inside the floats the caller vouches for.
-                    a[r][c] = unsafe { _mm512_loadu_ps(acc.add((TILE_COLS * r + c) * 16)) };
-                }
+    if h == 0 || !t.last {
+        for r in 0..R {
+            for c in 0..N {
+                // SAFETY: as for the loads above.
+                unsafe { _mm512_storeu_ps(acc.add((C * r + c) * 16), a[r][c]) };
             }
         }
-        let at = h * self.nb + self.chunks.start;
-        let (mut w, mut x) = (self.w.wrapping_add(at * TILE_ROWS * 16), self.x.wrapping_add(at * TILE_COLS * 16));
-        for _ in self.chunks.clone() {
-            // SAFETY: this chunk's half of each row and column is inside what the caller vouches
-            // for.
-            unsafe {
-                let xv: [__m512; N] = std::array::from_fn(|c| _mm512_loadu_ps(x.add(16 * c)));
-                for r in 0..TILE_ROWS {
-                    let wv = _mm512_loadu_ps(w.add(16 * r));
-                    for c in 0..N {
-                        a[r][c] = _mm512_fmadd_ps(wv, xv[c], a[r][c]);
-                    }
-                }
-            }
-            (w, x) = (w.wrapping_add(16 * TILE_ROWS), x.wrapping_add(16 * TILE_COLS));
-        }
-        if h == 0 || !self.last {
-            for r in 0..TILE_ROWS {
-                for c in 0..N {
-                    // SAFETY: as for the loads above.
-                    unsafe { _mm512_storeu_ps(acc.add((TILE_COLS * r + c) * 16), a[r][c]) };
-                }
-            }
-            return;
-        }
-        let first = self.acc;
-        for c in 0..N {
-            // SAFETY: the first set's sum `(r, c)`, stored by `set(0)` above.
-            let row = |r: usize| _mm512_add_ps(unsafe { _mm512_loadu_ps(first.add((TILE_COLS * r + c) * 16)) }, a[r][c]);
-            let head = reduce4([row(0), row(1), row(2), row(3)]);
-            let tail = reduce4([row(4), row(5), row(4), row(5)]);
-            let mut t = [0f32; 4];
-            // SAFETY: `t` holds 4 floats.
-            unsafe { _mm_storeu_ps(t.as_mut_ptr(), tail) };
-            // SAFETY: `c < N`: outputs `c * stride + r` for r < 6, six of this tile's, adjacent.
-            unsafe {
-                _mm_storeu_ps(self.out.add(c * self.stride), head);
-                *self.out.add(c * self.stride + 4) = t[0];
-                *self.out.add(c * self.stride + 5) = t[1];
-            }
+        return;
+    }
+    let first = t.acc;
+    for c in 0..N {
+        // SAFETY: the first set's sum `(r, c)`, stored by `set(0)` above.
+        let row = |r: usize| _mm512_add_ps(unsafe { _mm512_loadu_ps(first.add((C * r + c) * 16)) }, a[r][c]);
+        let head = reduce4([row(0), row(1), row(2), row(3)]);
+        let tail = reduce4([row(4), row(5), row(4), row(5)]);
+        let mut s = [0f32; 4];
+        // SAFETY: `s` holds 4 floats.
+        unsafe { _mm_storeu_ps(s.as_mut_ptr(), tail) };
+        // SAFETY: `c < N`: outputs `c * stride + r` for r < 6, six of this tile's, adjacent.
+        unsafe {
+            _mm_storeu_ps(t.out.add(c * t.stride), head);
+            *t.out.add(c * t.stride + 4) = s[0];
+            *t.out.add(c * t.stride + 5) = s[1];
         }
     }
 }
@@ -672,8 +595,7 @@ pub(super) unsafe fn dequant<const T: u8>(p: *const u8, n_blocks: usize, out: *m
 /// # Safety
 /// Never called: elsewhere no `Isa` has the AVX-512 level.
 #[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn tiles(_: *const f32, _: usize, _: usize, _: *const f32, _: usize, _: *mut f32, _: usize, _: &mut Vec<super::Line>) {
+pub(super) unsafe fn tile(_: &Tile, _: usize) {
     unreachable!("AVX-512 tiles off x86-64")
 }
 

@@ -13,9 +13,9 @@
 //! identical results, and a row's result never depends on how many columns (sequences) are
 //! computed beside it, on which thread computes it, or on how the work is cut: up to 8 columns
 //! at a time against blocks dequantized on the fly, the row split into parts whose running sums
-//! wait in memory, or, for many columns, rows dequantized to f32 once and multiplied six rows by
-//! four columns at a time, one set of lanes after the other (AVX-512). Each shape performs the
-//! same operations on each lane.
+//! wait in memory, or, for many columns, rows dequantized to f32 once and multiplied in tiles of
+//! a few rows by a few columns (`panel`: six by four, 16 lanes at a time, on AVX-512; four by
+//! three, 8 lanes at a time, on AVX2). Each shape performs the same operations on each lane.
 
 // The kernels index accumulators, columns and outputs by the same column number.
 #![allow(clippy::needless_range_loop)]
@@ -28,6 +28,7 @@ mod scalar;
 
 pub use isa::Isa;
 pub(crate) use isa::Level;
+pub(crate) use panel::Columns;
 
 use dgr_gguf::GgmlType;
 use std::ops::Range;
@@ -47,6 +48,8 @@ macro_rules! by_type {
         }
     };
 }
+
+mod panel;
 
 /// The element types the kernels read directly.
 #[allow(non_camel_case_types)]
@@ -221,9 +224,9 @@ pub(crate) unsafe fn gemv(isa: Isa, w: &Rows, k: usize, cols: &Columns, out: *mu
     let needed = n_rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(w.row_bytes).and_then(|b| b.checked_add(row_len)));
     assert!(needed.is_some_and(|n| w.bytes.len() >= n), "{n_rows} rows of {row_len} bytes every {} in {}", w.row_bytes, w.bytes.len());
     // F32 rows are already what a panel holds; F16/BF16 rows of whole chunks convert as blocks do.
-    if ty != FastType::F32 && k.is_multiple_of(32) && xs.len() >= PANEL_COLS {
+    if ty != FastType::F32 && k.is_multiple_of(32) && xs.len() >= panel::PANEL_COLS {
         // SAFETY: as the caller vouches, with the reads kept in bounds by the asserts above.
-        unsafe { panels(isa, w, n_blocks, k, cols, out, stride) };
+        unsafe { panel::panels(isa, w, n_blocks, k, cols, out, stride) };
         return;
     }
     // SAFETY: as the caller vouches, with the reads kept in bounds by the asserts above.
@@ -290,94 +293,6 @@ fn prefetch(blk: *const u8, bb: usize) {
     }
 }
 
-/// Columns from which dequantizing a few rows to f32 once, then multiplying every column group by
-/// those plain rows, beats dequantizing the rows again for each group of 8 columns.
-const PANEL_COLS: usize = 16;
-/// Bytes of f32 rows dequantized at a time: the panel stays in L2 beside a block of columns while
-/// they pass (about a quarter of it: more measured slower for long rows).
-const PANEL_BYTES: usize = 256 * 1024;
-/// At most this many rows a panel, for short rows.
-const PANEL_ROWS: usize = 48;
-/// Bytes of activations a panel is multiplied by at a time.
-const COLUMN_BYTES: usize = 1 << 20;
-
-/// `gemv` for many columns over block (or half-precision) rows: a panel of rows at a time,
-/// dequantized to f32 and multiplied as plain rows. The weights are the same exact values and
-/// every row and column accumulates in the canonical order, so the results are those of the
-/// direct kernels.
-///
-/// # Safety
-/// Each row of `w` holds `n_blocks` whole blocks (`k` elements), each column `k` floats, and
-/// `out` is valid for the writes at `c * stride + r` (c < xs.len(), r < w.n_rows), which nothing
-/// else accesses meanwhile.
-unsafe fn panels(isa: Isa, w: &Rows, n_blocks: usize, k: usize, cols: &Columns, out: *mut f32, stride: usize) {
-    let xs = &cols.xs[..];
-    // Columns a panel meets at a time: about 1 MiB of them, so they stay in L2 beside the panel
-    // while it passes, at the cost of dequantizing each panel once per block of columns. (Whole
-    // groups of a tile's columns, so a block starts at a group of the packed columns.)
-    let block = (COLUMN_BYTES / (4 * k)).max(avx512::TILE_COLS) / avx512::TILE_COLS * avx512::TILE_COLS;
-    // A few columns past the block are cheaper taken along than paid for with a second
-    // dequantization of every panel (128 prompt rows of 2048 would otherwise split 126 + 2).
-    let block = if xs.len() <= block + block / 4 { xs.len() } else { block };
-    let tiled = isa.level() == Level::Avx512;
-    // Whole tiles of rows.
-    let panel_rows = (PANEL_BYTES / (4 * k) / avx512::TILE_ROWS * avx512::TILE_ROWS).clamp(avx512::TILE_ROWS, PANEL_ROWS);
-    // The tiles read the columns' packed copy (see `Columns::new`), which must be whole.
-    assert!(!tiled || cols.tiled.len() >= xs.len().div_ceil(avx512::TILE_COLS) * avx512::TILE_COLS * k / 16);
-    SCRATCH.with_borrow_mut(|[lines, sums]| {
-        grow(lines, panel_rows * k / 16);
-        for c0 in (0..xs.len()).step_by(block) {
-            let xs = &xs[c0..xs.len().min(c0 + block)];
-            for r0 in (0..w.n_rows).step_by(panel_rows) {
-                let n_rows = panel_rows.min(w.n_rows - r0);
-                // AVX-512 takes the rows a tile at a time, laid out for it; the rest go as plain rows.
-                let in_tiles = if tiled { n_rows / avx512::TILE_ROWS * avx512::TILE_ROWS } else { 0 };
-                let panel = Line::floats_mut(lines).as_mut_ptr();
-                for r in (0..in_tiles).step_by(avx512::TILE_ROWS) {
-                    // SAFETY: rows `r0 + r..` of `w` hold `n_blocks` blocks each, and the panel
-                    // `TILE_ROWS * k` floats from row `r`'s place on.
-                    unsafe { dequant_tile(w.ty, w.bytes.as_ptr().add((r0 + r) * w.row_bytes), w.row_bytes, n_blocks, panel.add(r * k)) };
-                }
-                for r in in_tiles..n_rows {
-                    // SAFETY: row `r0 + r` of `w` holds `n_blocks` blocks, and row `r` of the
-                    // panel `k` floats, their elements.
-                    unsafe { dequant(isa, w.ty, w.bytes.as_ptr().add((r0 + r) * w.row_bytes), n_blocks, panel.add(r * k)) };
-                }
-                let out = out.wrapping_add(c0 * stride + r0);
-                let bytes = &Line::bytes(lines)[in_tiles * 4 * k..n_rows * 4 * k];
-                let plain = Rows { ty: FastType::F32, bytes, row_bytes: 4 * k, n_rows: n_rows - in_tiles };
-                // SAFETY: the panel holds `n_rows` rows of `k` floats (`k` a multiple of 32), the
-                // packed columns `xs.len()` columns of `k`, and these are outputs of rows
-                // `r0..r0 + n_rows` and columns `c0..`, which the caller vouches for; the
-                // instruction set is present, as `isa` says.
-                unsafe {
-                    if in_tiles > 0 {
-                        avx512::tiles(panel, k, in_tiles, Line::floats(&cols.tiled[c0 * k / 16..]).as_ptr(), xs.len(), out, stride, sums);
-                    }
-                    direct(isa, &plain, k, 4 * k, xs, out.add(in_tiles), stride);
-                }
-            }
-        }
-    })
-}
-
-/// The columns `xs` (`k` floats each, `k` a multiple of 32) laid out as the AVX-512 tiles read
-/// them: four columns at a time (the last group's missing columns left as they were: a tile
-/// reads only the columns it has), set by set (the first halves of the chunks, then the second
-/// halves), chunk by chunk, the four columns' 16 floats side by side.
-fn pack_columns(xs: &[&[f32]], k: usize, mut packed: Vec<Line>) -> Vec<Line> {
-    let (nb, cols) = (k / 32, avx512::TILE_COLS);
-    grow(&mut packed, xs.len().div_ceil(cols) * cols * k / 16);
-    for (c, x) in xs.iter().enumerate() {
-        let group = &mut packed[c / cols * cols * k / 16..][..cols * k / 16];
-        for (i, half) in x[..k].chunks_exact(16).enumerate() {
-            let (b, h) = (i / 2, i % 2);
-            group[(h * nb + b) * cols + c % cols].0.copy_from_slice(half);
-        }
-    }
-    packed
-}
-
 /// Makes `v` at least `len` long, zeroing only what it never held: a scratch buffer reused for
 /// products of every size would otherwise be zeroed, megabytes at a time, before being
 /// overwritten.
@@ -385,39 +300,6 @@ pub(crate) fn grow(v: &mut Vec<Line>, len: usize) {
     if v.len() < len {
         v.resize(len, Line([0.0; 16]));
     }
-}
-
-/// The columns of a product (each at least `k` floats), and, where the AVX-512 tiles will read
-/// them, their copy laid out for the tiles: made once for every thread's share of the rows.
-pub(crate) struct Columns<'a> {
-    pub xs: Vec<&'a [f32]>,
-    tiled: Vec<Line>,
-}
-
-impl<'a> Columns<'a> {
-    pub(crate) fn new(isa: Isa, xs: Vec<&'a [f32]>, k: usize) -> Columns<'a> {
-        let tiles = isa.level() == Level::Avx512 && k.is_multiple_of(32) && xs.len() >= PANEL_COLS;
-        let tiled = if tiles { pack_columns(&xs, k, PACKED.take()) } else { Vec::new() };
-        Columns { xs, tiled }
-    }
-}
-
-impl Drop for Columns<'_> {
-    fn drop(&mut self) {
-        // Columns that were not packed took no buffer, and must not drop the one kept.
-        if self.tiled.capacity() > 0 {
-            PACKED.set(std::mem::take(&mut self.tiled));
-        }
-    }
-}
-
-thread_local! {
-    /// Each thread's panel and tile sums, kept between calls: fresh buffers this size would be
-    /// mapped, faulted in and zeroed on every call.
-    static SCRATCH: std::cell::RefCell<[Vec<Line>; 2]> = const { std::cell::RefCell::new([Vec::new(), Vec::new()]) };
-    /// The buffer of the thread's last packed columns, for its next: a fresh one would be
-    /// mapped and faulted in for every product.
-    static PACKED: std::cell::Cell<Vec<Line>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// The widest group (8, 4, 2 or 1 columns) that `n` remaining columns fill.
@@ -494,16 +376,6 @@ unsafe fn kernel<const N: usize>(isa: Isa, p: &Part<N>) {
             Level::Scalar => scalar::gemv::<N, T>(p),
         })
     }
-}
-
-/// Dequantizes `avx512::TILE_ROWS` rows of type `ty`, `row_bytes` apart from `p` and `n_blocks`
-/// blocks each, into `out` as the AVX-512 tiles read them.
-///
-/// # Safety
-/// The CPU has AVX-512; `p` is valid for reading the rows and `out` for writing their elements.
-unsafe fn dequant_tile(ty: FastType, p: *const u8, row_bytes: usize, n_blocks: usize, out: *mut f32) {
-    // SAFETY: as the caller vouches.
-    unsafe { by_type!(ty, T => avx512::dequant_tile::<T>(p, row_bytes, n_blocks, out)) }
 }
 
 /// Dequantizes the `n_blocks` blocks of type `ty` at `p` into `out`, exactly.

@@ -93,7 +93,7 @@ fn every_isa_and_every_batch_width_gives_identical_bits_close_to_exact() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
     // More rows than a group of rows or a panel holds (see `ROW_GROUP` and `PANEL_ROWS`), and not
     // a whole number of tiles.
-    let n = PANEL_ROWS + 7;
+    let n = panel::PANEL_ROWS + 7;
     for ty in TYPES {
         let fast = FastType::of(ty).unwrap();
         // Lengths past one part of a row, for every column group (see `PART_BYTES`), too.
