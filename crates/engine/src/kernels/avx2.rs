@@ -177,7 +177,9 @@ fn table(a: V16, d: __m256, b: V16, m: __m256) -> [f32; 32] {
     let (mut lo, mut hi) = ([0f32; 16], [0f32; 16]);
     a.mul(d).store(&mut lo);
     b.mul(m).store(&mut hi);
-    std::array::from_fn(|i| if i < 16 { lo[i] } else { hi[i - 16] })
+    // Opaque, so each factor is broadcast from memory (a load) rather than shuffled out of
+    // registers (the shuffle unit is the dequantization's bottleneck).
+    std::hint::black_box(std::array::from_fn(|i| if i < 16 { lo[i] } else { hi[i - 16] }))
 }
 
 /// The fifth bits of a Q5_0/Q5_1 block's elements `16h..16h + 16` (bit `e` of `qh` for element
@@ -186,11 +188,11 @@ fn table(a: V16, d: __m256, b: V16, m: __m256) -> [f32; 32] {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn fifth_bits(qh: u32, h: i32) -> I16 {
-    let q = _mm256_set1_epi32(qh as i32);
+    // Bit `16h + e` is moved to bit 4 by one shift right by `e`: the half's bits start at bit 4.
+    let q = _mm256_set1_epi32((if h == 0 { qh << 4 } else { qh >> 12 }) as i32);
     let lanes = |e: i32| _mm256_setr_epi32(e, e + 1, e + 2, e + 3, e + 4, e + 5, e + 6, e + 7);
-    let one = _mm256_set1_epi32(1);
-    let bit = |e| _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(q, lanes(e)), one));
-    I16(bit(16 * h), bit(16 * h + 8))
+    let bit = |e| _mm256_and_si256(_mm256_srlv_epi32(q, lanes(e)), _mm256_set1_epi32(16));
+    I16(bit(0), bit(8))
 }
 
 /// Calls `f` with the two halves (elements 0..16 and 16..32) of each 32-element chunk of the
@@ -257,6 +259,8 @@ unsafe fn block(ty: FastType, p: *const u8, f: &mut impl FnMut(V16, V16)) {
                 // Entries 0..8 scale by d, 8..16 by -dmin.
                 let mut t = [0f32; 16];
                 V16(_mm256_mul_ps(s.0, d), _mm256_mul_ps(s.1, neg(dmin))).store(&mut t);
+                // Opaque, as `table`'s.
+                let t = std::hint::black_box(t);
                 let qs = p.add(if five { at::Q5K_QS } else { at::Q4K_QS });
                 // Fifth bits, moved down one bit per chunk so each chunk's is bit 0.
                 let (mut h0, mut h1) =
@@ -388,6 +392,9 @@ pub(super) unsafe fn gemv<const N: usize, const T: u8>(p: &Part<N>) {
                         hi_acc[c] = fma16(hi, xb.add(16), hi_acc[c]);
                     }
                     xo += 32;
+                    // A compiler-only fence: without it a K-quant's eight chunks are dequantized
+                    // all at once, spilling most of them to the stack, before any is multiplied.
+                    std::arch::asm!("", options(nostack, preserves_flags));
                 })
             };
         }
