@@ -287,6 +287,10 @@ const PREFETCH: usize = 4096;
 #[inline(always)]
 fn prefetch(blk: *const u8, bb: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    // Blocks shorter than a line ask only where one starts (or the next would ask again).
+    if bb < 64 && (blk as usize + PREFETCH) % 64 >= bb {
+        return;
+    }
     for o in (0..bb).step_by(64) {
         // SAFETY: SSE is part of x86-64; a prefetch reads nothing and never faults.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(o + PREFETCH) as *const i8) };
