@@ -49,6 +49,7 @@ macro_rules! by_type {
     };
 }
 
+// After `by_type!`, which it uses.
 mod panel;
 
 /// The element types the kernels read directly.
@@ -287,7 +288,8 @@ const PREFETCH: usize = 4096;
 #[inline(always)]
 fn prefetch(blk: *const u8, bb: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    // Blocks shorter than a line ask only where one starts (or the next would ask again).
+    // Blocks shorter than a line: only the first block starting in a line asks for it (every
+    // block asking would ask for each line two or three times).
     if bb < 64 && (blk as usize + PREFETCH) % 64 >= bb {
         return;
     }
