@@ -216,11 +216,9 @@ unsafe fn attend_avx2(
 #[allow(clippy::too_many_arguments)]
 fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, scale: f32, s: &mut [f32], out: &mut [f32]) {
     let n = s.len();
-    for (d, qd) in q.iter().enumerate() {
-        let row = &kt[(offset + d) * cap..(offset + d) * cap + n];
-        for (x, k) in s.iter_mut().zip(row) {
-            *x += qd * k;
-        }
+    for j0 in (0..n).step_by(BLOCK) {
+        let len = BLOCK.min(n - j0);
+        sums(&mut s[j0..j0 + len], q.iter().enumerate().map(|(d, &qd)| (qd, &kt[(offset + d) * cap + j0..][..len])));
     }
     let mut max = f32::NEG_INFINITY;
     for x in s.iter_mut() {
@@ -232,12 +230,38 @@ fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offs
     }
     let sum: f64 = s.iter().map(|&x| x as f64).sum();
     let inv = (1.0 / sum) as f32;
-    out.iter_mut().for_each(|o| *o = 0.0);
-    for (j, p) in s.iter().enumerate() {
-        let vr = &v[j * stride + offset..j * stride + offset + out.len()];
-        let w = p * inv;
-        for (o, x) in out.iter_mut().zip(vr) {
-            *o += w * x;
+    let s = &*s;
+    for o0 in (0..out.len()).step_by(BLOCK) {
+        let len = BLOCK.min(out.len() - o0);
+        sums(&mut out[o0..o0 + len], s.iter().enumerate().map(|(j, &p)| (p * inv, &v[j * stride + offset + o0..][..len])));
+    }
+}
+
+/// Scores or outputs `attend_body` keeps in registers at a time: four AVX2 vectors, two AVX-512.
+const BLOCK: usize = 32;
+
+/// `dst[i] = Σ c * row[i]` over `terms` in order (a multiply, then an add), each row
+/// `dst.len()` long: for a whole `BLOCK`, with the sums in registers rather than loaded and
+/// stored again for each term.
+#[inline(always)]
+fn sums<'a>(dst: &mut [f32], terms: impl Iterator<Item = (f32, &'a [f32])>) {
+    match <&mut [f32; BLOCK]>::try_from(&mut *dst) {
+        Ok(dst) => {
+            let mut acc = [0f32; BLOCK];
+            for (c, row) in terms {
+                for (a, x) in acc.iter_mut().zip(&row[..BLOCK]) {
+                    *a += c * x;
+                }
+            }
+            *dst = acc;
+        }
+        Err(_) => {
+            dst.fill(0.0);
+            for (c, row) in terms {
+                for (a, x) in dst.iter_mut().zip(row) {
+                    *a += c * x;
+                }
+            }
         }
     }
 }
@@ -306,12 +330,18 @@ mod tests {
 
     #[test]
     fn attention_matches_a_float64_softmax_on_every_isa_over_any_window() {
-        let (hd, n, cap, stride) = (8usize, 37usize, 40usize, 16usize);
+        // Head sizes below and past a whole block of outputs, over more positions than a block.
+        for (hd, n, cap) in [(8usize, 37usize, 40usize), (40, 70, 72)] {
+            attention_case(hd, n, cap);
+        }
+    }
+
+    fn attention_case(hd: usize, n: usize, cap: usize) {
+        let (off, stride) = (8, hd + 16);
         let f = |i: usize| ((i * 7919 % 101) as f32 / 50.0) - 1.0;
         let q: Vec<f32> = (0..hd).map(|i| f(i + 3)).collect();
         let kt: Vec<f32> = (0..stride * cap).map(f).collect();
         let v: Vec<f32> = (0..stride * n).map(|i| f(i + 11)).collect();
-        let off = 8;
         let scale = 1.0 / (hd as f32).sqrt();
         for lo in [0, 5, n - 1] {
             let scores: Vec<f64> =
