@@ -367,8 +367,8 @@ pub fn tracker_frame(data: &[u8]) -> bool {
 /// Runs the bytes through the gateway's request-body checks, as a completions body and as a
 /// chat completions body.
 pub fn openai_body(data: &[u8]) -> bool {
-    let completion = dgr_gateway::http::fuzz_request_body(data, false);
-    let chat = dgr_gateway::http::fuzz_request_body(data, true);
+    let completion = dgr_gateway::fuzz_request_body(data, false);
+    let chat = dgr_gateway::fuzz_request_body(data, true);
     completion.is_ok() || chat.is_ok()
 }
 

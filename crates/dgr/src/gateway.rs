@@ -2,7 +2,7 @@
 
 use crate::state::read_secret;
 use anyhow::{bail, Context, Result};
-use dgr_gateway::http::{Gateway, GatewayConfig};
+use dgr_gateway::{Gateway, GatewayConfig};
 use dgr_proto::{KeyAdd, TrackerBody};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -158,7 +158,7 @@ pub fn run(a: Args) -> Result<()> {
         let names: Vec<&str> = gw.models.iter().map(|m| m.name.as_str()).collect();
         println!("{}", serde_json::json!({ "listening": addr.to_string(), "models": names, "tracker": a.tracker, "api_keys": n }));
         eprintln!("dgr gateway: serving the OpenAI API on http://{addr}/v1 (dashboard: http://{addr}/)");
-        dgr_gateway::http::serve(gw, listener, shutdown).await?;
+        dgr_gateway::serve(gw, listener, shutdown).await?;
         Ok(())
     })
 }

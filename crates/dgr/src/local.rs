@@ -1,8 +1,8 @@
 //! Generation in one process: the whole model as one stage.
 
 use anyhow::{bail, Result};
+use dgr_driver::Completion;
 use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState};
-use dgr_gateway::Completion;
 use std::time::Instant;
 
 pub struct Request {

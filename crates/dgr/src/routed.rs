@@ -3,7 +3,7 @@
 use crate::local::Request;
 use crate::swarm::LocalSwarm;
 use anyhow::{bail, Context, Result};
-use dgr_gateway::{generate_recovering, tracker, Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
+use dgr_driver::{generate_recovering, tracker, Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use std::path::Path;
 use std::time::Duration;
@@ -104,7 +104,7 @@ pub fn generate(
             }
         };
         let replays = if a.tracker.is_some() { 3 } else { 0 };
-        let links = dgr_gateway::Links::new();
+        let links = dgr_driver::Links::new();
         let rec = generate_recovering(&links, (route, ticket), &g, &opts, on_token, replan, replays).await;
         let ledger = match &a.tracker {
             Some(t) => {

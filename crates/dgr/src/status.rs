@@ -48,7 +48,7 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
     let TrackerBody::SwarmReply(r) = ask(&a.tracker, TrackerBody::SwarmQuery(SwarmQuery {}))? else {
         bail!("the tracker answered something else");
     };
-    let v = dgr_gateway::http::swarm_json(&r);
+    let v = dgr_gateway::swarm_json(&r);
     if a.format == "json" {
         println!("{v}");
         return Ok(());

@@ -4,7 +4,7 @@
 use crate::gateway::{register_keys, KeysArgs, LimitArgs};
 use crate::swarm::{balanced_split, LocalSwarm, LocalTracker};
 use anyhow::{bail, Context, Result};
-use dgr_gateway::http::Gateway;
+use dgr_gateway::Gateway;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -102,7 +102,7 @@ pub fn run(a: Args) -> Result<()> {
              -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"
         );
         eprintln!("  Ctrl-C stops everything.");
-        dgr_gateway::http::serve(gw.clone(), listener, shutdown).await?;
+        dgr_gateway::serve(gw.clone(), listener, shutdown).await?;
         Ok(())
     });
     eprintln!("dgr up: stopping");

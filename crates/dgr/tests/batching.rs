@@ -1,5 +1,5 @@
 //! Continuous batching on the real model, with real `dgr worker` processes on loopback and
-//! sessions driven concurrently with the `dgr_gateway` library in one tokio runtime:
+//! sessions driven concurrently with the `dgr_driver` library in one tokio runtime:
 //!
 //! 1. concurrent sessions (1, 2, 4, 8 of them, greedy and seeded sampling) on 1-, 2- and
 //!    3-stage routes each get bitwise their solo output, and the workers did batch them;
@@ -20,7 +20,7 @@
 mod common;
 use common::*;
 
-use dgr_gateway::{Completion, DriveOptions, Flow, GenRequest, Route};
+use dgr_driver::{Completion, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype, TokenOut};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -150,7 +150,7 @@ fn run(rt: &tokio::runtime::Runtime, route: &Route, specs: &[Spec], limit: Durat
             let started = Instant::now();
             let mut arrivals = Vec::new();
             let req = s.request();
-            let completion = dgr_gateway::generate(route, &req, opts, |_: &TokenOut| {
+            let completion = dgr_driver::generate(route, &req, opts, |_: &TokenOut| {
                 arrivals.push(Instant::now());
                 total.fetch_add(1, SeqCst);
                 if s.cancel_after == Some(arrivals.len()) {

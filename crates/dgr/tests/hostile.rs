@@ -10,7 +10,7 @@
 mod common;
 use common::*;
 
-use dgr_gateway::{Completion, DriveOptions, Flow, GenRequest, Links, Route};
+use dgr_driver::{Completion, DriveOptions, Flow, GenRequest, Links, Route};
 use dgr_proto::{
     Body, BoundarySchema, ErrorKind, Forward, Frame, Hello, OpenSession, Role, Sampling, SeamDtype, SessionRef, StageInfo, PROTOCOL_VERSION,
 };
@@ -36,7 +36,7 @@ fn request(tokens: &[u32], max_tokens: usize) -> GenRequest {
 fn generate_on(rt: &tokio::runtime::Runtime, links: &Links, addrs: &[String], req: &GenRequest) -> Completion {
     rt.block_on(async {
         let route = Route::discover(addrs, Duration::from_secs(5)).await.expect("route");
-        dgr_gateway::generate_on(links, &route, req, &DriveOptions::default(), |_| Flow::Continue).await.expect("generate")
+        dgr_driver::generate_on(links, &route, req, &DriveOptions::default(), |_| Flow::Continue).await.expect("generate")
     })
 }
 
@@ -182,7 +182,7 @@ fn non_finite_rows_fail_only_their_session_and_a_session_beside_them_is_unchange
     let tokens = Arc::new(AtomicUsize::new(0));
     let seen = tokens.clone();
     let running = rt.spawn(async move {
-        dgr_gateway::generate(&route, &req, &DriveOptions::default(), |_| {
+        dgr_driver::generate(&route, &req, &DriveOptions::default(), |_| {
             seen.fetch_add(1, SeqCst);
             std::thread::sleep(Duration::from_millis(15));
             Flow::Continue
@@ -346,7 +346,7 @@ fn silent_and_idle_connections_are_closed_but_never_under_a_session() {
     let solo = generate_on(&rt, &links, &w.addrs, &req);
     let route = rt.block_on(Route::discover(&w.addrs, Duration::from_secs(5))).expect("route");
     let quiet = rt
-        .block_on(dgr_gateway::generate_on(&links, &route, &req, &DriveOptions::default(), |t| {
+        .block_on(dgr_driver::generate_on(&links, &route, &req, &DriveOptions::default(), |t| {
             if t.position as usize == p.tokens.len() + 3 {
                 std::thread::sleep(Duration::from_millis(1800));
             }

@@ -8,7 +8,7 @@ mod common;
 
 use common::swarm::{Tracker, Worker};
 use common::{dgr_json, serial};
-use dgr_gateway::{generate_recovering, tracker, DriveOptions, Flow, GenRequest, Links, Recovered};
+use dgr_driver::{generate_recovering, tracker, DriveOptions, Flow, GenRequest, Links, Recovered};
 use dgr_proto::{Sampling, SeamDtype};
 use serde_json::Value;
 use std::time::{Duration, Instant};

@@ -14,7 +14,7 @@
 mod common;
 use common::*;
 
-use dgr_gateway::{Completion, DriveOptions, Flow, GenRequest, Route};
+use dgr_driver::{Completion, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{
     Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hello, OpenSession, Role, Sampling, SeamDtype, StageInfo, TokenOut,
     PROTOCOL_VERSION, STAGE_UNKNOWN,
@@ -325,7 +325,7 @@ fn a_cancelled_session_is_freed_at_once_and_the_others_finish_unchanged() {
             .iter()
             .map(|p| {
                 let req = gen_request(&p.tokens, OTHERS_TOKENS);
-                let fut = dgr_gateway::generate(&route, &req, &opts, |_| Flow::Continue);
+                let fut = dgr_driver::generate(&route, &req, &opts, |_| Flow::Continue);
                 rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), fut).await })
                     .expect("a solo run took over 60 s")
                     .unwrap_or_else(|e| panic!("solo {}: {e}", p.name))
@@ -428,10 +428,10 @@ fn a_cancelled_session_is_freed_at_once_and_the_others_finish_unchanged() {
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(120), async {
                     tokio::join!(
-                        dgr_gateway::generate(&route, &reqs[0], &opts, on_token(0)),
-                        dgr_gateway::generate(&route, &reqs[1], &opts, on_token(1)),
-                        dgr_gateway::generate(&route, &reqs[2], &opts, on_token(2)),
-                        dgr_gateway::generate(&route, &victim_req, &opts, victim_cb),
+                        dgr_driver::generate(&route, &reqs[0], &opts, on_token(0)),
+                        dgr_driver::generate(&route, &reqs[1], &opts, on_token(1)),
+                        dgr_driver::generate(&route, &reqs[2], &opts, on_token(2)),
+                        dgr_driver::generate(&route, &victim_req, &opts, victim_cb),
                     )
                 })
                 .await

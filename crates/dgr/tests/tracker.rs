@@ -305,7 +305,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
     let model_id = dgr_gguf::model_identity(&common::model()).unwrap().id;
     let rt = common::runtime();
     let cancelled = rt.block_on(async {
-        use dgr_gateway::{tracker, DriveOptions, Flow, GenRequest};
+        use dgr_driver::{tracker, DriveOptions, Flow, GenRequest};
         let request_id = tracker::new_request_id();
         let prompt: Vec<u32> = vec![504, 2365, 6354, 16438];
         let (route, ticket) = tracker::route(&t.addr, &model_id, 64, &alice, &request_id, &[]).await.unwrap();
@@ -320,7 +320,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             hash_rows: false,
         };
         let mut n = 0;
-        let result = dgr_gateway::generate(&route, &req, &DriveOptions::default(), |_| {
+        let result = dgr_driver::generate(&route, &req, &DriveOptions::default(), |_| {
             n += 1;
             if n == 3 {
                 Flow::Cancel
@@ -329,7 +329,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             }
         })
         .await;
-        let attempts = [dgr_gateway::Attempt { route, session, usage: result.as_ref().map(|c| c.usage.clone()).unwrap_or_default() }];
+        let attempts = [dgr_driver::Attempt { route, session, usage: result.as_ref().map(|c| c.usage.clone()).unwrap_or_default() }];
         let usage = tracker::request_usage(&request_id, &alice, &model_id, prompt.len(), &result, &attempts);
         assert_eq!(tracker::report(&t.addr, usage.clone()).await, "recorded");
         // Sent again: acknowledged, not counted twice.

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 
-use dgr_gateway::{DriveOptions, Flow, GenRequest, Route};
+use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -25,7 +25,7 @@ fn request(tokens: &[u32], max_tokens: usize) -> GenRequest {
 fn generate(rt: &tokio::runtime::Runtime, addrs: &[String], tokens: &[u32], max_tokens: usize) {
     rt.block_on(async {
         let route = Route::discover(addrs, Duration::from_secs(5)).await.expect("route");
-        dgr_gateway::generate(&route, &request(tokens, max_tokens), &DriveOptions::default(), |_| Flow::Continue).await.expect("generate");
+        dgr_driver::generate(&route, &request(tokens, max_tokens), &DriveOptions::default(), |_| Flow::Continue).await.expect("generate");
     });
 }
 
@@ -95,7 +95,7 @@ fn sigterm_lets_open_sessions_finish_then_exits_zero() {
     let seen = tokens.clone();
     let req = request(&p.tokens, 48);
     let running = rt.spawn(async move {
-        dgr_gateway::generate(&route, &req, &DriveOptions::default(), |_| {
+        dgr_driver::generate(&route, &req, &DriveOptions::default(), |_| {
             seen.fetch_add(1, SeqCst);
             // Slow the session down so that it is still running when SIGTERM arrives.
             std::thread::sleep(Duration::from_millis(20));
@@ -112,7 +112,7 @@ fn sigterm_lets_open_sessions_finish_then_exits_zero() {
     std::thread::sleep(Duration::from_millis(100));
     let refused = rt.block_on(async {
         let route = Route::discover(&w.addrs, Duration::from_secs(5)).await?;
-        dgr_gateway::generate(&route, &request(&p.tokens, 4), &DriveOptions::default(), |_| Flow::Continue).await
+        dgr_driver::generate(&route, &request(&p.tokens, 4), &DriveOptions::default(), |_| Flow::Continue).await
     });
     match refused {
         Err(e) => {
@@ -139,7 +139,7 @@ fn sigterm_past_the_drain_timeout_cancels_what_is_left_and_exits_zero() {
     let seen = started.clone();
     let req = request(&p.tokens, 4000);
     let running = rt.spawn(async move {
-        dgr_gateway::generate(&route, &req, &DriveOptions::default(), |_| {
+        dgr_driver::generate(&route, &req, &DriveOptions::default(), |_| {
             seen.fetch_add(1, SeqCst);
             Flow::Continue
         })
@@ -168,7 +168,7 @@ fn sessions_past_the_kv_budget_or_session_cap_are_refused_with_a_clear_error() {
     let e = rt
         .block_on(async {
             let route = Route::discover(&w.addrs, Duration::from_secs(5)).await?;
-            dgr_gateway::generate(&route, &request(&p.tokens, 100), &DriveOptions::default(), |_| Flow::Continue).await
+            dgr_driver::generate(&route, &request(&p.tokens, 100), &DriveOptions::default(), |_| Flow::Continue).await
         })
         .expect_err("a session larger than the KV budget");
     println!("over the KV budget: {e}");
@@ -178,13 +178,13 @@ fn sessions_past_the_kv_budget_or_session_cap_are_refused_with_a_clear_error() {
     let route = rt.block_on(Route::discover(&w.addrs, Duration::from_secs(5))).expect("route");
     let (first, second) = rt.block_on(async {
         let (slow, opts) = (request(&p.tokens, 24), DriveOptions::default());
-        let one = dgr_gateway::generate(&route, &slow, &opts, |_| {
+        let one = dgr_driver::generate(&route, &slow, &opts, |_| {
             std::thread::sleep(Duration::from_millis(5));
             Flow::Continue
         });
         let two = async {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            dgr_gateway::generate(&route, &request(&p.tokens, 4), &DriveOptions::default(), |_| Flow::Continue).await
+            dgr_driver::generate(&route, &request(&p.tokens, 4), &DriveOptions::default(), |_| Flow::Continue).await
         };
         tokio::join!(one, two)
     });

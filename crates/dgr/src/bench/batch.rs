@@ -2,8 +2,8 @@ use super::{median, peer, prompt, record};
 use crate::model::ModelArg;
 use crate::swarm::{balanced_split, LocalSwarm};
 use anyhow::{bail, Context, Result};
+use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
-use dgr_gateway::{DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -90,7 +90,7 @@ fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: 
     let times: Vec<Vec<Instant>> = rt.block_on(async {
         let runs = reqs.iter().map(|r| async {
             let mut at = Vec::new();
-            dgr_gateway::generate(route, r, &opts, |_| {
+            dgr_driver::generate(route, r, &opts, |_| {
                 at.push(Instant::now());
                 Flow::Continue
             })

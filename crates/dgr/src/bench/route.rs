@@ -3,8 +3,8 @@ use crate::local::{self, Request};
 use crate::model::ModelArg;
 use crate::swarm::{even_split, LocalSwarm};
 use anyhow::{Context, Result};
+use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
 use dgr_engine::{SamplingParams, Stage, StageOptions};
-use dgr_gateway::{DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use serde_json::json;
 use std::path::PathBuf;
@@ -94,7 +94,7 @@ pub fn run(a: Args) -> Result<()> {
         ticket: None,
         hash_rows: false,
     };
-    let routed = || rt.block_on(dgr_gateway::generate(&route, &greq, &DriveOptions::default(), |_| Flow::Continue));
+    let routed = || rt.block_on(dgr_driver::generate(&route, &greq, &DriveOptions::default(), |_| Flow::Continue));
     local::generate(&stage, |_| false, &req, |_| {})?; // warm-up
     routed()?;
     let (mut one, mut split, mut llama) = (vec![], vec![], vec![]);

@@ -7,7 +7,7 @@ use super::{median, record};
 use crate::model::ModelArg;
 use crate::swarm::{balanced_split, LocalSwarm, LocalTracker};
 use anyhow::{Context, Result};
-use dgr_gateway::{tracker, Completion, DriveOptions, Flow, GenRequest, Route};
+use dgr_driver::{tracker, Completion, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use serde_json::json;
 use std::path::PathBuf;
@@ -70,7 +70,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let opts = DriveOptions::default();
     let by_route = || -> Result<Sample> {
-        let c = rt.block_on(dgr_gateway::generate(&listed, &req(None), &opts, |_| Flow::Continue))?;
+        let c = rt.block_on(dgr_driver::generate(&listed, &req(None), &opts, |_| Flow::Continue))?;
         Ok(sample(c, 0.0))
     };
     // Each tracker-planned session avoids the other variant's last worker.
@@ -80,7 +80,7 @@ pub fn run(a: Args) -> Result<()> {
             let budget = 1 + a.gen_tokens as u64;
             let (route, ticket) = tracker::route(&t.addr, &model_id, budget, "", &tracker::new_request_id(), &[avoid.into()]).await?;
             let route_ms = started.elapsed().as_secs_f64() * 1e3;
-            let c = dgr_gateway::generate(&route, &req(Some(ticket)), &opts, |_| Flow::Continue).await?;
+            let c = dgr_driver::generate(&route, &req(Some(ticket)), &opts, |_| Flow::Continue).await?;
             Ok((sample(c, route_ms), route.addrs()))
         })
     };

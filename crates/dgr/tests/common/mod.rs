@@ -4,7 +4,7 @@
 
 pub mod swarm;
 
-use dgr_gateway::Completion;
+use dgr_driver::Completion;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -339,7 +339,7 @@ pub fn prompt(name: &str) -> Prompt {
     prompts().into_iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no prompt {name:?} in the reference"))
 }
 
-/// A runtime for driving sessions with the `dgr_gateway` library.
+/// A runtime for driving sessions with the `dgr_driver` library.
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }

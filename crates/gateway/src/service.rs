@@ -1,13 +1,13 @@
 //! The gateway's state: the models it serves (tokenizer, identity and context, loaded once),
 //! warm connections to workers and to the tracker, admission, and the run of one generation.
 
-use super::admission::Admission;
-use super::error::ApiError;
-use super::metrics::HttpMetrics;
-use super::text::TextOut;
-use super::verify;
-use crate::{generate_recovering, tracker, DriveError, DriveOptions, Flow, GenRequest, Links, Ticketed};
+use crate::admission::Admission;
+use crate::api_error::ApiError;
+use crate::metrics::HttpMetrics;
+use crate::text::TextOut;
+use crate::verify;
 use axum::http::StatusCode;
+use dgr_driver::{generate_recovering, tracker, DriveError, DriveOptions, Flow, GenRequest, Links, Ticketed};
 use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError, TrackerClient};
 use dgr_tokenizer::Tokenizer;
 use std::path::PathBuf;

@@ -4,8 +4,8 @@
 //! the hashes of the stage's last output row are compared. A disagreement is settled by a third
 //! replica; the odd one out is quarantined by the tracker and never routed to again.
 
-use super::service::Gateway;
-use crate::{generate_on, tracker, DriveOptions, Flow, GenRequest, Route};
+use crate::service::Gateway;
+use dgr_driver::{generate_on, tracker, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Hop, RouteRequest, RouteStage, Sampling, SeamDtype, Suspect, TrackerBody};
 
 /// A finished session to check: its route, its tokens, and each step's trace.

@@ -1,7 +1,7 @@
 //! The OpenAI request bodies dgr accepts, and what each asks of a generation. Unknown fields and
 //! unsupported values are refused with a 400 that names them, never ignored.
 
-use super::error::ApiError;
+use crate::api_error::ApiError;
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -2,7 +2,7 @@
 //! `timeout`. Past that a request is refused at once (429 when the queue is full, 503 when its
 //! wait ran out), with Retry-After.
 
-use super::error::ApiError;
+use crate::api_error::ApiError;
 use axum::http::StatusCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

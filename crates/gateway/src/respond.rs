@@ -1,8 +1,8 @@
 //! Turning a generation's pieces into an OpenAI response: one JSON body, or a stream of
 //! server-sent events ending with a usage chunk and `[DONE]`.
 
-use super::openai::Params;
-use super::service::{Piece, ServedModel};
+use crate::openai::Params;
+use crate::service::{Piece, ServedModel};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};

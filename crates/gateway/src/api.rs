@@ -1,10 +1,10 @@
 //! The HTTP routes: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions, streamed
 //! as server-sent events or not), /health, /metrics, and the dashboard.
 
-use super::error::ApiError;
-use super::openai::{Body as ReqBody, Params, Prompt};
-use super::respond;
-use super::service::{Gateway, Job};
+use crate::api_error::ApiError;
+use crate::openai::{Body as ReqBody, Params, Prompt};
+use crate::respond;
+use crate::service::{Gateway, Job};
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -38,7 +38,7 @@ async fn dashboard() -> Html<&'static str> {
 }
 
 async fn dashboard_state(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
-    Json(super::dashboard::state(&gw).await)
+    Json(crate::dashboard::state(&gw).await)
 }
 
 async fn health(State(gw): State<Arc<Gateway>>) -> Response {

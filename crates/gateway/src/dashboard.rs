@@ -1,7 +1,7 @@
 //! What the dashboard shows, as JSON: per model, the coverage of its layers and every worker
 //! with its range, liveness and load; tokens/s; usage per key from the tracker's ledger.
 
-use super::service::Gateway;
+use crate::service::Gateway;
 use dgr_proto::{SwarmReply, TrackerBody, UsageQuery};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;

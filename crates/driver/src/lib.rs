@@ -1,0 +1,20 @@
+//! The route driver: opens a session along a route of stage workers, drives prefill and decode,
+//! streams tokens back, recovers on a replacement route when a stage fails, and deals with the
+//! tracker for routes and usage. Its public items are the whole seam the HTTP gateway
+//! (`dgr-gateway`) and the binary drive requests through.
+
+mod conn;
+mod driver;
+mod error;
+mod links;
+mod recover;
+mod report;
+mod route;
+pub mod tracker;
+
+pub use driver::{generate, generate_on, DriveOptions, Flow, GenRequest};
+pub use error::DriveError;
+pub use links::Links;
+pub use recover::{generate_recovering, Attempt, Recovered, Recovery, Ticketed};
+pub use report::{Completion, SeamReport, StageReport, Timings, UsageReport};
+pub use route::{Route, StageEndpoint};
