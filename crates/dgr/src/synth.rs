@@ -1,6 +1,7 @@
 use anyhow::{bail, Context, Result};
 use clap::builder::PossibleValuesParser;
-use dgr_engine::synth::{SynthSpec, ARCHS, MIN_VOCAB};
+use dgr_engine::synth::{SynthSpec, MIN_VOCAB};
+use dgr_engine::Arch;
 use dgr_gguf::GgmlType;
 use std::path::PathBuf;
 
@@ -11,7 +12,7 @@ pub struct Args {
     out: PathBuf,
     /// Architecture: llama, mistral (a llama file with a SentencePiece vocabulary and its own
     /// head), qwen2, qwen3 or gemma3
-    #[arg(long, default_value = "llama", value_parser = PossibleValuesParser::new(ARCHS))]
+    #[arg(long, default_value = "llama", value_parser = PossibleValuesParser::new(Arch::ALL.map(Arch::as_str)))]
     arch: String,
     #[arg(long, default_value_t = 4)]
     layers: usize,
@@ -43,7 +44,7 @@ pub fn run(a: Args) -> Result<()> {
     let Some(ty) = GgmlType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(&a.ty)) else {
         bail!("unknown tensor type {:?}", a.ty);
     };
-    let Some(arch) = ARCHS.into_iter().find(|n| *n == a.arch) else { bail!("unknown architecture {:?}", a.arch) };
+    let arch: Arch = a.arch.parse()?;
     if a.heads == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
         bail!("kv heads ({}) must divide heads ({})", a.kv_heads, a.heads);
     }

@@ -27,9 +27,49 @@ pub struct SlidingWindow {
     pub rope_base: f32,
 }
 
+/// The architectures the engine computes, by their GGUF `general.architecture` name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arch {
+    Llama,
+    /// Mistral's files usually say llama; the few that say mistral compute as llama does.
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 5] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+
+    /// The name in `general.architecture`, and the prefix of the architecture's metadata keys.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+impl std::str::FromStr for Arch {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Arch, EngineError> {
+        Arch::ALL.into_iter().find(|a| a.as_str() == s).ok_or_else(|| EngineError::UnsupportedArch(s.into()))
+    }
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
-    pub arch: String,
+    pub arch: Arch,
     pub n_layers: usize,
     pub hidden: usize,
     pub ffn: usize,
@@ -72,13 +112,12 @@ const GEMMA3_27B_LAYERS: usize = 62;
 
 impl ModelConfig {
     pub fn from_gguf(g: &Gguf) -> Result<ModelConfig, EngineError> {
-        let arch = g.get_str("general.architecture")?.to_string();
-        let rope_style = match arch.as_str() {
-            "llama" | "mistral" => RopeStyle::Adjacent,
-            "qwen2" | "qwen3" | "gemma3" => RopeStyle::Halves,
-            _ => return Err(EngineError::UnsupportedArch(arch)),
+        let arch: Arch = g.get_str("general.architecture")?.parse()?;
+        let rope_style = match arch {
+            Arch::Llama | Arch::Mistral => RopeStyle::Adjacent,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeStyle::Halves,
         };
-        let gemma3 = arch == "gemma3";
+        let gemma3 = arch == Arch::Gemma3;
         let key = |k: &str| format!("{arch}.{k}");
         let dim = |k: &str, max: u64| -> Result<usize, EngineError> {
             let v = g.get_u64(&key(k))?;
@@ -132,7 +171,7 @@ impl ModelConfig {
         };
         let rope_base = float("rope.freq_base", 10000.0)?;
         let rms_eps = float("attention.layer_norm_rms_epsilon", 1e-5)?;
-        let rope_scale = rope_scale(g, &arch)?;
+        let rope_scale = rope_scale(g, arch)?;
         let context = match g.get(&key("context_length")) {
             Some(_) => dim("context_length", MAX_CONTEXT)?,
             None => 4096,
@@ -149,9 +188,9 @@ impl ModelConfig {
                 })
             }
         };
-        let sliding_window = if gemma3 { sliding_window(g, &arch, n_layers)? } else { None };
+        let sliding_window = if gemma3 { sliding_window(g, arch, n_layers)? } else { None };
         // llama.cpp's qwen3 graph insists on rotating whole heads.
-        if arch == "qwen3" && rope_dim != head_dim {
+        if arch == Arch::Qwen3 && rope_dim != head_dim {
             return Err(EngineError::BadConfig(format!("qwen3 rotates whole heads, not {rope_dim} of {head_dim}")));
         }
         let logit_softcap = match g.get(&key("final_logit_softcapping")) {
@@ -184,7 +223,7 @@ impl ModelConfig {
             vocab,
             context,
             attn_scale,
-            qk_norm: gemma3 || arch == "qwen3",
+            qk_norm: gemma3 || arch == Arch::Qwen3,
             post_norms: gemma3,
             embed_scale: gemma3.then(|| (hidden as f64).sqrt()),
             activation: if gemma3 { Activation::GeluTanh } else { Activation::Silu },
@@ -213,7 +252,7 @@ impl ModelConfig {
 /// gemma3's window as llama.cpp reads it: none when the size is absent or 0; the layers it
 /// applies to from `sliding_window_pattern`, a per-layer array or a period (all but the last
 /// layer of each period; 0: every layer); its own RoPE base.
-fn sliding_window(g: &Gguf, arch: &str, n_layers: usize) -> Result<Option<SlidingWindow>, EngineError> {
+fn sliding_window(g: &Gguf, arch: Arch, n_layers: usize) -> Result<Option<SlidingWindow>, EngineError> {
     let key = |k: &str| format!("{arch}.{k}");
     let window = match g.get(&key("attention.sliding_window")) {
         Some(_) => g.get_u64(&key("attention.sliding_window"))?,
@@ -254,7 +293,7 @@ fn period(n: u64, n_layers: usize) -> Vec<bool> {
 
 /// llama.cpp's reading of RoPE scaling: the factor (under either key name) divides positions
 /// unless the type is "none"; the types that change more than that are refused.
-fn rope_scale(g: &Gguf, arch: &str) -> Result<f64, EngineError> {
+fn rope_scale(g: &Gguf, arch: Arch) -> Result<f64, EngineError> {
     let kind = match g.get(&format!("{arch}.rope.scaling.type")) {
         Some(_) => g.get_str(&format!("{arch}.rope.scaling.type"))?,
         None => "linear",
@@ -292,6 +331,18 @@ mod tests {
         }
         w.add_tensor("token_embd.weight", GgmlType::F32, &[64, 8], vec![0; 64 * 8 * 4]).unwrap();
         ModelConfig::from_gguf(&Gguf::from_bytes(w.to_bytes()).unwrap())
+    }
+
+    #[test]
+    fn architectures_read_by_name_and_an_unknown_one_is_refused() {
+        for a in Arch::ALL {
+            assert_eq!(a.as_str().parse::<Arch>().ok(), Some(a));
+            assert_eq!(config(a.as_str(), &[("attention.key_length", Value::U32(16))]).map(|c| c.arch).ok(), Some(a));
+        }
+        let names: Vec<&str> = Arch::ALL.iter().map(|a| a.as_str()).collect();
+        assert_eq!(names, ["llama", "mistral", "qwen2", "qwen3", "gemma3"]);
+        assert!(matches!("Llama".parse::<Arch>(), Err(EngineError::UnsupportedArch(n)) if n == "Llama"));
+        assert!(matches!(config("gpt2", &[]), Err(EngineError::UnsupportedArch(n)) if n == "gpt2"));
     }
 
     #[test]

@@ -16,7 +16,7 @@ mod sample;
 mod stage;
 pub mod synth;
 
-pub use config::{Activation, ModelConfig, RopeStyle, SlidingWindow};
+pub use config::{Activation, Arch, ModelConfig, RopeStyle, SlidingWindow};
 pub use engine::{Engine, SeqState};
 pub use error::EngineError;
 pub use kernels::Isa;

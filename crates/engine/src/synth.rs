@@ -4,11 +4,8 @@
 
 mod vocab;
 
-use crate::EngineError;
+use crate::{Arch, EngineError};
 use dgr_gguf::{GgmlType, GgufWriter, Value};
-
-/// The architectures `SynthSpec::arch` may name.
-pub const ARCHS: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "gemma3"];
 
 /// The smallest vocabulary: 256 byte tokens, then BOS, EOS and UNK (SentencePiece) or BOS, EOS
 /// and one merge (BPE: an empty merges array would carry no element type, and llama.cpp wants
@@ -35,8 +32,7 @@ pub struct SynthSpec {
     pub ty: GgmlType,
     pub seed: u64,
     pub context: usize,
-    /// One of [`ARCHS`].
-    pub arch: &'static str,
+    pub arch: Arch,
 }
 
 impl Default for SynthSpec {
@@ -52,7 +48,7 @@ impl Default for SynthSpec {
             ty: GgmlType::Q4_1,
             seed: 1,
             context: 512,
-            arch: "llama",
+            arch: Arch::Llama,
         }
     }
 }
@@ -60,7 +56,7 @@ impl Default for SynthSpec {
 /// What sets an architecture's files apart, as llama.cpp's converter writes the real models'.
 struct Family {
     /// `general.architecture`: Mistral's files say llama.
-    gguf_arch: &'static str,
+    gguf_arch: Arch,
     rope_base: f32,
     rms_eps: f32,
     tokenizer: Tokenizer,
@@ -81,9 +77,9 @@ enum Tokenizer {
     Spm(bool),
 }
 
-fn family(arch: &str) -> Option<Family> {
+fn family(arch: Arch) -> Family {
     let llama = Family {
-        gguf_arch: "llama",
+        gguf_arch: Arch::Llama,
         rope_base: 10000.0,
         rms_eps: 1e-5,
         tokenizer: Tokenizer::Bpe("smollm"),
@@ -92,15 +88,14 @@ fn family(arch: &str) -> Option<Family> {
         qk_norm: false,
         gemma: false,
     };
-    let qwen = Family { gguf_arch: "qwen2", rope_base: 1e6, rms_eps: 1e-6, tokenizer: Tokenizer::Bpe("qwen2"), ..llama };
-    Some(match arch {
-        "llama" => llama,
-        "mistral" => Family { rope_base: 1e6, tokenizer: Tokenizer::Spm(true), untied_head: true, ..llama },
-        "qwen2" => Family { qkv_bias: true, ..qwen },
-        "qwen3" => Family { gguf_arch: "qwen3", qk_norm: true, ..qwen },
-        "gemma3" => Family { gguf_arch: "gemma3", tokenizer: Tokenizer::Spm(false), qk_norm: true, gemma: true, ..qwen },
-        _ => return None,
-    })
+    let qwen = Family { gguf_arch: Arch::Qwen2, rope_base: 1e6, rms_eps: 1e-6, tokenizer: Tokenizer::Bpe("qwen2"), ..llama };
+    match arch {
+        Arch::Llama => llama,
+        Arch::Mistral => Family { rope_base: 1e6, tokenizer: Tokenizer::Spm(true), untied_head: true, ..llama },
+        Arch::Qwen2 => Family { qkv_bias: true, ..qwen },
+        Arch::Qwen3 => Family { gguf_arch: Arch::Qwen3, qk_norm: true, ..qwen },
+        Arch::Gemma3 => Family { gguf_arch: Arch::Gemma3, tokenizer: Tokenizer::Spm(false), qk_norm: true, gemma: true, ..qwen },
+    }
 }
 
 /// A linear congruential generator: the weights depend on the seed alone.
@@ -149,7 +144,7 @@ impl Tensors {
 
 impl SynthSpec {
     pub fn to_gguf(&self) -> Result<Vec<u8>, EngineError> {
-        let fam = family(self.arch).ok_or_else(|| EngineError::UnsupportedArch(self.arch.into()))?;
+        let fam = family(self.arch);
         let (h, f) = (self.hidden, self.ffn);
         let hd = self.head_dim.unwrap_or(h / self.heads.max(1));
         if self.vocab < MIN_VOCAB {
@@ -160,7 +155,7 @@ impl SynthSpec {
         }
         let (qd, kvd) = (self.heads * hd, self.kv_heads * hd);
         let mut t = Tensors { w: GgufWriter::new(), rng: Rng(self.seed) };
-        let a = fam.gguf_arch;
+        let a = fam.gguf_arch.as_str();
         let mut meta = |key: &str, v: Value| t.w.add_metadata(key, v);
         let u32v = |v: usize| Value::U32(v as u32);
         meta("general.architecture", Value::String(a.into()))?;

@@ -13,7 +13,7 @@ const LAYERS: usize = 6;
 fn model(ty: GgmlType, arch: &'static str) -> Arc<Gguf> {
     // K-quant rows are whole blocks of 256.
     let (hidden, ffn) = if ty.block_size() == 256 { (256, 512) } else { (64, 128) };
-    let spec = SynthSpec { ty, layers: LAYERS, hidden, ffn, arch, ..SynthSpec::default() };
+    let spec = SynthSpec { ty, layers: LAYERS, hidden, ffn, arch: arch.parse().unwrap(), ..SynthSpec::default() };
     Arc::new(Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap())
 }
 

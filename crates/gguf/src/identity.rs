@@ -5,7 +5,6 @@
 
 use crate::error::GgufError;
 use crate::gguf::Gguf;
-use crate::hex;
 use crate::sidecar::{self, Key};
 use crate::slice::PREFIX;
 use crate::tensor::TensorInfo;
@@ -37,7 +36,7 @@ pub fn file_sha256(path: &Path) -> std::io::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(hex::encode(&h.finalize()))
+    Ok(hex::encode(h.finalize()))
 }
 
 /// One tensor of a model: what it is and the SHA-256 of its bytes.
@@ -86,7 +85,7 @@ impl ModelIdentity {
             buf.extend_from_slice(&t.sha256);
             h.update(&buf);
         }
-        ModelIdentity { id: hex::encode(&h.finalize()), tensors }
+        ModelIdentity { id: hex::encode(h.finalize()), tensors }
     }
 
     pub fn get(&self, name: &str) -> Option<&TensorHash> {

@@ -6,7 +6,6 @@
 mod assemble;
 mod error;
 mod gguf;
-mod hex;
 mod identity;
 mod mapping;
 mod paths;

@@ -3,7 +3,6 @@
 //! whole model it serves. The table arrives from strangers: every field is checked at open.
 
 use crate::error::GgufError;
-use crate::hex;
 use crate::identity::TensorHash;
 use crate::tensor::{tensor_n_bytes, TensorInfo, MAX_DIMS};
 use crate::types::GgmlType;
@@ -94,7 +93,7 @@ pub(crate) fn format_entry(index: usize, t: &TensorHash) -> Result<String, GgufE
         return Err(GgufError::BadSliceTable { index, reason: "the tensor name holds a tab".into() });
     }
     let dims: Vec<String> = t.dims.iter().map(u64::to_string).collect();
-    Ok(format!("{}\t{}\t{}\t{}", t.name, t.ty.id(), dims.join(","), hex::encode(&t.sha256)))
+    Ok(format!("{}\t{}\t{}\t{}", t.name, t.ty.id(), dims.join(","), hex::encode(t.sha256)))
 }
 
 /// A decimal number of digits only.
@@ -123,7 +122,11 @@ fn parse_entry(index: usize, s: &str) -> Result<TensorHash, GgufError> {
         parsed.push(number::<u64>(d).ok_or_else(|| bad("a dimension is not a number"))?);
     }
     tensor_n_bytes(name, ty, &parsed, None).map_err(|e| GgufError::BadSliceTable { index, reason: e.to_string() })?;
-    let sha256 = hex::decode32(sha).ok_or_else(|| bad("the hash is not 64 lowercase hex digits"))?;
+    // Lowercase only, so that each digest has one spelling.
+    let mut sha256 = [0u8; 32];
+    if sha.bytes().any(|c| c.is_ascii_uppercase()) || hex::decode_to_slice(sha, &mut sha256).is_err() {
+        return Err(bad("the hash is not 64 lowercase hex digits"));
+    }
     Ok(TensorHash { name: name.to_owned(), ty, dims: parsed, sha256 })
 }
 
@@ -187,7 +190,7 @@ mod tests {
         let t = TensorHash { name: "blk.0.a b".into(), ty: GgmlType::Q4_1, dims: vec![64, 3], sha256: [7; 32] };
         let s = format_entry(0, &t).expect("format");
         assert_eq!(parse_entry(0, &s).ok(), Some(t));
-        let h = hex::encode(&[7; 32]);
+        let h = hex::encode([7; 32]);
         for (entry, want) in [
             (format!("a\t0\t4\t{h}\tx"), "tab"),
             (format!("0\t4\t{h}"), "expected 4"),
@@ -200,6 +203,9 @@ mod tests {
             (format!("a\t0\t4,0\t{h}"), "zero"),
             (format!("a\t0\t{}\t{h}", u64::MAX), "overflows"),
             ("a\t0\t4\tabc".to_owned(), "hash"),
+            (format!("a\t0\t4\t{}", "AB".repeat(32)), "hash"),
+            (format!("a\t0\t4\t{}g", &h[1..]), "hash"),
+            (format!("a\t0\t4\t{}é", &h[2..]), "hash"),
         ] {
             match parse_entry(3, &entry) {
                 Err(GgufError::BadSliceTable { index: 3, reason }) => assert!(reason.contains(want), "{entry:?}: {reason}"),

@@ -44,7 +44,7 @@ pub struct Checkpoint {
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 fn ggml_type(name: &str, dtype: Dtype) -> Result<GgmlType, HfError> {

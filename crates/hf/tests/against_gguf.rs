@@ -7,7 +7,7 @@ mod common;
 
 use common::{write_checkpoint, TempDir};
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::{Input, LogitRows, ModelConfig, SeqInput, Stage, StageOptions};
+use dgr_engine::{Arch, Input, LogitRows, ModelConfig, SeqInput, Stage, StageOptions};
 use dgr_gguf::{GgmlType, Gguf};
 use dgr_hf::Checkpoint;
 use std::sync::Arc;
@@ -42,7 +42,8 @@ fn run(g: &Arc<Gguf>, cuts: &[usize], prompt: &[u32]) -> Vec<Vec<f32>> {
 }
 
 fn same_model(arch: &'static str, ty: GgmlType, sharded: bool) {
-    let spec = SynthSpec { ty, layers: LAYERS, hidden: 64, ffn: 128, arch, head_dim: Some(32), ..SynthSpec::default() };
+    let spec =
+        SynthSpec { ty, layers: LAYERS, hidden: 64, ffn: 128, arch: arch.parse().unwrap(), head_dim: Some(32), ..SynthSpec::default() };
     let spec = if matches!(arch, "qwen3" | "gemma3") { spec } else { SynthSpec { head_dim: None, ..spec } };
     let gguf = Arc::new(Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap());
     let dir = TempDir::new(arch);
@@ -93,7 +94,7 @@ fn batched(g: &Arc<Gguf>, prompts: &[Vec<u32>], b: usize) -> Vec<Vec<Vec<f32>>> 
 
 #[test]
 fn a_checkpoints_sessions_batch_as_a_gguf_models_do() {
-    let spec = SynthSpec { ty: GgmlType::BF16, layers: LAYERS, hidden: 64, ffn: 128, arch: "qwen2", ..SynthSpec::default() };
+    let spec = SynthSpec { ty: GgmlType::BF16, layers: LAYERS, hidden: 64, ffn: 128, arch: Arch::Qwen2, ..SynthSpec::default() };
     let gguf = Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap();
     let dir = TempDir::new("batch");
     write_checkpoint(&gguf, "qwen2", &dir.0, false);

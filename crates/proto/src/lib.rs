@@ -19,7 +19,7 @@ pub use client::{TrackerCallError, TrackerClient, TRACKER_MAX_FRAME};
 pub use codec::{codec, DEFAULT_MAX_FRAME};
 pub use ed25519_dalek::{SigningKey, VerifyingKey};
 pub use messages::*;
-pub use net::{dial, read_frame, relay_accept, relay_addr, serve_http_get, write_frame};
+pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
 pub use ticket::{
     check_ticket_open, new_signing_key, sign_ticket, verify_ticket, verifying_key, worker_id, SignedTicket, Ticket, TicketError,

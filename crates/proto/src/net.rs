@@ -91,36 +91,3 @@ pub async fn read_frame(s: &mut TcpStream, max: usize) -> std::io::Result<Tracke
     s.read_exact(&mut body).await?;
     TrackerFrame::decode(body.as_slice()).map_err(|e| Error::new(ErrorKind::InvalidData, e))
 }
-
-/// A one-request HTTP/1.1 responder for the plain-text GET endpoints of workers and trackers
-/// (/metrics, /health): reads the request head (`head` holds what was read of it already; capped
-/// at 8 KiB, 5 s to send it), answers with `answer(path)`'s status and body, and closes; a client
-/// that does not read the answer is not waited on past 5 s.
-pub async fn serve_http_get(mut stream: TcpStream, mut head: Vec<u8>, answer: impl FnOnce(&[u8]) -> (&'static str, String)) {
-    const WAIT: Duration = Duration::from_secs(5);
-    let mut buf = [0u8; 1024];
-    let read = tokio::time::timeout(WAIT, async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => return false,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
-        }
-        true
-    })
-    .await;
-    if read != Ok(true) {
-        return;
-    }
-    let path = head.split(|b| *b == b' ').nth(1).unwrap_or_default();
-    let (status, body) = answer(path);
-    let resp = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = tokio::time::timeout(WAIT, async {
-        let _ = stream.write_all(resp.as_bytes()).await;
-        let _ = stream.shutdown().await;
-    })
-    .await;
-}

@@ -132,7 +132,7 @@ pub fn verifying_key(bytes: &[u8]) -> Option<VerifyingKey> {
 
 /// A worker's id: the hex of its identity key.
 pub fn worker_id(key: &VerifyingKey) -> String {
-    key.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(key.to_bytes())
 }
 
 #[cfg(test)]

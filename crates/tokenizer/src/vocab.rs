@@ -353,9 +353,7 @@ fn decode_byte_level(text: &str) -> Vec<u8> {
             Some(b) => out.push(b),
             None => {
                 out.extend_from_slice(b"[UNK_BYTE_0x");
-                for b in c.encode_utf8(&mut [0; 4]).bytes() {
-                    out.extend_from_slice(format!("{b:02x}").as_bytes());
-                }
+                out.extend_from_slice(hex::encode(c.encode_utf8(&mut [0; 4])).as_bytes());
                 out.extend_from_slice(text.as_bytes());
                 out.push(b']');
             }

@@ -179,7 +179,7 @@ fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, Refused> {
         lock(&sh.store).put_key(&k.name, &k.key, k.quota_tokens, unix_ms()).map_err(store_err)?;
         return Ok(TrackerBody::KeyAdded(KeyAdded { key: k.key }));
     }
-    let key = format!("dgr-{}", random::<24>().iter().map(|b| format!("{b:02x}")).collect::<String>());
+    let key = format!("dgr-{}", hex::encode(random::<24>()));
     lock(&sh.store).add_key(&k.name, &key, k.quota_tokens, unix_ms()).map_err(|e| match e {
         StoreError::Sql(rusqlite::Error::SqliteFailure(f, _)) if f.code == rusqlite::ErrorCode::ConstraintViolation => {
             Refused::new(RefusalKind::BadRequest, format!("a key named {:?} exists", k.name))

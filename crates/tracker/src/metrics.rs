@@ -1,5 +1,6 @@
 //! What the tracker reports at /metrics, as Prometheus text.
 
+use dgr_telemetry::prom::{Kind::*, Text};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
@@ -32,26 +33,23 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let mut line = |name: &str, help: &str, kind: &str, v: u64| {
-            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
-        };
+        let mut t = Text::new();
         let get = |a: &AtomicU64| a.load(Relaxed);
-        line("dgr_tracker_workers_live", "Workers connected and heard from within three heartbeats.", "gauge", get(&self.workers_live));
-        line("dgr_tracker_joins_total", "Workers admitted (joins and re-joins).", "counter", get(&self.joins));
-        line("dgr_tracker_routes_issued_total", "Route tickets signed.", "counter", get(&self.routes_issued));
-        line("dgr_tracker_route_plan_us_total", "Microseconds spent planning routes.", "counter", get(&self.route_plan_us_total));
-        line("dgr_tracker_route_plan_us_max", "Longest route planning, microseconds.", "gauge", get(&self.route_plan_us_max));
-        line("dgr_tracker_usage_reports_total", "Usage reports stored.", "counter", get(&self.usage_reports));
-        line("dgr_tracker_usage_duplicates_total", "Usage reports received again and ignored.", "counter", get(&self.usage_duplicates));
-        line("dgr_tracker_relay_sessions_total", "Connections spliced through the relay.", "counter", get(&self.relay_sessions));
-        line("dgr_tracker_connections_open", "Connections open now.", "gauge", get(&self.connections_open));
-        line("dgr_tracker_connections_refused_total", "Connections refused at the cap.", "counter", get(&self.connections_refused));
-        line("dgr_tracker_workers_quarantined", "Workers quarantined by spot checks (never routed to).", "gauge", get(&self.quarantined));
-        out.push_str("# HELP dgr_tracker_refusals_total Requests refused, by kind.\n# TYPE dgr_tracker_refusals_total counter\n");
+        t.metric("dgr_tracker_workers_live", "Workers connected and heard from within three heartbeats.", Gauge, get(&self.workers_live));
+        t.metric("dgr_tracker_joins_total", "Workers admitted (joins and re-joins).", Counter, get(&self.joins));
+        t.metric("dgr_tracker_routes_issued_total", "Route tickets signed.", Counter, get(&self.routes_issued));
+        t.metric("dgr_tracker_route_plan_us_total", "Microseconds spent planning routes.", Counter, get(&self.route_plan_us_total));
+        t.metric("dgr_tracker_route_plan_us_max", "Longest route planning, microseconds.", Gauge, get(&self.route_plan_us_max));
+        t.metric("dgr_tracker_usage_reports_total", "Usage reports stored.", Counter, get(&self.usage_reports));
+        t.metric("dgr_tracker_usage_duplicates_total", "Usage reports received again and ignored.", Counter, get(&self.usage_duplicates));
+        t.metric("dgr_tracker_relay_sessions_total", "Connections spliced through the relay.", Counter, get(&self.relay_sessions));
+        t.metric("dgr_tracker_connections_open", "Connections open now.", Gauge, get(&self.connections_open));
+        t.metric("dgr_tracker_connections_refused_total", "Connections refused at the cap.", Counter, get(&self.connections_refused));
+        t.metric("dgr_tracker_workers_quarantined", "Workers quarantined by spot checks (never routed to).", Gauge, get(&self.quarantined));
+        let mut refusals = t.family("dgr_tracker_refusals_total", "Requests refused, by kind.", Counter);
         for (kind, n) in self.refusals.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            out.push_str(&format!("dgr_tracker_refusals_total{{kind=\"{kind}\"}} {n}\n"));
+            refusals.sample(&[("kind", kind)], n);
         }
-        out
+        t.finish()
     }
 }

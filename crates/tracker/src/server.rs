@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -71,9 +71,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-pub(crate) fn unix_ms() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
+pub(crate) use dgr_telemetry::unix_ms;
 
 pub(crate) fn random<const N: usize>() -> [u8; N] {
     let mut b = [0u8; N];
@@ -218,7 +216,7 @@ async fn read_body(s: &mut TcpStream, len: usize) -> std::io::Result<TrackerFram
 
 /// GET /metrics and /health; anything else is 404.
 async fn http(stream: TcpStream, head: Vec<u8>, sh: &Shared) {
-    dgr_proto::serve_http_get(stream, head, |path| match path {
+    dgr_telemetry::http::serve_get(stream, head, |path| match path {
         b"/metrics" => {
             let live = {
                 let reg = lock(&sh.registry);

@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS worker_usage (
 
 /// The hex SHA-256 of an API key: only this is stored.
 pub fn key_hash(key: &str) -> String {
-    Sha256::digest(key.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(Sha256::digest(key.as_bytes()))
 }
 
 impl Store {

@@ -2,6 +2,7 @@
 
 use crate::compat::Phase;
 use dgr_proto::{ErrorKind, SeamDtype, TicketError};
+use dgr_telemetry::prom::{Kind::*, Text};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -70,73 +71,65 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let mut line = |name: &str, help: &str, kind: &str, v: &dyn std::fmt::Display| {
-            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
-        };
+        let mut t = Text::new();
         let get = |a: &AtomicU64| a.load(Relaxed);
-        line("dgr_worker_rss_bytes", "Resident set size of the worker process.", "gauge", &rss_bytes());
-        line("dgr_worker_weight_bytes", "Bytes of the weights this stage reads.", "gauge", &get(&self.weight_bytes));
-        line("dgr_worker_sessions_open", "Sessions holding state on this worker.", "gauge", &get(&self.sessions_open));
-        line("dgr_worker_kv_bytes_used", "KV cache bytes held by open sessions.", "gauge", &get(&self.kv_bytes_used));
-        line("dgr_worker_kv_bytes_capacity", "KV cache bytes this worker may hold.", "gauge", &get(&self.kv_bytes_capacity));
-        line("dgr_worker_queue_depth", "Forward requests waiting for a step.", "gauge", &get(&self.queue_depth));
-        line("dgr_worker_tokens_prefilled_total", "Prompt rows computed.", "counter", &get(&self.tokens_prefilled));
-        line("dgr_worker_tokens_decoded_total", "Decode rows computed.", "counter", &get(&self.tokens_decoded));
-        line("dgr_worker_steps_total", "Batched forward steps run.", "counter", &get(&self.steps));
-        line("dgr_worker_step_rows_total", "Rows computed over all steps.", "counter", &get(&self.step_rows));
-        line("dgr_worker_step_seconds_total", "Time spent in forward steps.", "counter", &(get(&self.step_micros) as f64 / 1e6));
-        line("dgr_worker_batch_sessions", "Sessions in the most recent step.", "gauge", &get(&self.last_batch_sessions));
-        line("dgr_worker_sessions_opened_total", "Sessions opened.", "counter", &get(&self.sessions_opened));
-        line(
+        t.metric("dgr_worker_rss_bytes", "Resident set size of the worker process.", Gauge, rss_bytes());
+        t.metric("dgr_worker_weight_bytes", "Bytes of the weights this stage reads.", Gauge, get(&self.weight_bytes));
+        t.metric("dgr_worker_sessions_open", "Sessions holding state on this worker.", Gauge, get(&self.sessions_open));
+        t.metric("dgr_worker_kv_bytes_used", "KV cache bytes held by open sessions.", Gauge, get(&self.kv_bytes_used));
+        t.metric("dgr_worker_kv_bytes_capacity", "KV cache bytes this worker may hold.", Gauge, get(&self.kv_bytes_capacity));
+        t.metric("dgr_worker_queue_depth", "Forward requests waiting for a step.", Gauge, get(&self.queue_depth));
+        t.metric("dgr_worker_tokens_prefilled_total", "Prompt rows computed.", Counter, get(&self.tokens_prefilled));
+        t.metric("dgr_worker_tokens_decoded_total", "Decode rows computed.", Counter, get(&self.tokens_decoded));
+        t.metric("dgr_worker_steps_total", "Batched forward steps run.", Counter, get(&self.steps));
+        t.metric("dgr_worker_step_rows_total", "Rows computed over all steps.", Counter, get(&self.step_rows));
+        t.metric("dgr_worker_step_seconds_total", "Time spent in forward steps.", Counter, get(&self.step_micros) as f64 / 1e6);
+        t.metric("dgr_worker_batch_sessions", "Sessions in the most recent step.", Gauge, get(&self.last_batch_sessions));
+        t.metric("dgr_worker_sessions_opened_total", "Sessions opened.", Counter, get(&self.sessions_opened));
+        t.metric(
             "dgr_worker_sessions_closed_total",
             "Sessions freed (closed, cancelled, failed or idle).",
-            "counter",
-            &get(&self.sessions_closed),
+            Counter,
+            get(&self.sessions_closed),
         );
-        line("dgr_worker_connections_open", "Connections open now.", "gauge", &get(&self.connections_open));
-        line(
+        t.metric("dgr_worker_connections_open", "Connections open now.", Gauge, get(&self.connections_open));
+        t.metric(
             "dgr_worker_connections_refused_total",
             "Connections closed at once because --max-connections were open.",
-            "counter",
-            &get(&self.connections_refused),
+            Counter,
+            get(&self.connections_refused),
         );
-        line(
+        t.metric(
             "dgr_worker_nonfinite_frames_total",
             "Frames of hidden rows refused for NaN or infinite values.",
-            "counter",
-            &get(&self.nonfinite_frames),
+            Counter,
+            get(&self.nonfinite_frames),
         );
-        out.push_str(
-            "# HELP dgr_worker_connections_closed_total Connections the worker closed, by reason.\n# TYPE dgr_worker_connections_closed_total counter\n",
-        );
-        out.push_str(&format!("dgr_worker_connections_closed_total{{reason=\"handshake_timeout\"}} {}\n", get(&self.handshake_timeouts)));
-        out.push_str(&format!("dgr_worker_connections_closed_total{{reason=\"idle\"}} {}\n", get(&self.idle_closed)));
-        out.push_str(
-            "# HELP dgr_worker_batches_total Batched forwards by phase and seam dtype.\n# TYPE dgr_worker_batches_total counter\n",
-        );
+        let mut closed = t.family("dgr_worker_connections_closed_total", "Connections the worker closed, by reason.", Counter);
+        closed.sample(&[("reason", "handshake_timeout")], get(&self.handshake_timeouts));
+        closed.sample(&[("reason", "idle")], get(&self.idle_closed));
         let batches = self.batches.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let label = |p: &Phase, d: &SeamDtype| {
-            format!("phase=\"{}\",seam_dtype=\"{}\"", if *p == Phase::Decode { "decode" } else { "prefill" }, d.name())
-        };
+        let labels =
+            |p: &Phase, d: &SeamDtype| [("phase", if *p == Phase::Decode { "decode" } else { "prefill" }), ("seam_dtype", d.name())];
+        let mut runs = t.family("dgr_worker_batches_total", "Batched forwards by phase and seam dtype.", Counter);
         for ((p, d), n, _) in &batches {
-            out.push_str(&format!("dgr_worker_batches_total{{{}}} {n}\n", label(p, d)));
+            runs.sample(&labels(p, d), n);
         }
-        out.push_str("# HELP dgr_worker_batch_sessions_max Most sessions in one batch, by phase and seam dtype.\n# TYPE dgr_worker_batch_sessions_max gauge\n");
+        let mut most = t.family("dgr_worker_batch_sessions_max", "Most sessions in one batch, by phase and seam dtype.", Gauge);
         for ((p, d), _, m) in &batches {
-            out.push_str(&format!("dgr_worker_batch_sessions_max{{{}}} {m}\n", label(p, d)));
+            most.sample(&labels(p, d), m);
         }
-        out.push_str("# HELP dgr_worker_failures_total Failures by kind.\n# TYPE dgr_worker_failures_total counter\n");
+        let mut failures = t.family("dgr_worker_failures_total", "Failures by kind.", Counter);
         for (k, n) in self.failures.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            out.push_str(&format!("dgr_worker_failures_total{{kind=\"{}\"}} {n}\n", k.name()));
+            failures.sample(&[("kind", k.name())], n);
         }
-        out.push_str("# HELP dgr_worker_ticket_refusals_total Session opens refused for their route ticket, by reason.\n# TYPE dgr_worker_ticket_refusals_total counter\n");
         let refused = self.tickets_refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut tickets = t.family("dgr_worker_ticket_refusals_total", "Session opens refused for their route ticket, by reason.", Counter);
         for why in TicketError::ALL {
             let n = refused.iter().find(|(k, _)| *k == why).map_or(0, |(_, n)| *n);
-            out.push_str(&format!("dgr_worker_ticket_refusals_total{{reason=\"{}\"}} {n}\n", why.name()));
+            tickets.sample(&[("reason", why.name())], n);
         }
-        out
+        t.finish()
     }
 }
 

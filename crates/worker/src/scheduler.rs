@@ -10,11 +10,12 @@ use dgr_proto::{
     check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, ProtoError,
     SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
 };
+use dgr_telemetry::unix_us;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::Sender;
 
 pub(crate) type Outbox = Sender<Frame>;
@@ -165,10 +166,6 @@ pub(crate) struct Scheduler<E: Engine = Stage> {
 }
 
 pub(crate) type LedgerTx = tokio::sync::mpsc::Sender<WorkerUsage>;
-
-fn unix_us() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
-}
 
 /// 64 bits of the SHA-256 of a row's f32 bytes.
 fn row_hash(row: &[f32]) -> u64 {

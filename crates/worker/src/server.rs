@@ -13,6 +13,7 @@ use dgr_proto::{
     Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, OpenSession, Ping, Registration, Role, SeamDtype, StageInfo, TicketError,
     WorkerUsage, PROTOCOL_VERSION, STAGE_UNKNOWN,
 };
+use dgr_telemetry::unix_us;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use std::collections::HashMap;
@@ -20,7 +21,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
 
@@ -76,10 +77,6 @@ struct Shared {
 
 fn encode(f: &Frame) -> Bytes {
     Bytes::from(f.encode_to_vec())
-}
-
-fn unix_us() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
 impl Worker {
@@ -543,7 +540,7 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
 
 /// GET /metrics; anything else is 404.
 async fn http(stream: TcpStream, metrics: &Metrics) {
-    dgr_proto::serve_http_get(stream, Vec::new(), |path| {
+    dgr_telemetry::http::serve_get(stream, Vec::new(), |path| {
         if path == b"/metrics" {
             ("200 OK", metrics.render())
         } else {
