@@ -1,7 +1,7 @@
-use crate::local::{self, Request};
 use crate::model::{ModelArg, ThreadsArg};
 use crate::routed;
 use anyhow::{bail, Result};
+use dgr_bench::local::{self, Request};
 use dgr_engine::{SamplingParams, Stage, StageOptions};
 use dgr_tokenizer::ChatMessage;
 use std::io::Write;

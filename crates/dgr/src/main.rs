@@ -1,19 +1,16 @@
 //! `dgr`: the command line over dgr's crates. Each subcommand lives in its own module.
 
-mod bench;
 mod fetch;
 mod gateway;
 mod generate;
 mod inspect;
 mod key;
-mod local;
 mod model;
 mod routed;
 mod score;
 mod slice;
 mod state;
 mod status;
-mod swarm;
 mod synth;
 mod tokenize;
 mod tracker;
@@ -61,7 +58,7 @@ enum Command {
     Key(key::Command),
     /// Measure dgr against llama.cpp in the same run and print the ratios.
     #[command(subcommand)]
-    Bench(bench::Command),
+    Bench(dgr_bench::Command),
 }
 
 fn main() {
@@ -86,7 +83,7 @@ fn main() {
         Command::Swarm(a) => status::swarm(a),
         Command::Usage(a) => status::usage(a),
         Command::Key(c) => key::run(c),
-        Command::Bench(c) => bench::run(c),
+        Command::Bench(c) => dgr_bench::run(c).map_err(Into::into),
     };
     if let Err(e) = result {
         eprintln!("dgr: {}", describe(&e));

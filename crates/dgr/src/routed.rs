@@ -1,8 +1,8 @@
 //! `dgr generate` through a route of stage workers: given by address, or started locally.
 
-use crate::local::Request;
-use crate::swarm::LocalSwarm;
 use anyhow::{bail, Context, Result};
+use dgr_bench::local::Request;
+use dgr_bench::swarm::LocalSwarm;
 use dgr_driver::{generate_recovering, tracker, Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use std::path::Path;
@@ -48,8 +48,8 @@ pub fn generate(
     let addrs: Vec<String> = match (&a.route, a.split) {
         (Some(r), _) => r.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
         (None, Some(n)) => {
-            crate::swarm::check_split(n_layers, n)?;
-            swarm = LocalSwarm::start(model, &crate::swarm::even_split(n_layers, n), threads, &[])?;
+            dgr_bench::swarm::check_split(n_layers, n)?;
+            swarm = LocalSwarm::start(model, &dgr_bench::swarm::even_split(n_layers, n), threads, &[])?;
             swarm.addrs.clone()
         }
         (None, None) if a.tracker.is_some() => Vec::new(),

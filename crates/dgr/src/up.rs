@@ -2,8 +2,8 @@
 //! and the OpenAI gateway, all on loopback, until Ctrl-C stops everything.
 
 use crate::gateway::{register_keys, KeysArgs, LimitArgs};
-use crate::swarm::{balanced_split, LocalSwarm, LocalTracker};
 use anyhow::{bail, Context, Result};
+use dgr_bench::swarm::{balanced_split, LocalSwarm, LocalTracker};
 use dgr_gateway::Gateway;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,7 +39,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let g = dgr_hf::open_any(&model).with_context(|| format!("opening {}", model.display()))?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
-    crate::swarm::check_split(n_layers, a.workers)?;
+    dgr_bench::swarm::check_split(n_layers, a.workers)?;
     let ranges = balanced_split(&g, n_layers, a.workers);
     drop(g);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);

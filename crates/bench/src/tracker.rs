@@ -4,9 +4,9 @@
 //! route whose second worker is relayed through the tracker.
 
 use super::{median, record};
+use crate::error::{BenchError, Context, Result};
 use crate::model::ModelArg;
 use crate::swarm::{balanced_split, LocalSwarm, LocalTracker};
-use anyhow::{Context, Result};
 use dgr_driver::{tracker, Completion, DriveOptions, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use serde_json::json;
@@ -52,7 +52,7 @@ pub fn run(a: Args) -> Result<()> {
     let relayed = LocalSwarm::start(&model, &ranges[1..], a.threads, &relay_flags)?;
     let (direct_tail, relayed_tail) = (joined.ids[1].clone(), relayed.ids[0].clone());
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting a runtime")?;
     let listed = rt.block_on(Route::discover(&direct.addrs, Duration::from_secs(5)))?;
     let req = |ticket| GenRequest {
         prompt_tokens: vec![1],
@@ -93,11 +93,13 @@ pub fn run(a: Args) -> Result<()> {
                 let _ = e;
                 std::thread::sleep(Duration::from_millis(100));
             }
-            Err(e) => return Err(e).context("the workers did not join the tracker"),
+            Err(e) => return Err(BenchError::Local(format!("the workers did not join the tracker: {e}"))),
         }
     };
     let (_, relay_addrs) = planned(&direct_tail)?;
-    anyhow::ensure!(relay_addrs[1].starts_with("relay://") && !direct_addrs[1].starts_with("relay://"), "unexpected routes");
+    if !relay_addrs[1].starts_with("relay://") || direct_addrs[1].starts_with("relay://") {
+        return Err(BenchError::Local(format!("unexpected routes: {direct_addrs:?} and {relay_addrs:?}")));
+    }
     by_route()?;
 
     let (mut listed_s, mut planned_s, mut relay_s) = (Vec::new(), Vec::new(), Vec::new());

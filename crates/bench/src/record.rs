@@ -1,6 +1,6 @@
 //! The record each benchmark run writes beside its result: enough to rerun and to compare.
 
-use anyhow::{Context, Result};
+use crate::error::{BenchError, Context, Result};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -17,10 +17,14 @@ fn cpu() -> Value {
 pub fn model_field(m: &Path) -> Result<Value> {
     let name = m.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(if m.is_dir() {
-        json!({ "dir": name, "identity": dgr_hf::identity(m).with_context(|| format!("hashing {}", m.display()))?.id })
+        json!({ "dir": name, "identity": dgr_hf::identity(m).map_err(|e| hash_error(m, e))?.id })
     } else {
-        json!({ "file": name, "sha256": dgr_gguf::file_sha256(m).with_context(|| format!("hashing {}", m.display()))? })
+        json!({ "file": name, "sha256": dgr_gguf::file_sha256(m).map_err(|e| hash_error(m, e))? })
     })
+}
+
+fn hash_error(m: &Path, e: impl std::error::Error + Send + Sync + 'static) -> BenchError {
+    BenchError::Hash { path: m.display().to_string(), source: Box::new(e) }
 }
 
 /// Writes `{the common fields} + extra` as `<dir>/<name>-<unix seconds>.json` and returns the path.
@@ -45,8 +49,9 @@ pub fn write_maybe_model(dir: &Path, name: &str, model: Option<&Path>, extra: Va
     if let (Some(r), Value::Object(e)) = (rec.as_object_mut(), extra) {
         r.extend(e);
     }
-    std::fs::create_dir_all(dir)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join(format!("{name}-{}.json", rec["unix_time"]));
-    std::fs::write(&path, serde_json::to_string_pretty(&rec)?)?;
+    let text = serde_json::to_string_pretty(&rec).context("the record")?;
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
 }

@@ -5,7 +5,7 @@
 
 use super::record;
 use super::serve_client::{self as client, Endpoint, RequestSpec, Sample};
-use anyhow::{bail, Result};
+use crate::error::{BenchError, Context, Result};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::cell::Cell;
@@ -370,7 +370,10 @@ impl Contender {
         }
         let (_, samples) = phase(&self.ep, load, self.model.as_deref(), self.id_base..self.id_base + n, concurrency).await;
         if let Some(e) = samples.iter().map(|s| s.error.as_ref()).collect::<Option<Vec<_>>>().and_then(|e| e.first().copied()) {
-            bail!("every warm-up request to {} failed; the first: {}: {}", self.url, e.kind, e.message);
+            return Err(BenchError::Endpoint(format!(
+                "every warm-up request to {} failed; the first: {}: {}",
+                self.url, e.kind, e.message
+            )));
         }
         Ok(())
     }
@@ -401,17 +404,17 @@ fn redacted_command() -> Vec<String> {
 pub fn run(a: Args) -> Result<()> {
     let rounds = a.rounds.unwrap_or(if a.peer_url.is_some() { 3 } else { 1 });
     if a.concurrency == 0 || a.requests == 0 || a.max_tokens == 0 || rounds == 0 {
-        bail!("--concurrency, --requests, --max-tokens and --rounds must be positive");
+        return Err(BenchError::Usage("--concurrency, --requests, --max-tokens and --rounds must be positive".into()));
     }
     if a.warmup + rounds * a.requests >= ID_SPAN {
-        bail!("at most {ID_SPAN} requests per endpoint");
+        return Err(BenchError::Usage(format!("at most {ID_SPAN} requests per endpoint")));
     }
     let load = Load { chat: a.chat, prompt_tokens: a.prompt_tokens, max_tokens: a.max_tokens, timeout: Duration::from_secs(a.timeout) };
     let mut cs = vec![Contender::new(&a.url, a.label.clone(), a.model.clone(), a.api_key.clone(), 0)?];
     if let Some(p) = &a.peer_url {
         cs.push(Contender::new(p, a.peer_label.clone(), a.peer_model.clone(), a.peer_api_key.clone().or(a.api_key.clone()), 1)?);
     }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting a runtime")?;
     rt.block_on(async {
         for c in &mut cs {
             c.discover().await;
@@ -424,7 +427,7 @@ pub fn run(a: Args) -> Result<()> {
                 eprintln!("round {r} {}: {:.1} tok/s, {}/{} ok", c.label, last.0, last.1, a.requests);
             }
         }
-        anyhow::Ok(())
+        Ok::<_, BenchError>(())
     })?;
 
     let summaries: Vec<Summary> = cs.iter().map(|c| summarize(&c.rounds, a.max_tokens)).collect();
@@ -471,7 +474,7 @@ pub fn run(a: Args) -> Result<()> {
             (c.label.as_str(), sorted(ok().filter_map(|s| s.ttft_ms)), sorted(ok().flat_map(|s| s.itl_ms.iter().copied())))
         })
         .collect();
-    std::fs::write(&svg_path, plot(&series))?;
+    std::fs::write(&svg_path, plot(&series)).with_context(|| format!("writing {}", svg_path.display()))?;
     println!("record: {}\nplot: {}", path.display(), svg_path.display());
     Ok(())
 }

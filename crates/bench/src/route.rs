@@ -1,8 +1,8 @@
 use super::{median, peer, record};
+use crate::error::{Context, Result};
 use crate::local::{self, Request};
 use crate::model::ModelArg;
-use crate::swarm::{even_split, LocalSwarm};
-use anyhow::{Context, Result};
+use crate::swarm::{check_split, even_split, LocalSwarm};
 use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
 use dgr_engine::{SamplingParams, Stage, StageOptions};
 use dgr_proto::{Sampling, SeamDtype};
@@ -56,7 +56,7 @@ pub fn run(a: Args) -> Result<()> {
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
-    crate::swarm::check_split(n_layers, a.split)?;
+    check_split(n_layers, a.split)?;
     let swarm = LocalSwarm::start(&model, &even_split(n_layers, a.split), a.threads, &[])?;
     let ports: Vec<u16> = (0..a.split as u16).map(|i| 50100 + i).collect();
     let servers = RpcServers(
@@ -83,7 +83,7 @@ pub fn run(a: Args) -> Result<()> {
         top_logprobs: 0,
         ignore_eos: true,
     };
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting a runtime")?;
     let route = rt.block_on(Route::discover(&swarm.addrs, std::time::Duration::from_secs(5)))?;
     let greq = GenRequest {
         prompt_tokens: req.prompt_tokens.clone(),

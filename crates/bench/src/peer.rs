@@ -1,6 +1,6 @@
 //! Finding and running the llama.cpp tools built by shared/tools/build-llama-ref.sh.
 
-use anyhow::{bail, Context, Result};
+use crate::error::{BenchError, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -28,7 +28,10 @@ pub fn source() -> String {
 pub fn tool(name: &str, explicit: Option<&Path>) -> Result<PathBuf> {
     let path = explicit.map(Path::to_path_buf).unwrap_or_else(|| ref_dir().join("bin").join(name));
     if !path.exists() {
-        bail!("{} not found: build llama.cpp's tools with build-llama-ref.sh (or pass its path)", path.display());
+        return Err(BenchError::Peer(format!(
+            "{} not found: build llama.cpp's tools with build-llama-ref.sh (or pass its path)",
+            path.display()
+        )));
     }
     Ok(path)
 }
@@ -56,7 +59,7 @@ pub fn llama_bench_rpc(bin: &Path, model: &Path, threads: usize, gen: usize, ser
 fn run_llama_bench(mut c: Command) -> Result<LlamaBench> {
     let out = c.args(["-r", "1", "-o", "json"]).output().with_context(|| format!("running {:?}", c.get_program()))?;
     if !out.status.success() {
-        bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+        return Err(BenchError::Peer(format!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr))));
     }
     let runs: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing llama-bench's json")?;
     let mut r = LlamaBench { prompt_tok_s: f64::NAN, gen_tok_s: f64::NAN, version: String::new() };
@@ -75,7 +78,7 @@ fn run_llama_bench(mut c: Command) -> Result<LlamaBench> {
 /// Transformers' own CPU rates on a checkpoint, from `scripts/ref/hf_speed.py` (embedded here)
 /// run by `python`: a `prompt`-token prefill, then `gen` single-token steps with its KV cache.
 pub fn transformers(python: &Path, dir: &Path, threads: usize, prompt: usize, gen: usize) -> Result<LlamaBench> {
-    const SCRIPT: &str = include_str!("../../../../scripts/ref/hf_speed.py");
+    const SCRIPT: &str = include_str!("../../../scripts/ref/hf_speed.py");
     let out = Command::new(python)
         .args(["-c", SCRIPT])
         .arg(dir)
@@ -83,7 +86,7 @@ pub fn transformers(python: &Path, dir: &Path, threads: usize, prompt: usize, ge
         .output()
         .with_context(|| format!("running {}", python.display()))?;
     if !out.status.success() {
-        bail!("transformers timing failed: {}", String::from_utf8_lossy(&out.stderr));
+        return Err(BenchError::Peer(format!("transformers timing failed: {}", String::from_utf8_lossy(&out.stderr))));
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing the transformers timing")?;
     Ok(LlamaBench {

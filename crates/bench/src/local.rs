@@ -1,6 +1,6 @@
 //! Generation in one process: the whole model as one stage.
 
-use anyhow::{bail, Result};
+use crate::error::{BenchError, Result};
 use dgr_driver::Completion;
 use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState};
 use std::time::Instant;
@@ -19,12 +19,13 @@ pub struct Request {
 /// as it is chosen.
 pub fn generate<E: Engine>(stage: &E, is_eog: impl Fn(u32) -> bool, req: &Request, mut on_token: impl FnMut(u32)) -> Result<Completion> {
     if req.prompt_tokens.is_empty() {
-        bail!("the prompt is empty");
+        return Err(BenchError::Usage("the prompt is empty".into()));
     }
     let capacity = req.prompt_tokens.len() + req.max_tokens;
     let mut kv = stage.new_state(capacity, stage.layers())?;
     if kv.capacity() < req.prompt_tokens.len() + 1 {
-        bail!("the prompt's {} tokens leave no room in the model's context of {}", req.prompt_tokens.len(), kv.capacity());
+        let why = format!("the prompt's {} tokens leave no room in the model's context of {}", req.prompt_tokens.len(), kv.capacity());
+        return Err(BenchError::Usage(why));
     }
     let start = Instant::now();
     let mut out = Completion { finish_reason: "length".into(), ..Default::default() };

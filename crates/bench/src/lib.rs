@@ -1,15 +1,23 @@
-//! Benchmarks that measure dgr and its peer (llama.cpp) in the same run and report ratios.
+//! dgr's benchmarks: each measures dgr and its peer (llama.cpp) in the same run, reports the
+//! ratios and writes a record. Also what they share with the binary's local commands: the
+//! `--model` argument (`model`), one-process generation (`local`) and local worker and tracker
+//! processes of the dgr executable (`swarm`).
 
 mod batch;
 mod engine;
+mod error;
+pub mod local;
+mod model;
 mod peer;
 mod record;
 mod route;
 mod serve;
 mod serve_client;
+pub mod swarm;
 mod tracker;
 
-use anyhow::Result;
+pub use error::{BenchError, Result};
+pub use model::ModelArg;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -30,6 +38,8 @@ pub enum Command {
     Serve(serve::Args),
 }
 
+/// Runs one benchmark; the local workers and trackers it starts are `dgr` processes of the
+/// running executable.
 pub fn run(c: Command) -> Result<()> {
     match c {
         Command::Engine(a) => engine::run(a),
@@ -41,12 +51,12 @@ pub fn run(c: Command) -> Result<()> {
 }
 
 /// A deterministic prompt of `len` token ids for sequence `seq`, distinct per sequence.
-pub fn prompt(vocab: u32, seq: usize, len: usize) -> Vec<u32> {
+fn prompt(vocab: u32, seq: usize, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| (i * 7919 + seq as u32 * 104_729 + 13) % vocab).collect()
 }
 
 /// The median of samples (the mean of the middle two for an even count).
-pub fn median(v: &[f64]) -> f64 {
+fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     match s.len() {

@@ -2,6 +2,7 @@
 //! chunked-transfer decoder and a server-sent-events parser, both bounded, every read under a
 //! deadline) and one measured streamed completion request.
 
+use crate::BenchError;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -65,13 +66,13 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    pub fn parse(url: &str, api_key: Option<String>) -> anyhow::Result<Endpoint> {
-        let rest = url.strip_prefix("http://").ok_or_else(|| anyhow::anyhow!("{url}: only http:// URLs are supported"))?;
+    pub fn parse(url: &str, api_key: Option<String>) -> crate::Result<Endpoint> {
+        let rest = url.strip_prefix("http://").ok_or_else(|| BenchError::Usage(format!("{url}: only http:// URLs are supported")))?;
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, ""),
         };
-        let bad = || anyhow::anyhow!("{url}: expected http://HOST[:PORT][/PATH]");
+        let bad = || BenchError::Usage(format!("{url}: expected http://HOST[:PORT][/PATH]"));
         let (host, port) = if let Some(r) = authority.strip_prefix('[') {
             let (h, after) = r.split_once(']').ok_or_else(bad)?;
             (h, if after.is_empty() { "80" } else { after.strip_prefix(':').ok_or_else(bad)? })

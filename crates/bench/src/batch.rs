@@ -1,7 +1,7 @@
 use super::{median, peer, prompt, record};
+use crate::error::{BenchError, Context, Result};
 use crate::model::ModelArg;
-use crate::swarm::{balanced_split, LocalSwarm};
-use anyhow::{bail, Context, Result};
+use crate::swarm::{balanced_split, check_split, LocalSwarm};
 use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
 use dgr_proto::{Sampling, SeamDtype};
@@ -99,11 +99,12 @@ fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: 
         });
         futures_join(runs).await
     })?;
-    let start = times.iter().filter_map(|t| t.first()).max().context("no tokens")?;
-    let end = times.iter().filter_map(|t| t.last()).min().context("no tokens")?;
+    let none = || BenchError::Measure("a session produced no tokens".into());
+    let start = times.iter().filter_map(|t| t.first()).max().ok_or_else(none)?;
+    let end = times.iter().filter_map(|t| t.last()).min().ok_or_else(none)?;
     let inside = times.iter().flatten().filter(|t| *t > start && *t <= end).count();
     if inside == 0 || end <= start {
-        bail!("the sessions never decoded at the same time; use more --gen-tokens");
+        return Err(BenchError::Measure("the sessions never decoded at the same time; use more --gen-tokens".into()));
     }
     Ok(inside as f64 / end.duration_since(*start).as_secs_f64())
 }
@@ -126,7 +127,7 @@ fn llama(bin: &Path, model: &Path, threads: usize, b: &[usize], p: usize, gen: u
         .output()
         .with_context(|| format!("running {}", bin.display()))?;
     if !out.status.success() {
-        bail!("llama-batched-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+        return Err(BenchError::Peer(format!("llama-batched-bench failed: {}", String::from_utf8_lossy(&out.stderr))));
     }
     let mut speeds = vec![f64::NAN; b.len()];
     for line in String::from_utf8_lossy(&out.stdout).lines() {
@@ -140,9 +141,10 @@ fn llama(bin: &Path, model: &Path, threads: usize, b: &[usize], p: usize, gen: u
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let sessions: Vec<usize> = a.sessions.split(',').map(|s| s.trim().parse().context("--sessions")).collect::<Result<_>>()?;
+    let bad = |s: &str| BenchError::Usage(format!("--sessions: {s:?} is not a count"));
+    let sessions: Vec<usize> = a.sessions.split(',').map(|s| s.trim().parse().map_err(|_| bad(s))).collect::<Result<_>>()?;
     if sessions.is_empty() || sessions.contains(&0) || a.gen_tokens < 2 {
-        bail!("--sessions must list positive counts and --gen-tokens be at least 2");
+        return Err(BenchError::Usage("--sessions must list positive counts and --gen-tokens be at least 2".into()));
     }
     let model = a.model.path()?;
     let bin = peer::tool("llama-batched-bench", a.llama_batched_bench.as_deref())?;
@@ -153,14 +155,14 @@ pub fn run(a: Args) -> Result<()> {
     let addrs = match &a.route {
         Some(r) => r.split(',').map(|s| s.trim().to_string()).collect(),
         None => {
-            crate::swarm::check_split(cfg.n_layers, a.split)?;
+            check_split(cfg.n_layers, a.split)?;
             let ranges = balanced_split(stage.gguf(), cfg.n_layers, a.split);
             let threads = a.worker_threads.unwrap_or(a.threads / a.split).max(1);
             swarm = LocalSwarm::start(&model, &ranges, threads, &["--micro-batches".into(), a.micro_batches.to_string()])?;
             swarm.addrs.clone()
         }
     };
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting a runtime")?;
     let route = rt.block_on(Route::discover(&addrs, Duration::from_secs(5)))?;
     let ranges: Vec<String> = route.stages.iter().map(|s| format!("{}..{}", s.info.layer_start, s.info.layer_end)).collect();
     let vocab = cfg.vocab as u32;
@@ -193,8 +195,8 @@ pub fn run(a: Args) -> Result<()> {
     }
     let series = [("dgr one process", &one), (&*format!("dgr route {}", ranges.join(" + ")), &split), ("llama.cpp batched", &peer_s)];
     let svg_path = a.out.join("batch.svg");
-    std::fs::create_dir_all(&a.out)?;
-    std::fs::write(&svg_path, plot(&sessions, &series))?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    std::fs::write(&svg_path, plot(&sessions, &series)).with_context(|| format!("writing {}", svg_path.display()))?;
     let path = record::write(
         &a.out,
         "batch",

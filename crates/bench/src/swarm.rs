@@ -1,18 +1,18 @@
-//! A quick local route: N worker processes on loopback with even layer ranges.
+//! A quick local swarm: worker and tracker processes of the running dgr executable on loopback.
 
-use anyhow::{bail, Context, Result};
-
-/// Checks a stage count against the model's layers.
-pub fn check_split(layers: usize, n: usize) -> Result<()> {
-    if n == 0 || n > layers {
-        bail!("--split {n}: the model has {layers} layers");
-    }
-    Ok(())
-}
+use crate::error::{BenchError, Context, Result};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// Checks a stage count against the model's layers.
+pub fn check_split(layers: usize, n: usize) -> Result<()> {
+    if n == 0 || n > layers {
+        return Err(BenchError::Usage(format!("--split {n}: the model has {layers} layers")));
+    }
+    Ok(())
+}
 
 pub struct LocalSwarm {
     children: Vec<Child>,
@@ -90,10 +90,10 @@ impl LocalSwarm {
         }
         for (c, log) in swarm.children.iter_mut().zip(&swarm.logs) {
             let mut line = String::new();
-            let mut out = BufReader::new(c.stdout.take().context("worker stdout")?);
-            if out.read_line(&mut line)? == 0 {
+            let mut out = BufReader::new(c.stdout.take().ok_or_else(|| BenchError::Local("no pipe from a worker's stdout".into()))?);
+            if out.read_line(&mut line).context("reading a worker's ready line")? == 0 {
                 let why = std::fs::read_to_string(log).unwrap_or_default();
-                bail!("a local worker failed to start: {}", why.trim());
+                return Err(BenchError::Local(format!("a local worker failed to start: {}", why.trim())));
             }
             let v: serde_json::Value = serde_json::from_str(&line).context("reading a worker's ready line")?;
             swarm.addrs.push(v["listening"].as_str().unwrap_or_default().to_string());
@@ -130,27 +130,24 @@ impl LocalTracker {
     /// A tracker with its state in a fresh temporary directory, removed on drop.
     pub fn start(extra: &[&str]) -> Result<LocalTracker> {
         let mut seed = [0u8; 8];
-        getrandom::fill(&mut seed).map_err(|e| anyhow::anyhow!("randomness: {e}"))?;
+        getrandom::fill(&mut seed).map_err(|e| BenchError::Local(format!("randomness: {e}")))?;
         let dir = std::env::temp_dir().join(format!("dgr-tracker-{}-{:016x}", std::process::id(), u64::from_le_bytes(seed)));
         let mut t = LocalTracker::start_in(&dir, extra)?;
         t.temporary = true;
         Ok(t)
     }
 
-    /// A tracker whose database and join token live in `dir` (kept).
+    /// A tracker whose database and join token live in `dir` (kept). The tracker itself creates
+    /// them there, as its state directory, before it says where it listens.
     pub fn start_in(dir: &std::path::Path, extra: &[&str]) -> Result<LocalTracker> {
         let exe = std::env::current_exe().context("locating the dgr executable")?;
         let dir = dir.to_path_buf();
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let token_file = dir.join("join-token");
-        crate::state::read_or_create_secret(&token_file)?;
         let mut cmd = Command::new(exe);
         die_with_parent(&mut cmd);
         let mut child = cmd
-            .args(["tracker", "--listen", "127.0.0.1:0", "--db"])
-            .arg(dir.join("tracker.db"))
-            .arg("--join-token-file")
-            .arg(&token_file)
+            .env("DGR_STATE_DIR", &dir)
+            .args(["tracker", "--listen", "127.0.0.1:0"])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -158,9 +155,12 @@ impl LocalTracker {
             .spawn()
             .context("starting a tracker")?;
         let mut line = String::new();
-        BufReader::new(child.stdout.take().context("tracker stdout")?).read_line(&mut line)?;
+        let stdout = child.stdout.take().ok_or_else(|| BenchError::Local("no pipe from the tracker's stdout".into()))?;
+        BufReader::new(stdout).read_line(&mut line).context("reading the tracker's ready line")?;
         let v: serde_json::Value = serde_json::from_str(&line).context("reading the tracker's ready line")?;
-        let addr = v["listening"].as_str().context("the tracker did not say where it listens")?.to_string();
+        let field =
+            |k: &str| v[k].as_str().map(str::to_string).ok_or_else(|| BenchError::Local(format!("the tracker's ready line has no {k}")));
+        let (addr, token_file) = (field("listening")?, field("join_token_file")?.into());
         Ok(LocalTracker { child, dir, addr, token_file, temporary: false })
     }
 

@@ -1,6 +1,6 @@
 use super::{median, peer, prompt, record};
+use crate::error::{BenchError, Result};
 use crate::model::ModelArg;
-use anyhow::{bail, Result};
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
 use serde_json::json;
 use std::path::PathBuf;
@@ -62,11 +62,14 @@ pub fn run(a: Args) -> Result<()> {
     let bench = peer::tool("llama-bench", a.llama_bench.as_deref())?;
     let peer_model = match &a.peer_model {
         Some(p) => p.clone(),
-        None if model.is_dir() => bail!("{} is a Transformers checkpoint: give llama-bench its GGUF with --peer-model", model.display()),
+        None if model.is_dir() => {
+            let why = format!("{} is a Transformers checkpoint: give llama-bench its GGUF with --peer-model", model.display());
+            return Err(BenchError::Usage(why));
+        }
         None => model.clone(),
     };
     if a.transformers.is_some() && !model.is_dir() {
-        bail!("--transformers times a Transformers checkpoint; {} is not one", model.display());
+        return Err(BenchError::Usage(format!("--transformers times a Transformers checkpoint; {} is not one", model.display())));
     }
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
