@@ -4,7 +4,8 @@
 //! and closes the rest at once; a connection that says nothing is closed at the handshake
 //! timeout, one that holds no session and stays silent at the connection idle timeout, but
 //! never one that sessions still use; a driver's warm connections closed that way are reopened
-//! on next use. Every wait has a deadline.
+//! on next use; a next stage that never answers a dial delays only the opens that go there.
+//! Every wait has a deadline.
 #![cfg(feature = "real-model")]
 
 mod common;
@@ -105,6 +106,14 @@ impl Raw {
 
     /// Opens a session over all of this stage's layers, at `stage_index` of `n_stages`.
     fn open(&mut self, stage_index: u32, n_stages: u32, dtype: SeamDtype) -> Vec<u8> {
+        let id = self.send_open(stage_index, n_stages, dtype, "");
+        self.expect_opened(&id);
+        id
+    }
+
+    /// Sends an Open as `open` does, with `next` as the next stage's address, and returns its
+    /// session id without waiting for the answer.
+    fn send_open(&mut self, stage_index: u32, n_stages: u32, dtype: SeamDtype, next: &str) -> Vec<u8> {
         let id = random_id();
         let schema = BoundarySchema {
             protocol_version: PROTOCOL_VERSION,
@@ -122,14 +131,18 @@ impl Raw {
             n_stages,
             sampling: Some(Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }),
             max_positions: 64,
+            next: next.into(),
             ..Default::default()
         };
         self.send(Body::Open(open));
+        id
+    }
+
+    fn expect_opened(&mut self, id: &[u8]) {
         match self.recv() {
             Frame { body: Some(Body::Opened(SessionRef { session_id })) } => assert_eq!(session_id, id),
             f => panic!("a correct Open was answered with {f:?}"),
         }
-        id
     }
 }
 
@@ -372,4 +385,87 @@ fn silent_and_idle_connections_are_closed_but_never_under_a_session() {
     let m = w.metrics(0);
     assert!(m.get("dgr_worker_connections_closed_total{reason=\"handshake_timeout\"}") >= 3.0);
     w.wait_all_free(&[0, 1], Duration::from_secs(3), "after the idle checks");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. A next stage that never answers
+
+/// An address whose SYNs go unanswered: a listener with a backlog of 0 whose accept queue is
+/// filled with connections it never accepts (Linux drops a SYN to a full queue). Returns the
+/// listener and the fillers, which must stay open, and the address. Needs a runtime entered.
+fn blackhole() -> (tokio::net::TcpListener, Vec<TcpStream>, String) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket.bind("127.0.0.1:0".parse().unwrap()).expect("bind");
+    let listener = socket.listen(0).expect("listen");
+    let addr = listener.local_addr().unwrap();
+    let mut fillers = Vec::new();
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+            Ok(s) => fillers.push(s),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => break,
+            Err(e) => panic!("filling the blackhole's accept queue: {e}"),
+        }
+        assert!(fillers.len() < 8, "{} connections to a listener with backlog 0 and its SYNs are still answered", fillers.len());
+    }
+    (listener, fillers, addr.to_string())
+}
+
+/// Reads frames on `conn` until the Error for session `id` (skipping other sessions' Usage),
+/// within `within`; returns it and when it came.
+fn error_for(conn: &mut Raw, id: &[u8], within: Duration) -> (dgr_proto::ErrorMsg, Instant) {
+    conn.s.set_read_timeout(Some(within)).unwrap();
+    loop {
+        match conn.recv().body {
+            Some(Body::Error(e)) if e.session_id == id => return (e, Instant::now()),
+            Some(Body::Usage(_)) => {}
+            f => panic!("waiting for the blackholed open's error, got {f:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_next_stage_that_blackholes_its_syns_delays_only_the_opens_that_go_there() {
+    let _serial = serial();
+    let rt = runtime();
+    let (_listener, _fillers, dead) = {
+        let _rt = rt.enter();
+        blackhole()
+    };
+    let w = Workers::start(&[0, 15, 30], &[]);
+    let live = w.addrs[1].clone();
+    // Two connections to stage 0 (a gateway's sessions all share one), each with an open whose
+    // next stage never answers: the worker dials it (for up to its 10 s dial deadline) meanwhile.
+    let mut conns = [Raw::connect(&w.addrs[0]), Raw::connect(&w.addrs[0])];
+    let sent = Instant::now();
+    let stuck: Vec<Vec<u8>> = conns.iter_mut().map(|c| c.send_open(0, 2, SeamDtype::F32, &dead)).collect();
+    // Opens to the live next stage, beside the stuck ones on both connections, in normal time.
+    for (i, c) in conns.iter_mut().enumerate() {
+        let t = Instant::now();
+        let id = c.send_open(0, 2, SeamDtype::F32, &live);
+        c.expect_opened(&id);
+        let took = t.elapsed();
+        println!("connection {i}: an open to the live next stage was answered in {took:?} beside one to a blackholed one");
+        assert!(took < Duration::from_secs(2), "connection {i}: an open to a live next stage waited {took:?} on a blackholed one");
+        c.send(Body::Close(SessionRef { session_id: id }));
+    }
+    // Both stuck opens share one dial: refused together, naming the next stage, at its deadline.
+    let [a, b] = &mut conns;
+    let (ea, ta) = error_for(a, &stuck[0], Duration::from_secs(20));
+    let (eb, tb) = error_for(b, &stuck[1], Duration::from_secs(20));
+    println!("the blackholed opens were refused {:?} and {:?} after they were sent: {}", ta - sent, tb - sent, ea.message);
+    for e in [&ea, &eb] {
+        assert_eq!((e.error_kind(), e.stage), (ErrorKind::NextStage, 1), "{e:?}");
+    }
+    let apart = if ta > tb { ta - tb } else { tb - ta };
+    assert!(apart < Duration::from_secs(2), "the two opens to one blackholed address were refused {apart:?} apart: not one dial");
+    // A failed dial is not remembered: the next open to that address dials again, so it is not
+    // refused at once.
+    let again = a.send_open(0, 2, SeamDtype::F32, &dead);
+    a.s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut byte = [0u8; 1];
+    match a.s.read(&mut byte) {
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+        r => panic!("an open to the address whose dial just failed was answered at once ({r:?}): the failure was cached"),
+    }
+    a.send(Body::Cancel(SessionRef { session_id: again }));
 }

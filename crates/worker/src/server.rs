@@ -14,13 +14,14 @@ use dgr_proto::{
     WorkerUsage, PROTOCOL_VERSION, STAGE_UNKNOWN,
 };
 use dgr_telemetry::unix_us;
+use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
 use futures::{SinkExt, StreamExt};
 use prost::Message;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
@@ -68,11 +69,31 @@ struct Shared {
     metrics: Arc<Metrics>,
     cmds: SyncSender<Cmd>,
     next_conn: AtomicU64,
-    peers: tokio::sync::Mutex<HashMap<String, Outbox>>,
+    /// Next-stage connections by address. Never held across a dial: a slow or dead next stage
+    /// delays only the opens that go there.
+    peers: tokio::sync::Mutex<HashMap<String, Peer>>,
     /// Set when the worker joined a tracker: every session open needs a valid ticket.
     gate: Option<Arc<TicketGate>>,
     /// In a swarm: the tensors this worker holds, served to workers fetching their slice.
     holdings: Option<Arc<Holdings>>,
+}
+
+/// A next-stage connection being dialled and greeted: every open to that address awaits the
+/// same one, and its result, a failure too, reaches all of them.
+type Dial = SharedFuture<BoxFuture<'static, Result<Outbox, String>>>;
+
+/// What a worker has towards one next-stage address.
+enum Peer {
+    Up(Outbox),
+    Dialing(Dial),
+}
+
+/// The sessions of one connection whose Open waits for its next stage's connection. A Cancel or
+/// Close meanwhile withdraws the open, and none is queued once the connection has closed.
+#[derive(Default)]
+struct Opening {
+    ids: HashSet<Vec<u8>>,
+    closed: bool,
 }
 
 fn encode(f: &Frame) -> Bytes {
@@ -344,10 +365,8 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
     let uses = ConnUse::default();
     let (sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
     let out = spawn_writer(sink);
-    let refuse = |out: &Outbox, id: &[u8], kind, msg: String| {
-        shared.metrics.failure(kind);
-        let _ = out.try_send(Frame::new(Body::Error(ErrorMsg::new(id, kind, STAGE_UNKNOWN, msg))));
-    };
+    let refuse = |out: &Outbox, id: &[u8], kind, msg: String| send_refusal(&shared.metrics, out, id, kind, msg);
+    let opening = Arc::new(Mutex::new(Opening::default()));
     // The handshake: the peer's Hello first, with our protocol version.
     match tokio::time::timeout_at(handshake, frames.next()).await {
         Ok(Some(Ok(bytes))) => match Frame::decode(bytes) {
@@ -378,7 +397,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             Ok(None) => break,
             Err(_) => {
                 let quiet = last_frame.elapsed();
-                if uses.in_use() {
+                if uses.in_use() || !opening.lock().unwrap_or_else(PoisonError::into_inner).ids.is_empty() {
                     // Look again soon: the sessions may end at any time.
                     wait = idle.min(Duration::from_secs(1));
                     continue;
@@ -421,21 +440,25 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                         continue;
                     }
                 };
-                let next = if open.next.is_empty() {
-                    None
+                if open.next.is_empty() {
+                    Cmd::Open { conn, uses: uses.clone(), open, reply: out.clone(), next: None, request_id }
                 } else {
-                    match peer(&shared, &open.next).await {
-                        Ok(tx) => Some((open.next.clone(), tx)),
-                        Err(why) => {
-                            let msg = format!("cannot reach the next stage at {}: {why}", open.next);
-                            shared.metrics.failure(ErrorKind::NextStage);
-                            let e = ErrorMsg::new(&open.session_id, ErrorKind::NextStage, open.stage_index + 1, msg);
-                            let _ = out.try_send(Frame::new(Body::Error(e)));
+                    // Off the read loop: the sessions beside it on this connection (a gateway's
+                    // are all on one) go on while its next stage is dialled.
+                    {
+                        // At most as many as the worker takes sessions, so a flood of opens
+                        // cannot pile up tasks.
+                        let mut o = opening.lock().unwrap_or_else(PoisonError::into_inner);
+                        if o.ids.len() >= shared.cfg.max_sessions || !o.ids.insert(open.session_id.clone()) {
+                            let msg = "too many opens on this connection wait for their next stage, or this one already does";
+                            refuse(&out, &open.session_id, ErrorKind::Overloaded, msg.into());
                             continue;
                         }
                     }
-                };
-                Cmd::Open { conn, uses: uses.clone(), open, reply: out.clone(), next, request_id }
+                    let pending = PendingOpen { conn, uses: uses.clone(), open, reply: out.clone(), request_id };
+                    tokio::spawn(pending.open_after_dial(shared.clone(), opening.clone()));
+                    continue;
+                }
             }
             Body::Forward(f) => Cmd::Forward { f, recv_us: unix_us(), at: Instant::now(), reply: out.clone(), conn, uses: uses.clone() },
             Body::Ping(p) => {
@@ -455,8 +478,14 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                 let _ = out.send(answer).await;
                 continue;
             }
-            Body::Cancel(r) => Cmd::Cancel { id: r.session_id },
-            Body::Close(r) => Cmd::Close { id: r.session_id },
+            Body::Cancel(r) => {
+                opening.lock().unwrap_or_else(PoisonError::into_inner).ids.remove(&r.session_id);
+                Cmd::Cancel { id: r.session_id }
+            }
+            Body::Close(r) => {
+                opening.lock().unwrap_or_else(PoisonError::into_inner).ids.remove(&r.session_id);
+                Cmd::Close { id: r.session_id }
+            }
             Body::Hello(_)
             | Body::Opened(_)
             | Body::Token(_)
@@ -473,7 +502,50 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             refuse(&out, &[], ErrorKind::Overloaded, "the worker's queue is full".into());
         }
     }
+    opening.lock().unwrap_or_else(PoisonError::into_inner).closed = true;
     let _ = shared.cmds.send(Cmd::ConnClosed { conn });
+}
+
+fn send_refusal(metrics: &Metrics, out: &Outbox, id: &[u8], kind: ErrorKind, msg: String) {
+    metrics.failure(kind);
+    let _ = out.try_send(Frame::new(Body::Error(ErrorMsg::new(id, kind, STAGE_UNKNOWN, msg))));
+}
+
+/// A session's Open, checked, waiting for the connection to its next stage.
+struct PendingOpen {
+    conn: ConnId,
+    uses: ConnUse,
+    open: OpenSession,
+    reply: Outbox,
+    request_id: String,
+}
+
+impl PendingOpen {
+    /// Queues the open once its next stage is connected, or refuses it if that fails; unless
+    /// it was withdrawn meanwhile. Decided under the connection's `Opening` lock, so it is
+    /// queued before the connection's `ConnClosed` or not at all.
+    async fn open_after_dial(self, shared: Arc<Shared>, opening: Arc<Mutex<Opening>>) {
+        let next = peer(&shared, &self.open.next).await;
+        let mut o = opening.lock().unwrap_or_else(PoisonError::into_inner);
+        if o.closed || !o.ids.remove(&self.open.session_id) {
+            return;
+        }
+        let PendingOpen { conn, uses, open, reply, request_id } = self;
+        match next {
+            Ok(tx) => {
+                let (id, next) = (open.session_id.clone(), Some((open.next.clone(), tx)));
+                if shared.cmds.try_send(Cmd::Open { conn, uses, open, reply: reply.clone(), next, request_id }).is_err() {
+                    send_refusal(&shared.metrics, &reply, &id, ErrorKind::Overloaded, "the worker's queue is full".into());
+                }
+            }
+            Err(why) => {
+                let msg = format!("cannot reach the next stage at {}: {why}", open.next);
+                shared.metrics.failure(ErrorKind::NextStage);
+                let e = ErrorMsg::new(&open.session_id, ErrorKind::NextStage, open.stage_index + 1, msg);
+                let _ = reply.try_send(Frame::new(Body::Error(e)));
+            }
+        }
+    }
 }
 
 /// In tracker mode, checks the open's ticket and returns its request id; ticketless, "".
@@ -489,27 +561,46 @@ fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<String, TicketErr
 }
 
 /// The connection to a next stage, shared by every session that goes there; opened on first use.
+/// Opens to one address share one dial; opens to others never wait on it.
 async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
+    let dial = {
+        let mut peers = shared.peers.lock().await;
+        match peers.get(addr) {
+            Some(Peer::Up(tx)) if !tx.is_closed() => {
+                // A frame now restarts the next stage's idle clock for this connection, so it is
+                // not closed for idleness before the new session's first rows travel on it.
+                let _ = tx.try_send(Frame::new(Body::Ping(Ping { nonce: 0 })));
+                return Ok(tx.clone());
+            }
+            Some(Peer::Dialing(dial)) => dial.clone(),
+            _ => {
+                // A task of its own, so the dial finishes and settles the map even if every
+                // open waiting on it goes away.
+                let task = tokio::spawn(dial_peer(shared.clone(), addr.to_string()));
+                let dial = async move { task.await.unwrap_or_else(|e| Err(e.to_string())) }.boxed().shared();
+                peers.insert(addr.to_string(), Peer::Dialing(dial.clone()));
+                dial
+            }
+        }
+    };
+    dial.await
+}
+
+/// Dials and greets the next stage at `addr`, then records the result in `shared.peers`: the
+/// connection, or nothing (a failed dial is not remembered; the next open tries again).
+async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<Outbox, String> {
+    let greeted = greet_peer(&shared, &addr).await;
     let mut peers = shared.peers.lock().await;
-    if let Some(tx) = peers.get(addr).filter(|tx| !tx.is_closed()) {
-        // A frame now restarts the next stage's idle clock for this connection, so it is not
-        // closed for idleness before the new session's first rows travel on it.
-        let _ = tx.try_send(Frame::new(Body::Ping(Ping { nonce: 0 })));
-        return Ok(tx.clone());
-    }
-    let stream = dgr_proto::dial(addr, HANDSHAKE).await.map_err(|e| e.to_string())?;
-    let (mut sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
-    sink.send(encode(&hello(None))).await.map_err(|e| e.to_string())?;
-    match tokio::time::timeout(HANDSHAKE, frames.next()).await {
-        Ok(Some(Ok(b))) => match Frame::decode(b) {
-            Ok(Frame { body: Some(Body::Hello(h)) }) if h.info.is_some() => {}
-            Ok(Frame { body: Some(Body::Error(e)) }) => return Err(e.message),
-            _ => return Err("the next stage did not answer with a worker's Hello".into()),
-        },
-        _ => return Err("no Hello from the next stage".into()),
-    }
-    let tx = spawn_writer(sink);
-    let (cmds, owned, mine, shared) = (shared.cmds.clone(), addr.to_string(), tx.clone(), shared.clone());
+    let (tx, mut frames) = match greeted {
+        Ok(up) => up,
+        Err(why) => {
+            peers.remove(&addr);
+            return Err(why);
+        }
+    };
+    peers.insert(addr.clone(), Peer::Up(tx.clone()));
+    let (cmds, mine) = (shared.cmds.clone(), tx.clone());
+    let shared = shared.clone();
     tokio::spawn(async move {
         let mut why = "connection closed".to_string();
         while let Some(next) = frames.next().await {
@@ -528,14 +619,31 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
         // closed by the next stage for idleness, with no session on it). The loss is queued
         // under the lock, so it reaches the scheduler before any session on a fresh one.
         let mut peers = shared.peers.lock().await;
-        if peers.get(&owned).is_some_and(|tx| tx.same_channel(&mine)) {
-            peers.remove(&owned);
+        if matches!(peers.get(&addr), Some(Peer::Up(tx)) if tx.same_channel(&mine)) {
+            peers.remove(&addr);
         }
         drop(mine);
-        let _ = cmds.send(Cmd::PeerLost { addr: owned, why });
+        let _ = cmds.send(Cmd::PeerLost { addr, why });
     });
-    peers.insert(addr.to_string(), tx.clone());
     Ok(tx)
+}
+
+type PeerFrames = futures::stream::SplitStream<Framed<TcpStream, tokio_util::codec::LengthDelimitedCodec>>;
+
+/// A connection to the next stage at `addr`, past its worker's Hello.
+async fn greet_peer(shared: &Shared, addr: &str) -> Result<(Outbox, PeerFrames), String> {
+    let stream = dgr_proto::dial(addr, HANDSHAKE).await.map_err(|e| e.to_string())?;
+    let (mut sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
+    sink.send(encode(&hello(None))).await.map_err(|e| e.to_string())?;
+    match tokio::time::timeout(HANDSHAKE, frames.next()).await {
+        Ok(Some(Ok(b))) => match Frame::decode(b) {
+            Ok(Frame { body: Some(Body::Hello(h)) }) if h.info.is_some() => {}
+            Ok(Frame { body: Some(Body::Error(e)) }) => return Err(e.message),
+            _ => return Err("the next stage did not answer with a worker's Hello".into()),
+        },
+        _ => return Err("no Hello from the next stage".into()),
+    }
+    Ok((spawn_writer(sink), frames))
 }
 
 /// GET /metrics; anything else is 404.
