@@ -16,11 +16,11 @@
 
 use dgr_gguf::{quant, GgmlType, Gguf, GgufWriter, ModelIdentity, Value};
 use dgr_proto::{
-    check_forward, check_open, check_ticket_open, decode_rows, encode_rows, session_id, sign_ticket, verify_ticket, verifying_key,
+    check_forward, check_open, check_ticket_open, decode_rows, encode_rows, key_id, session_id, sign_ticket, verify_ticket, verifying_key,
     worker_id, Body, BoundarySchema, Challenge, ErrorKind, ErrorMsg, Forward, Frame, Hello, Hop, Join, Joined, OpenSession, Ping,
     RefusalKind, Refused, Registration, Role, RouteReply, RouteRequest, RouteStage, Sampling, SeamDtype, SessionRef, SignedTicket,
-    SigningKey, StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, Usage, VerifyingKey,
-    MAX_CHUNK, PROTOCOL_VERSION,
+    SigningKey, StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage,
+    VerifyingKey, MAX_CHUNK, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, Signer};
 use prost::Message;
@@ -149,7 +149,7 @@ pub fn stage_frame(data: &[u8]) -> bool {
     match &frame.body {
         Some(Body::Open(open)) => {
             if let Some(signed) = &open.ticket {
-                black_box(verify_ticket(signed, &tracker_keys().1, NOW_MS).is_ok());
+                black_box(verify_ticket(signed, key_of, NOW_MS).is_ok());
             }
             let mut accepted = false;
             for (ours, dtypes) in stages() {
@@ -248,6 +248,12 @@ fn tracker_keys() -> &'static (SigningKey, VerifyingKey) {
     })
 }
 
+/// The tracker key set of the fuzz inputs: the one key, under its id.
+fn key_of(id: u64) -> Option<VerifyingKey> {
+    let public = tracker_keys().1;
+    (id == key_id(&public)).then_some(public)
+}
+
 /// Splits off a part behind a little-endian u16 length; the rest is the second part.
 fn split(bytes: &[u8]) -> (&[u8], &[u8]) {
     match bytes {
@@ -276,7 +282,7 @@ pub fn ticket(data: &[u8]) -> bool {
         let Ok(signed) = SignedTicket::decode(ticket_part) else {
             return false;
         };
-        match verify_ticket(&signed, public, NOW_MS) {
+        match verify_ticket(&signed, key_of, NOW_MS) {
             Ok(t) => t,
             Err(e) => {
                 black_box(e.name());
@@ -287,7 +293,9 @@ pub fn ticket(data: &[u8]) -> bool {
         let Ok(t) = Ticket::decode(ticket_part) else {
             return false;
         };
-        match verify_ticket(&sign_ticket(&t, key), public, NOW_MS) {
+        // Named by the key that signs it, as a tracker does.
+        let t = Ticket { key_id: key_id(public), ..t };
+        match verify_ticket(&sign_ticket(&t, key), key_of, NOW_MS) {
             Ok(back) => {
                 assert_eq!(back, t);
                 back
@@ -347,10 +355,10 @@ pub fn tracker_frame(data: &[u8]) -> bool {
             let Ok(sig) = Signature::from_slice(&j.signature) else { return false };
             key.verify_strict(JOIN_NONCE, &sig).is_ok()
         }
-        Some(TrackerBody::Challenge(c)) => verifying_key(&c.tracker_key).is_some(),
+        Some(TrackerBody::Challenge(c)) => !c.keys.is_empty() && c.keys.iter().all(|k| verifying_key(&k.public_key).is_some()),
         Some(TrackerBody::RouteReply(r)) => {
             let Some(signed) = &r.ticket else { return false };
-            verify_ticket(signed, &tracker_keys().1, NOW_MS).is_ok()
+            verify_ticket(signed, key_of, NOW_MS).is_ok()
         }
         Some(TrackerBody::Refused(r)) => {
             black_box((r.refusal_kind().name(), &r.message));
@@ -511,6 +519,7 @@ fn seed_ticket() -> Ticket {
         stages: vec![stage("w0", 0, 6, "127.0.0.1:7001"), stage("w1", 6, 12, "127.0.0.1:7002")],
         budget_tokens: 512,
         expires_unix_ms: NOW_MS + 60_000,
+        key_id: key_id(&tracker_keys().1),
         ..Default::default()
     }
 }
@@ -693,7 +702,7 @@ fn tracker_seeds() -> Vec<(&'static str, TrackerFrame)> {
             TrackerFrame::new(TrackerBody::Challenge(Challenge {
                 protocol_version: PROTOCOL_VERSION,
                 nonce: JOIN_NONCE.to_vec(),
-                tracker_key: tracker_keys().1.to_bytes().to_vec(),
+                keys: vec![TrackerKey { key_id: key_id(&tracker_keys().1), public_key: tracker_keys().1.to_bytes().to_vec() }],
                 ..Default::default()
             })),
         ),

@@ -56,7 +56,7 @@ pub fn run(a: Args) -> Result<()> {
                 "advertise": advertise,
                 "db": db,
                 "join_token_file": token_file,
-                "tracker_key": tracker.public_key_hex(),
+                "key_id": tracker.key_id(),
                 "api_keys_required": tracker.requires_keys()?,
             })
         );

@@ -57,10 +57,11 @@ pub struct Args {
     /// Milliseconds a step may wait for more decoding sessions to arrive and join its batch
     #[arg(long, default_value_t = 2.0)]
     batch_wait_ms: f64,
-    /// Join this tracker (host:port): register, heartbeat, report usage, and serve only sessions
-    /// with a route ticket it signed. Without it the worker runs ticketless, for local use.
-    #[arg(long, env = "DGR_TRACKER")]
-    tracker: Option<String>,
+    /// Join these trackers (host:port, comma-separated: the trackers of one swarm): register and
+    /// heartbeat with each, report usage, and serve only sessions with a route ticket signed by
+    /// their key set. Without it the worker runs ticketless, for local use.
+    #[arg(long, env = "DGR_TRACKER", value_delimiter = ',')]
+    tracker: Vec<String>,
     /// File holding the tracker's join token (needed with --tracker)
     #[arg(long, requires = "tracker")]
     join_token_file: Option<std::path::PathBuf>,
@@ -136,7 +137,7 @@ pub fn run(a: Args) -> Result<()> {
         let shutdown = shutdown_signal()?;
         let bound = if a.relay { None } else { Some(dgr_worker::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?) };
         let addr = bound.as_ref().map(|(_, addr)| addr.to_string());
-        if let Some(tracker) = &a.tracker {
+        if !a.tracker.is_empty() {
             let token_file = a.join_token_file.as_ref().context("--tracker needs --join-token-file")?;
             let identity = match &a.key_file {
                 Some(f) => dgr_worker::load_or_create_identity(f).with_context(|| format!("identity key {}", f.display()))?,
@@ -151,7 +152,7 @@ pub fn run(a: Args) -> Result<()> {
                 (None, Some(addr)) => Some(addr.clone()),
             };
             cfg.tracker = Some(dgr_worker::TrackerLink {
-                addr: tracker.clone(),
+                addrs: a.tracker.clone(),
                 join_token: crate::state::read_secret(token_file)?,
                 identity,
                 advertise,
@@ -172,15 +173,20 @@ pub fn run(a: Args) -> Result<()> {
                 "rss_bytes": dgr_worker::rss_bytes(),
                 "step_us_per_layer": worker.step_us_per_layer(),
                 "worker_id": worker.worker_id(),
-                "tracker": a.tracker,
+                "trackers": a.tracker,
                 "relayed": a.relay,
             })
         );
         let range = format!("layers {}..{}", layers.start, layers.end);
-        match (&a.tracker, &addr) {
-            (Some(t), Some(addr)) => eprintln!("dgr worker: serving {range} on {addr} for the tracker at {t}; sessions need its tickets"),
-            (Some(t), None) => eprintln!("dgr worker: serving {range} through the relay of the tracker at {t}; sessions need its tickets"),
-            (None, addr) => eprintln!(
+        let trackers = a.tracker.join(", ");
+        match (a.tracker.is_empty(), &addr) {
+            (false, Some(addr)) => {
+                eprintln!("dgr worker: serving {range} on {addr} for the trackers at {trackers}; sessions need their tickets")
+            }
+            (false, None) => {
+                eprintln!("dgr worker: serving {range} through the relays of the trackers at {trackers}; sessions need their tickets")
+            }
+            (true, addr) => eprintln!(
                 "dgr worker: serving {range} on {} in ticketless mode (no --tracker: any driver that reaches this port may open sessions)",
                 addr.as_deref().unwrap_or("?")
             ),
@@ -193,7 +199,8 @@ pub fn run(a: Args) -> Result<()> {
 
 /// Fetches the slice of model `id` for `layers` from the swarm (or finds it fetched already).
 fn fetch_slice(a: &Args, id: &str, layers: &std::ops::Range<usize>) -> Result<std::path::PathBuf> {
-    let tracker = a.tracker.clone().context("--model-id needs --tracker")?;
+    // The swarm's trackers share one registry of holders; the first one answers for all.
+    let tracker = a.tracker.first().cloned().context("--model-id needs --tracker")?;
     let token_file = a.join_token_file.as_ref().context("fetching a slice needs --join-token-file")?;
     let dir = match &a.slice_dir {
         Some(d) => d.clone(),

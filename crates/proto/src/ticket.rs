@@ -24,9 +24,13 @@ pub struct Ticket {
     pub budget_tokens: u64,
     #[prost(uint64, tag = "7")]
     pub expires_unix_ms: u64,
+    /// `key_id` of the key of the trackers' set that signs it: a verifier looks the key up by it.
+    #[prost(fixed64, tag = "8")]
+    pub key_id: u64,
 }
 
-/// A ticket's encoded bytes and the tracker's signature of exactly those bytes.
+/// A ticket's encoded bytes and the signature of exactly those bytes by the key of the
+/// trackers' set that the ticket names.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct SignedTicket {
     #[prost(bytes = "vec", tag = "1")]
@@ -42,7 +46,7 @@ pub enum TicketError {
     Missing,
     #[error("the ticket does not decode")]
     Malformed,
-    #[error("the ticket's signature is not the tracker's")]
+    #[error("the ticket is not signed by a key of the trackers' set")]
     Forged,
     #[error("the ticket has expired")]
     Expired,
@@ -78,17 +82,21 @@ impl TicketError {
     }
 }
 
+/// Signs `t`, whose `key_id` names `key`.
 pub fn sign_ticket(t: &Ticket, key: &SigningKey) -> SignedTicket {
     let body = t.encode_to_vec();
     let signature = key.sign(&body).to_bytes().to_vec();
     SignedTicket { body, signature }
 }
 
-/// Checks the signature and expiry and returns the ticket's content.
-pub fn verify_ticket(s: &SignedTicket, key: &VerifyingKey, now_unix_ms: u64) -> Result<Ticket, TicketError> {
+/// Checks the signature (by the key `key_of` finds under the key id the ticket names) and the
+/// expiry, and returns the ticket's content. The body is decoded before its signature is
+/// checked (to find the key), and nothing of it is used unless the signature holds.
+pub fn verify_ticket(s: &SignedTicket, key_of: impl FnOnce(u64) -> Option<VerifyingKey>, now_unix_ms: u64) -> Result<Ticket, TicketError> {
+    let t = Ticket::decode(s.body.as_slice()).map_err(|_| TicketError::Malformed)?;
+    let key = key_of(t.key_id).ok_or(TicketError::Forged)?;
     let sig = Signature::from_slice(&s.signature).map_err(|_| TicketError::Forged)?;
     key.verify_strict(&s.body, &sig).map_err(|_| TicketError::Forged)?;
-    let t = Ticket::decode(s.body.as_slice()).map_err(|_| TicketError::Malformed)?;
     if t.expires_unix_ms < now_unix_ms {
         return Err(TicketError::Expired);
     }
@@ -135,6 +143,13 @@ pub fn worker_id(key: &VerifyingKey) -> String {
     hex::encode(key.to_bytes())
 }
 
+/// A signing key's id in tickets and key sets: its public key's first 8 bytes (the keys of a
+/// set are random, so ids do not collide; a wrong key still fails the signature).
+pub fn key_id(key: &VerifyingKey) -> u64 {
+    let b = key.to_bytes();
+    u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +168,7 @@ mod tests {
             stages: vec![stage("w0", 0, 10, "a:1"), stage("w1", 10, 30, "b:2")],
             budget_tokens: 100,
             expires_unix_ms: 2_000,
+            key_id: 0,
         }
     }
 
@@ -180,20 +196,34 @@ mod tests {
     fn genuine_tickets_pass_and_every_forgery_is_named() {
         let key = new_signing_key().unwrap();
         let pk = key.verifying_key();
-        let s = sign_ticket(&ticket(), &key);
-        let t = verify_ticket(&s, &pk, 1_000).unwrap();
+        let genuine = Ticket { key_id: key_id(&pk), ..ticket() };
+        let s = sign_ticket(&genuine, &key);
+        // The set holds this key under its id (and another key under another id).
+        let spare = new_signing_key().unwrap().verifying_key();
+        let set = |id: u64| [(key_id(&pk), pk), (key_id(&spare), spare)].into_iter().find(|(k, _)| *k == id).map(|(_, v)| v);
+        let t = verify_ticket(&s, set, 1_000).unwrap();
         assert_eq!(check_ticket_open(&t, &open(0, "b:2", (0, 10), 100), "w0"), Ok(()));
         assert_eq!(check_ticket_open(&t, &open(1, "", (10, 30), 50), "w1"), Ok(()));
 
-        assert_eq!(verify_ticket(&s, &pk, 3_000), Err(TicketError::Expired));
+        assert_eq!(verify_ticket(&s, set, 3_000), Err(TicketError::Expired));
+        // A key outside the set, under its own id or claiming a key id of the set.
         let other = new_signing_key().unwrap();
-        assert_eq!(verify_ticket(&sign_ticket(&ticket(), &other), &pk, 1_000), Err(TicketError::Forged));
+        let own = Ticket { key_id: key_id(&other.verifying_key()), ..ticket() };
+        assert_eq!(verify_ticket(&sign_ticket(&own, &other), set, 1_000), Err(TicketError::Forged));
+        assert_eq!(verify_ticket(&sign_ticket(&genuine, &other), set, 1_000), Err(TicketError::Forged));
+        // Signed by this key but naming the set's other one.
+        let swapped = Ticket { key_id: key_id(&spare), ..ticket() };
+        assert_eq!(verify_ticket(&sign_ticket(&swapped, &key), set, 1_000), Err(TicketError::Forged));
+        assert_eq!(
+            verify_ticket(&SignedTicket { body: vec![0xff; 7], signature: s.signature.clone() }, set, 1_000),
+            Err(TicketError::Malformed)
+        );
         let mut altered = s.clone();
         altered.body[3] ^= 1;
-        assert_eq!(verify_ticket(&altered, &pk, 1_000), Err(TicketError::Forged));
+        assert_eq!(verify_ticket(&altered, set, 1_000), Err(TicketError::Forged));
         let mut bad_sig = s.clone();
         bad_sig.signature.truncate(10);
-        assert_eq!(verify_ticket(&bad_sig, &pk, 1_000), Err(TicketError::Forged));
+        assert_eq!(verify_ticket(&bad_sig, set, 1_000), Err(TicketError::Forged));
 
         assert_eq!(check_ticket_open(&t, &open(0, "b:2", (0, 10), 100), "w1"), Err(TicketError::NotNamed));
         assert_eq!(check_ticket_open(&t, &open(0, "evil:9", (0, 10), 100), "w0"), Err(TicketError::Mismatch));

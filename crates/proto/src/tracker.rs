@@ -2,7 +2,7 @@
 //! and the relay. Same framing as the stage protocol (a length-prefixed protobuf frame).
 //!
 //! Every connection opens with the client's `Hello` and the tracker's `Challenge` (a nonce and
-//! its public key). A worker's control connection then goes on with `Join` (join token, its identity key, a signature of the nonce, what
+//! the public keys of the trackers' signing key set). A worker's control connection then goes on with `Join` (join token, its identity key, a signature of the nonce, what
 //! it serves); then `Heartbeat`s and `WorkerUsage` reports flow up and `RelayDial`s come down,
 //! until `Leave` or the connection drops. A client connection: one request and its answer at a
 //! time. A relay connection's first frame is `RelayConnect`
@@ -110,9 +110,21 @@ pub struct Challenge {
     /// 32 random bytes the worker signs with its identity key.
     #[prost(bytes = "vec", tag = "2")]
     pub nonce: Vec<u8>,
-    /// The tracker's Ed25519 public key: route tickets are signed with it.
-    #[prost(bytes = "vec", tag = "3")]
-    pub tracker_key: Vec<u8>,
+    // Tag 3 held a single tracker key until protocol version 3.
+    /// Every key of the signing key set the trackers of this swarm share: a route ticket from
+    /// any of them is signed by one of these.
+    #[prost(message, repeated, tag = "4")]
+    pub keys: Vec<TrackerKey>,
+}
+
+/// One Ed25519 public key of the trackers' signing key set.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TrackerKey {
+    /// `key_id` of the key: what a ticket signed by it names.
+    #[prost(fixed64, tag = "1")]
+    pub key_id: u64,
+    #[prost(bytes = "vec", tag = "2")]
+    pub public_key: Vec<u8>,
 }
 
 /// What a worker serves and can take: the registry's record of it. Nothing here is specific to

@@ -4,8 +4,8 @@
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
 use crate::store::{key_hash, StoreError};
 use dgr_proto::{
-    codec, sign_ticket, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply, RouteRequest, Suspect,
-    SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, TRACKER_MAX_FRAME,
+    codec, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply, RouteRequest, Suspect, SwarmReply, Ticket,
+    TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, TRACKER_MAX_FRAME,
 };
 use futures::StreamExt;
 use prost::Message;
@@ -108,10 +108,11 @@ fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
         stages: p.stages,
         budget_tokens: r.budget_tokens,
         expires_unix_ms: unix_ms() + sh.cfg.ticket_ttl.as_millis() as u64,
+        key_id: sh.keys.current_id(),
     };
     sh.metrics.routes_issued.fetch_add(1, Relaxed);
     Ok(TrackerBody::RouteReply(RouteReply {
-        ticket: Some(sign_ticket(&ticket, &sh.key)),
+        ticket: Some(sh.keys.sign(&ticket)),
         route: Some(ticket),
         hidden: p.hidden,
         n_layers: p.n_layers,

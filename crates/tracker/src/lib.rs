@@ -4,6 +4,7 @@
 
 mod answers;
 mod control;
+mod keys;
 mod metrics;
 pub mod plan;
 mod registry;

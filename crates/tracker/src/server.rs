@@ -3,13 +3,12 @@
 //! a relay leg (`relay`), or a client's first request (`answers`). A connection that starts with
 //! "GET " is HTTP (/metrics, /health).
 
+use crate::keys::KeySet;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::store::{Store, StoreError};
 use bytes::Bytes;
-use dgr_proto::{
-    read_frame, worker_id, write_frame, Challenge, RefusalKind, Refused, SigningKey, TrackerBody, TrackerFrame, PROTOCOL_VERSION,
-};
+use dgr_proto::{read_frame, write_frame, Challenge, RefusalKind, Refused, TrackerBody, TrackerFrame, PROTOCOL_VERSION};
 use futures::SinkExt;
 use prost::Message;
 use std::collections::HashMap;
@@ -59,7 +58,7 @@ pub(crate) struct Shared {
     pub(crate) cfg: TrackerConfig,
     pub(crate) store: Mutex<Store>,
     pub(crate) registry: Mutex<Registry>,
-    pub(crate) key: SigningKey,
+    pub(crate) keys: KeySet,
     pub(crate) metrics: Metrics,
     /// Where clients reach this tracker (relayed workers' addresses point here).
     pub(crate) advertise: Mutex<String>,
@@ -91,14 +90,16 @@ impl Tracker {
             std::fs::create_dir_all(dir)?;
         }
         let store = Store::open(&cfg.db)?;
-        let key = store.signing_key()?;
+        let stored = store.signing_keys()?;
+        let (current, others) = stored.split_first().ok_or(StoreError::BadKey)?;
+        let keys = KeySet::new(current.clone(), others);
         let mut registry = Registry::new(cfg.heartbeat);
         registry.quarantined = store.quarantined()?.into_iter().collect();
         let shared = Shared {
             registry: Mutex::new(registry),
             cfg,
             store: Mutex::new(store),
-            key,
+            keys,
             metrics: Metrics::default(),
             advertise: Mutex::new(String::new()),
             relays: Mutex::new(HashMap::new()),
@@ -107,8 +108,9 @@ impl Tracker {
         Ok(Tracker { shared: Arc::new(shared) })
     }
 
-    pub fn public_key_hex(&self) -> String {
-        worker_id(&self.shared.key.verifying_key())
+    /// The id of the key this tracker signs tickets with, in hex.
+    pub fn key_id(&self) -> String {
+        format!("{:016x}", self.shared.keys.current_id())
     }
 
     /// Whether API keys are required (any key was ever added).
@@ -172,8 +174,7 @@ async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
         Err(_) => return,
     }
     let nonce = random::<32>().to_vec();
-    let challenge =
-        Challenge { protocol_version: PROTOCOL_VERSION, nonce: nonce.clone(), tracker_key: sh.key.verifying_key().to_bytes().to_vec() };
+    let challenge = Challenge { protocol_version: PROTOCOL_VERSION, nonce: nonce.clone(), keys: sh.keys.public().to_vec() };
     if write_frame(&mut stream, &TrackerFrame::new(TrackerBody::Challenge(challenge))).await.is_err() {
         return;
     }

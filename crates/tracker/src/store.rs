@@ -68,17 +68,16 @@ impl Store {
         Ok(Store { db })
     }
 
-    /// The tracker's signing key, made on first start and kept, so that tickets issued before a
-    /// restart stay valid and workers keep trusting the same key.
-    pub fn signing_key(&self) -> Result<SigningKey, StoreError> {
-        let stored: Option<Vec<u8>> = self.db.query_row("SELECT value FROM meta WHERE key = 'signing_key'", [], |r| r.get(0)).optional()?;
-        if let Some(bytes) = stored {
-            let seed: [u8; 32] = bytes.as_slice().try_into().map_err(|_| StoreError::BadKey)?;
-            return Ok(SigningKey::from_bytes(&seed));
-        }
-        let key = dgr_proto::new_signing_key().map_err(|e| StoreError::Random(e.to_string()))?;
-        self.db.execute("INSERT INTO meta (key, value) VALUES ('signing_key', ?1)", params![key.to_bytes().to_vec()])?;
-        Ok(key)
+    /// The trackers' signing key set, the current key first: made on first start and kept, so
+    /// that tickets issued before a restart stay valid, workers keep trusting the same keys, and
+    /// every tracker on this database signs with the same key.
+    pub fn signing_keys(&self) -> Result<Vec<SigningKey>, StoreError> {
+        let fresh = dgr_proto::new_signing_key().map_err(|e| StoreError::Random(e.to_string()))?;
+        // Trackers starting on one database at once: the first insert wins and all read it.
+        self.db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('signing_key', ?1)", params![fresh.to_bytes().to_vec()])?;
+        let bytes: Vec<u8> = self.db.query_row("SELECT value FROM meta WHERE key = 'signing_key'", [], |r| r.get(0))?;
+        let seed: [u8; 32] = bytes.as_slice().try_into().map_err(|_| StoreError::BadKey)?;
+        Ok(vec![SigningKey::from_bytes(&seed)])
     }
 
     /// Records a worker's join; returns how many times this identity has joined.
@@ -286,10 +285,10 @@ mod tests {
             let wu = WorkerUsage { session_id: vec![1; 16], request_id: "r1".into(), layer_tokens: 41, ..Default::default() };
             assert!(s.record_worker_usage("w", "e", "m", &wu, 0).unwrap());
             assert!(!s.record_worker_usage("w", "e", "m", &wu, 0).unwrap());
-            s.signing_key().unwrap().to_bytes()
+            s.signing_keys().unwrap()[0].to_bytes()
         };
         let s = Store::open(&path).unwrap();
-        assert_eq!(s.signing_key().unwrap().to_bytes(), key);
+        assert_eq!(s.signing_keys().unwrap()[0].to_bytes(), key);
         assert_eq!(s.key_used("alice").unwrap(), 15);
         assert_eq!(s.find_key("sk-1").unwrap().unwrap().quota_tokens, 100);
         assert!(s.find_key("sk-2").unwrap().is_none());

@@ -30,14 +30,15 @@ pub struct WorkerConfig {
     pub seam_dtypes: Vec<SeamDtype>,
     /// The scheduler's per-step budget and chunking.
     pub policy: crate::plan::Policy,
-    /// The tracker to join; None: ticketless local mode (any driver may open sessions).
+    /// The trackers to join; None: ticketless local mode (any driver may open sessions).
     pub tracker: Option<TrackerLink>,
 }
 
-/// How a worker joins a tracker.
+/// How a worker joins its trackers.
 #[derive(Clone, Debug)]
 pub struct TrackerLink {
-    pub addr: String,
+    /// Every tracker of the swarm it should register and heartbeat with (host:port each).
+    pub addrs: Vec<String>,
     pub join_token: String,
     /// The worker's identity (kept in a key file so a restart keeps it).
     pub identity: dgr_proto::SigningKey,

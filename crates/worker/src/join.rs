@@ -1,43 +1,124 @@
-//! Joining a tracker: register what this worker serves, prove its identity, heartbeat its load,
-//! report each session's usage until the tracker acknowledges it, and dial back for relayed
-//! sessions. A lost tracker is re-joined with backoff; running sessions never notice (the data
-//! path does not touch the tracker). On shutdown the worker leaves at once.
+//! Joining the trackers: register what this worker serves with every tracker it was given,
+//! prove its identity, heartbeat its load to each, report each session's usage (to whichever
+//! tracker is joined, until one acknowledges it), and dial back for relayed sessions. A lost
+//! tracker is re-joined with backoff capped below its heartbeat interval, so a restarted one
+//! lists this worker again within one interval; running sessions never notice (the data path
+//! does not touch a tracker). On shutdown the worker leaves them all at once.
 
 use crate::{Metrics, TrackerLink};
 use bytes::Bytes;
 use dgr_proto::{
-    Heartbeat, Join, Leave, Load, RefusalKind, Registration, TrackerBody, TrackerCallError, TrackerClient, TrackerFrame, VerifyingKey,
-    WorkerUsage,
+    Heartbeat, Join, Leave, Load, RefusalKind, Registration, TrackerBody, TrackerCallError, TrackerClient, TrackerFrame, TrackerKey,
+    VerifyingKey, WorkerUsage,
 };
 use ed25519_dalek::Signer;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Notify};
 
 const CONNECT: Duration = Duration::from_secs(3);
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
-/// Usage reports waiting for the tracker; past this, the oldest are dropped (and counted).
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+/// A tracker's heartbeat interval until it says (the tracker's default).
+const HEARTBEAT_DEFAULT: Duration = Duration::from_millis(1000);
+/// Usage reports waiting for a tracker; past this, the oldest are dropped (and counted).
 pub(crate) const USAGE_QUEUE: usize = 1 << 16;
 
-/// What a worker needs to check route tickets: the tracker's key (learned at join; it survives a
-/// tracker restart) and its own id.
+/// What a worker needs to check route tickets: the key sets of the trackers it joined (learned
+/// at each join, kept while a tracker restarts) and its own id.
 pub(crate) struct TicketGate {
-    pub tracker_key: RwLock<Option<VerifyingKey>>,
+    keys: RwLock<HashMap<String, Vec<(u64, VerifyingKey)>>>,
     pub worker_id: String,
 }
 
+impl TicketGate {
+    pub fn new(worker_id: String) -> TicketGate {
+        TicketGate { keys: RwLock::new(HashMap::new()), worker_id }
+    }
+
+    /// The key `key_id` names, from the set of any tracker this worker joined.
+    pub fn key(&self, key_id: u64) -> Option<VerifyingKey> {
+        let keys = self.keys.read().unwrap_or_else(|p| p.into_inner());
+        keys.values().flatten().find(|(id, _)| *id == key_id).map(|(_, k)| *k)
+    }
+
+    fn learn(&self, tracker: &str, set: Vec<(u64, VerifyingKey)>) {
+        self.keys.write().unwrap_or_else(|p| p.into_inner()).insert(tracker.to_string(), set);
+    }
+}
+
+/// Usage reports no tracker has acknowledged yet, shared by the join loops: a joined loop
+/// takes the next one, and gives back what it sent but saw no `Ack` for when its connection
+/// ends, so another tracker (or the same one, re-joined) gets it. Reports are idempotent under
+/// (session, worker) in the shared ledger, so a resend is safe.
+pub(crate) struct UsageOutbox {
+    queue: Mutex<VecDeque<WorkerUsage>>,
+    ready: Notify,
+    metrics: Arc<Metrics>,
+}
+
+impl UsageOutbox {
+    pub fn new(metrics: Arc<Metrics>) -> Arc<UsageOutbox> {
+        Arc::new(UsageOutbox { queue: Mutex::new(VecDeque::new()), ready: Notify::new(), metrics })
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<WorkerUsage>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Moves the scheduler's reports in until it stops.
+    pub async fn fill(self: Arc<Self>, mut from: mpsc::Receiver<WorkerUsage>) {
+        while let Some(u) = from.recv().await {
+            let mut q = self.queue();
+            if q.len() >= USAGE_QUEUE {
+                q.pop_front();
+                self.metrics.failure(dgr_proto::ErrorKind::Overloaded);
+            }
+            q.push_back(u);
+            drop(q);
+            self.ready.notify_one();
+        }
+    }
+
+    /// The next report to send. Cancel-safe: a report is taken only when this returns it.
+    async fn next(&self) -> WorkerUsage {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(u) = self.queue().pop_front() {
+                return u;
+            }
+            notified.await;
+        }
+    }
+
+    /// Reports sent on a connection that ended before they were acknowledged, to go first.
+    fn give_back(&self, unacked: &mut VecDeque<WorkerUsage>) {
+        if unacked.is_empty() {
+            return;
+        }
+        let mut q = self.queue();
+        while let Some(u) = unacked.pop_back() {
+            q.push_front(u);
+        }
+        drop(q);
+        self.ready.notify_one();
+    }
+}
+
+/// Keeps this worker joined to one tracker until shutdown.
 pub(crate) struct Joiner {
+    pub tracker: String,
     pub link: TrackerLink,
     pub reg: Registration,
     pub gate: Arc<TicketGate>,
     pub metrics: Arc<Metrics>,
-    pub usage: mpsc::Receiver<WorkerUsage>,
+    pub outbox: Arc<UsageOutbox>,
     /// Becomes true on shutdown: leave the tracker now.
     pub leave: watch::Receiver<bool>,
 }
@@ -52,16 +133,20 @@ enum Ended {
 impl Joiner {
     /// Keeps this worker joined until shutdown. `on_relay` serves a dialed-back relay connection.
     pub async fn run(mut self, on_relay: impl Fn(TcpStream) + Send + Sync + 'static) {
-        let mut unacked: VecDeque<WorkerUsage> = VecDeque::new();
         let mut backoff = BACKOFF_MIN;
+        let mut heartbeat = HEARTBEAT_DEFAULT;
         let mut announced = false;
         loop {
-            match self.session(&mut unacked, &on_relay, &mut announced).await {
+            let mut unacked = VecDeque::new();
+            let ended = self.session(&mut unacked, &on_relay, &mut announced, &mut heartbeat).await;
+            self.outbox.give_back(&mut unacked);
+            match ended {
                 Ended::Left => return,
                 Ended::Retry(why) => {
                     if announced {
-                        eprintln!("dgr worker: lost the tracker at {}: {why}; re-joining", self.link.addr);
+                        eprintln!("dgr worker: lost the tracker at {}: {why}; re-joining", self.tracker);
                         announced = false;
+                        backoff = BACKOFF_MIN;
                     }
                 }
             }
@@ -69,7 +154,8 @@ impl Joiner {
                 _ = tokio::time::sleep(backoff) => {}
                 _ = self.leave.changed() => return,
             }
-            backoff = (backoff * 2).min(BACKOFF_MAX);
+            // Below half an interval: a restarted tracker hears from this worker within one.
+            backoff = (backoff * 2).min(heartbeat / 2);
         }
     }
 
@@ -78,13 +164,14 @@ impl Joiner {
         unacked: &mut VecDeque<WorkerUsage>,
         on_relay: &(impl Fn(TcpStream) + Send + Sync),
         announced: &mut bool,
+        heartbeat: &mut Duration,
     ) -> Ended {
-        let mut client = match TrackerClient::connect(&self.link.addr, CONNECT).await {
+        let mut client = match TrackerClient::connect(&self.tracker, CONNECT).await {
             Ok(c) => c,
             Err(e) => return Ended::Retry(e.to_string()),
         };
-        let Some(key) = dgr_proto::verifying_key(&client.challenge.tracker_key) else {
-            return Ended::Retry("the tracker's key is not an Ed25519 key".into());
+        let Some(keys) = key_set(&client.challenge.keys) else {
+            return Ended::Retry("the tracker's key set holds no Ed25519 key, or a malformed one".into());
         };
         let join = Join {
             join_token: self.link.join_token.clone(),
@@ -92,32 +179,27 @@ impl Joiner {
             signature: self.link.identity.sign(&client.challenge.nonce).to_bytes().to_vec(),
             registration: Some(self.reg.clone()),
         };
-        let heartbeat = match client.call(TrackerBody::Join(join)).await {
+        *heartbeat = match client.call(TrackerBody::Join(join)).await {
             Ok(TrackerBody::Joined(j)) => Duration::from_millis(j.heartbeat_ms.clamp(50, 60_000) as u64),
             Ok(_) => return Ended::Retry("unexpected answer to a join".into()),
             Err(TrackerCallError::Refused(r)) => {
                 if r.refusal_kind() == RefusalKind::BadJoinToken {
-                    eprintln!("dgr worker: the tracker refused the join token; check --join-token-file");
+                    eprintln!("dgr worker: the tracker at {} refused the join token; check --join-token-file", self.tracker);
                 }
                 return Ended::Retry(r.message);
             }
             Err(e) => return Ended::Retry(e.to_string()),
         };
-        *self.gate.tracker_key.write().unwrap_or_else(|p| p.into_inner()) = Some(key);
+        self.gate.learn(&self.tracker, keys);
         if !*announced {
-            eprintln!("dgr worker: joined the tracker at {} as {}", self.link.addr, self.gate.worker_id);
+            eprintln!("dgr worker: joined the tracker at {} as {}", self.tracker, self.gate.worker_id);
             *announced = true;
         }
         let mut conn = client.into_framed();
         let send = |f: TrackerBody| Bytes::from(TrackerFrame::new(f).encode_to_vec());
-        // Reports not acknowledged before a lost connection go again (the ledger stores each once).
-        for u in unacked.iter() {
-            if conn.send(send(TrackerBody::WorkerUsage(u.clone()))).await.is_err() {
-                return Ended::Retry("connection lost".into());
-            }
-        }
-        let mut tick = tokio::time::interval(heartbeat);
+        let mut tick = tokio::time::interval(*heartbeat);
         let mut last = (self.metrics.steps.load(Relaxed), self.metrics.step_micros.load(Relaxed));
+        let outbox = self.outbox.clone();
         loop {
             tokio::select! {
                 _ = tick.tick() => {
@@ -126,12 +208,7 @@ impl Joiner {
                         return Ended::Retry("connection lost".into());
                     }
                 }
-                u = self.usage.recv() => {
-                    let Some(u) = u else { return Ended::Left };
-                    if unacked.len() >= USAGE_QUEUE {
-                        unacked.pop_front();
-                        self.metrics.failure(dgr_proto::ErrorKind::Overloaded);
-                    }
+                u = outbox.next() => {
                     unacked.push_back(u.clone());
                     if conn.send(send(TrackerBody::WorkerUsage(u))).await.is_err() {
                         return Ended::Retry("connection lost".into());
@@ -152,9 +229,9 @@ impl Joiner {
                             unacked.pop_front();
                         }
                         Some(TrackerBody::RelayDial(d)) => {
-                            match dgr_proto::relay_accept(&self.link.addr, d.token, CONNECT).await {
+                            match dgr_proto::relay_accept(&self.tracker, d.token, CONNECT).await {
                                 Ok(s) => on_relay(s),
-                                Err(e) => eprintln!("dgr worker: relay dial-back failed: {e}"),
+                                Err(e) => eprintln!("dgr worker: relay dial-back to {} failed: {e}", self.tracker),
                             }
                         }
                         Some(TrackerBody::Refused(r)) => return Ended::Retry(r.message),
@@ -178,6 +255,15 @@ impl Joiner {
             recent_step_us: recent,
         }
     }
+}
+
+/// A challenge's key set, if it holds at least one key and every key is a valid one (at most
+/// 64: a set is a handful of keys).
+fn key_set(keys: &[TrackerKey]) -> Option<Vec<(u64, VerifyingKey)>> {
+    if keys.is_empty() || keys.len() > 64 {
+        return None;
+    }
+    keys.iter().map(|k| Some((k.key_id, dgr_proto::verifying_key(&k.public_key)?))).collect()
 }
 
 /// A worker's identity key: read from `path`, or made and written there (mode 0600) when the

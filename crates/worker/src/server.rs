@@ -2,7 +2,7 @@
 //! commands, writing frames out, connections to the next stage, and /metrics over HTTP on the
 //! same port (a connection that starts with "GET " is an HTTP request).
 
-use crate::join::{Joiner, TicketGate};
+use crate::join::{Joiner, TicketGate, UsageOutbox};
 use crate::scheduler::{Cmd, ConnId, ConnUse, Outbox, Scheduler};
 use crate::share::Holdings;
 use crate::{Metrics, WorkerConfig};
@@ -146,9 +146,7 @@ impl Worker {
             }
             None => (None, None),
         };
-        let gate = cfg.tracker.as_ref().map(|t| {
-            Arc::new(TicketGate { tracker_key: Default::default(), worker_id: dgr_proto::worker_id(&t.identity.verifying_key()) })
-        });
+        let gate = cfg.tracker.as_ref().map(|t| Arc::new(TicketGate::new(dgr_proto::worker_id(&t.identity.verifying_key()))));
         let sched = Scheduler::new(stage, cfg.clone(), schema, metrics.clone(), usage_tx);
         let scheduler = std::thread::Builder::new().name("dgr-scheduler".into()).spawn(move || sched.run(rx))?;
         Ok(Worker { cfg, info, metrics, cmds, scheduler, step_us_per_layer, gate, usage, holdings })
@@ -193,9 +191,21 @@ impl Worker {
         let (leave, leave_rx) = tokio::sync::watch::channel(false);
         if let (Some(link), Some(gate), Some(usage)) = (self.cfg.tracker.clone(), self.gate.clone(), self.usage.take()) {
             let reg = self.registration(link.advertise.clone().unwrap_or_default());
-            let joiner = Joiner { link, reg, gate, metrics: self.metrics.clone(), usage, leave: leave_rx };
-            let relay_shared = shared.clone();
-            tokio::spawn(joiner.run(move |stream| admit(stream, &relay_shared)));
+            let outbox = UsageOutbox::new(self.metrics.clone());
+            tokio::spawn(outbox.clone().fill(usage));
+            for tracker in &link.addrs {
+                let joiner = Joiner {
+                    tracker: tracker.clone(),
+                    link: link.clone(),
+                    reg: reg.clone(),
+                    gate: gate.clone(),
+                    metrics: self.metrics.clone(),
+                    outbox: outbox.clone(),
+                    leave: leave_rx.clone(),
+                };
+                let relay_shared = shared.clone();
+                tokio::spawn(joiner.run(move |stream| admit(stream, &relay_shared)));
+            }
         }
         // The scheduler returns once a drain completes; waiting for it runs on a blocking thread.
         let handle = self.scheduler;
@@ -552,10 +562,8 @@ impl PendingOpen {
 fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<String, TicketError> {
     let Some(gate) = &shared.gate else { return Ok(String::new()) };
     let signed = open.ticket.as_ref().ok_or(TicketError::Missing)?;
-    let key = *gate.tracker_key.read().unwrap_or_else(|p| p.into_inner());
-    // Before the first join the tracker's key is unknown: nothing can be verified yet.
-    let key = key.ok_or(TicketError::Forged)?;
-    let t = dgr_proto::verify_ticket(signed, &key, unix_us() / 1000)?;
+    // Before the first join no key is known: nothing can be verified yet.
+    let t = dgr_proto::verify_ticket(signed, |id| gate.key(id), unix_us() / 1000)?;
     dgr_proto::check_ticket_open(&t, open, &gate.worker_id)?;
     Ok(t.request_id)
 }

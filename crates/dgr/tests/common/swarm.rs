@@ -166,10 +166,25 @@ impl Worker {
     }
 
     /// As `start_with_env`, on `model` (None: no --model, for a worker that fetches its slice).
-    pub fn start_on(t: &Tracker, (a, b): (usize, usize), key: &str, extra: &[&str], env: &[(&str, &str)], model: Option<&Path>) -> Worker {
+    pub fn start_on(t: &Tracker, layers: (usize, usize), key: &str, extra: &[&str], env: &[(&str, &str)], model: Option<&Path>) -> Worker {
+        Worker::start_joined(&[t], layers, key, extra, env, model)
+    }
+
+    /// As `start_on`, joined to every tracker of `ts` (trackers of one swarm: one join token;
+    /// the key file lives under the first one's dir).
+    pub fn start_joined(
+        ts: &[&Tracker],
+        (a, b): (usize, usize),
+        key: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        model: Option<&Path>,
+    ) -> Worker {
+        let t = ts[0];
+        let trackers: Vec<&str> = ts.iter().map(|t| t.addr.as_str()).collect();
         let mut cmd = dgr();
         cmd.envs(env.iter().copied());
-        cmd.args(["worker", "--threads", "1", "--layers", &format!("{a}..{b}"), "--tracker", &t.addr, "--join-token-file"])
+        cmd.args(["worker", "--threads", "1", "--layers", &format!("{a}..{b}"), "--tracker", &trackers.join(","), "--join-token-file"])
             .arg(&t.token_file)
             .arg("--key-file")
             .arg(t.dir.join(format!("{key}.key")))
