@@ -1,7 +1,7 @@
 //! Generation in one process: the whole model as one stage.
 
 use crate::error::{BenchError, Result};
-use dgr_driver::Completion;
+use dgr_driver::{Completion, FinishReason};
 use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState};
 use std::time::Instant;
 
@@ -28,12 +28,12 @@ pub fn generate<E: Engine>(stage: &E, is_eog: impl Fn(u32) -> bool, req: &Reques
         return Err(BenchError::Usage(why));
     }
     let start = Instant::now();
-    let mut out = Completion { finish_reason: "length".into(), ..Default::default() };
+    let mut out = Completion { finish_reason: FinishReason::Length, ..Default::default() };
     let mut input = req.prompt_tokens.clone();
     let mut decode_start = start;
     while out.tokens.len() < req.max_tokens {
         if kv.positions() + input.len() > kv.capacity() {
-            out.finish_reason = "context".into();
+            out.finish_reason = FinishReason::Context;
             break;
         }
         let result = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&input), logits: LogitRows::Last }])?;
@@ -49,7 +49,7 @@ pub fn generate<E: Engine>(stage: &E, is_eog: impl Fn(u32) -> bool, req: &Reques
         out.top_logprobs.push(top);
         on_token(token);
         if !req.ignore_eos && is_eog(token) {
-            out.finish_reason = "stop".into();
+            out.finish_reason = FinishReason::Stop;
             break;
         }
         input = vec![token];

@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use dgr_bench::local::Request;
 use dgr_bench::swarm::LocalSwarm;
-use dgr_driver::{generate_recovering, tracker, Completion, DriveError, DriveOptions, Flow, GenRequest, Route};
+use dgr_driver::{generate_recovering, tracker, Completion, DriveError, DriveOptions, FailKind, Flow, GenRequest, Route};
 use dgr_proto::{Sampling, SeamDtype};
 use std::path::Path;
 use std::time::Duration;
@@ -70,7 +70,7 @@ pub fn generate(
         };
         if route.model_id() != model_id {
             let msg = format!("the route serves model {} but --model is {model_id}", route.model_id());
-            return Err(DriveError::new("route", Some(0), Some(&route.stages[0].addr), msg));
+            return Err(DriveError::new(FailKind::Route, Some(0), Some(&route.stages[0].addr), msg));
         }
         let g = GenRequest {
             prompt_tokens: req.prompt_tokens.clone(),
@@ -99,7 +99,7 @@ pub fn generate(
         let replan = |exclude: Vec<String>, budget: u64| {
             let (tracker, model_id, key, request_id) = (a.tracker.clone(), model_id.clone(), a.api_key.clone(), request_id.clone());
             async move {
-                let t = tracker.ok_or_else(|| DriveError::new("route", None, None, "no tracker"))?;
+                let t = tracker.ok_or_else(|| DriveError::new(FailKind::Route, None, None, "no tracker"))?;
                 tracker::route(&t, &model_id, budget, &key, &request_id, &exclude).await.map(|(r, t)| (r, Some(t)))
             }
         };

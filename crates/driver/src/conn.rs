@@ -1,6 +1,6 @@
 //! One framed connection to a worker, after the handshake.
 
-use crate::DriveError;
+use crate::{DriveError, FailKind};
 use bytes::Bytes;
 use dgr_proto::{Body, Frame, Hello, Role, StageInfo, PROTOCOL_VERSION};
 use futures::stream::{SplitSink, SplitStream};
@@ -15,16 +15,17 @@ pub(crate) type Source = SplitStream<Framed<TcpStream, LengthDelimitedCodec>>;
 
 /// Connects to `addr`, says Hello as a driver and returns the worker's StageInfo.
 pub(crate) async fn connect(addr: &str, stage: u32, timeout: Duration, max_frame: usize) -> Result<(Sink, Source, StageInfo), DriveError> {
-    let fail = |kind: &str, msg: String| DriveError::new(kind, Some(stage), Some(addr), msg);
-    let stream = dgr_proto::dial(addr, timeout).await.map_err(|e| fail("connect_failed", e.to_string()))?;
+    let fail = |kind: FailKind, msg: String| DriveError::new(kind, Some(stage), Some(addr), msg);
+    let stream = dgr_proto::dial(addr, timeout).await.map_err(|e| fail(FailKind::ConnectFailed, e.to_string()))?;
     let (mut sink, mut source) = Framed::new(stream, dgr_proto::codec(max_frame)).split();
     let hello = Frame::new(Body::Hello(Hello { protocol_version: PROTOCOL_VERSION, role: Role::Driver as i32, info: None }));
-    send(&mut sink, &hello).await.map_err(|e| fail("connect_failed", e))?;
-    let reply = tokio::time::timeout(timeout, source.next()).await.map_err(|_| fail("timeout", "no Hello from the worker".into()))?;
+    send(&mut sink, &hello).await.map_err(|e| fail(FailKind::ConnectFailed, e))?;
+    let reply =
+        tokio::time::timeout(timeout, source.next()).await.map_err(|_| fail(FailKind::Timeout, "no Hello from the worker".into()))?;
     match reply.map(|r| r.map(Frame::decode)) {
         Some(Ok(Ok(Frame { body: Some(Body::Hello(Hello { info: Some(info), .. })) }))) => Ok((sink, source, info)),
-        Some(Ok(Ok(Frame { body: Some(Body::Error(e)) }))) => Err(fail(e.error_kind().name(), e.message)),
-        _ => Err(fail("protocol", "the peer did not answer with a worker's Hello".into())),
+        Some(Ok(Ok(Frame { body: Some(Body::Error(e)) }))) => Err(fail(FailKind::Worker(e.error_kind()), e.message)),
+        _ => Err(fail(FailKind::Protocol, "the peer did not answer with a worker's Hello".into())),
     }
 }
 

@@ -2,8 +2,8 @@
 //! and close it — or fail with a structured error naming the stage, within a deadline.
 
 use crate::links::{Event, Link, Links};
-use crate::report::{quantile, Completion, SeamReport, StageReport, UsageReport};
-use crate::{DriveError, Route};
+use crate::report::{quantile, Completion, FinishReason, SeamReport, StageReport, UsageReport};
+use crate::{DriveError, FailKind, Route};
 use dgr_proto::{
     Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Ping, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut, STAGE_UNKNOWN,
 };
@@ -73,14 +73,14 @@ impl Drop for Session<'_> {
 }
 
 impl Session<'_> {
-    fn err(&self, kind: &str, stage: u32, message: impl Into<String>) -> DriveError {
+    fn err(&self, kind: FailKind, stage: u32, message: impl Into<String>) -> DriveError {
         let addr = self.route.stages.get(stage as usize).map(|s| s.addr.as_str());
         DriveError::new(kind, Some(stage), addr, message)
     }
 
     async fn send(&mut self, stage: u32, body: Body) -> Result<(), DriveError> {
         let r = self.links[stage as usize].send(&Frame::new(body)).await;
-        r.map_err(|e| self.err("connection_lost", stage, e))
+        r.map_err(|e| self.err(FailKind::ConnectionLost, stage, e))
     }
 
     /// The next event, turned into an error unless it is a frame this session expects. While
@@ -97,7 +97,7 @@ impl Session<'_> {
             let event = match tokio::time::timeout_at(wake.min(deadline), self.events.recv()).await {
                 Ok(ev) => ev,
                 Err(_) if tokio::time::Instant::now() >= deadline => {
-                    return Err(DriveError::new("timeout", None, None, format!("no answer from the route within {timeout:?}")))
+                    return Err(DriveError::new(FailKind::Timeout, None, None, format!("no answer from the route within {timeout:?}")))
                 }
                 Err(_) => match probe.take() {
                     None => {
@@ -110,7 +110,7 @@ impl Session<'_> {
                     Some((_, answered)) => match answered.iter().position(|a| !a) {
                         Some(i) => {
                             let msg = format!("no answer to a ping within {:?}: the worker is stopped or unreachable", opts.probe_wait);
-                            return Err(self.err("silent", i as u32, msg));
+                            return Err(self.err(FailKind::Silent, i as u32, msg));
                         }
                         // Every stage is there, only busy: keep waiting.
                         None => continue,
@@ -118,8 +118,8 @@ impl Session<'_> {
                 },
             };
             match event {
-                None => return Err(DriveError::new("connection_lost", None, None, "every connection closed")),
-                Some(Event::Lost(stage, why)) => return Err(self.err("connection_lost", stage, why)),
+                None => return Err(DriveError::new(FailKind::ConnectionLost, None, None, "every connection closed")),
+                Some(Event::Lost(stage, why)) => return Err(self.err(FailKind::ConnectionLost, stage, why)),
                 Some(Event::Frame(stage, Body::Pong(_))) => {
                     if let Some(a) = probe.as_mut().and_then(|(_, answered)| answered.get_mut(stage as usize)) {
                         *a = true;
@@ -128,7 +128,7 @@ impl Session<'_> {
                 Some(Event::Frame(_, Body::Ping(_))) => {}
                 Some(Event::Frame(stage, Body::Error(e))) => {
                     let at = if e.stage == STAGE_UNKNOWN { stage } else { e.stage };
-                    return Err(self.err(e.error_kind().name(), at, e.message));
+                    return Err(self.err(FailKind::Worker(e.error_kind()), at, e.message));
                 }
                 Some(Event::Frame(stage, body)) => return Ok((stage, body)),
             }
@@ -185,13 +185,13 @@ pub async fn generate_on(
     mut on_token: impl FnMut(&TokenOut) -> Flow,
 ) -> Result<Completion, DriveError> {
     if req.prompt_tokens.is_empty() || req.max_tokens == 0 {
-        return Err(DriveError::new("bad_request", None, None, "need a non-empty prompt and max_tokens ≥ 1"));
+        return Err(DriveError::new(FailKind::BadRequest, None, None, "need a non-empty prompt and max_tokens ≥ 1"));
     }
     let id = match &req.ticket {
         Some((_, id)) => *id,
         None => {
             let mut id = [0u8; 16];
-            getrandom::fill(&mut id).map_err(|e| DriveError::new("internal", None, None, e.to_string()))?;
+            getrandom::fill(&mut id).map_err(|e| DriveError::new(FailKind::Internal, None, None, e.to_string()))?;
             id
         }
     };
@@ -206,7 +206,7 @@ pub async fn generate_on(
         let want = &route.stages[i].info;
         if info.model_id != want.model_id || want.layer_start < info.layer_start || want.layer_end > info.layer_end {
             return Err(DriveError::new(
-                "route",
+                FailKind::Route,
                 Some(i as u32),
                 Some(&route.stages[i].addr),
                 "the worker changed since the route was planned",
@@ -219,7 +219,7 @@ pub async fn generate_on(
     let mut s = Session { route, id, links: linked, events };
     let mut generated = 0;
     let mut result = drive(&mut s, req, opts, n, &mut generated, &mut on_token).await;
-    s.finish(!matches!(&result, Ok(c) if c.finish_reason != "cancelled")).await;
+    s.finish(!matches!(&result, Ok(c) if c.finish_reason != FinishReason::Cancelled)).await;
     match &mut result {
         Ok(c) => c.usage = s.usage(opts.connect_timeout).await,
         // A ledger wants what the surviving stages computed; they answer at once or never.
@@ -272,11 +272,11 @@ async fn drive(
     while opened < n {
         match s.next(opts.connect_timeout, opts).await? {
             (_, Body::Opened(_)) => opened += 1,
-            (stage, _) => return Err(s.err("protocol", stage, "expected Opened")),
+            (stage, _) => return Err(s.err(FailKind::Protocol, stage, "expected Opened")),
         }
     }
     let start = Instant::now();
-    let mut out = Completion { finish_reason: "length".into(), ..Default::default() };
+    let mut out = Completion { finish_reason: FinishReason::Length, ..Default::default() };
     let mut traces: Vec<Vec<Hop>> = Vec::new();
     let mut position = 0u64;
     let mut input = req.prompt_tokens.clone();
@@ -286,7 +286,7 @@ async fn drive(
         s.send(0, Body::Forward(f)).await?;
         let t = match s.next(opts.step_timeout, opts).await? {
             (_, Body::Token(t)) if t.session_id == s.id => t,
-            (stage, _) => return Err(s.err("protocol", stage, "unexpected frame while waiting for a token")),
+            (stage, _) => return Err(s.err(FailKind::Protocol, stage, "unexpected frame while waiting for a token")),
         };
         position += input.len() as u64;
         if out.tokens.is_empty() {
@@ -300,11 +300,11 @@ async fn drive(
         traces.push(t.trace.clone());
         match on_token(&t) {
             Flow::Cancel => {
-                out.finish_reason = "cancelled".into();
+                out.finish_reason = FinishReason::Cancelled;
                 break;
             }
             Flow::Stop => {
-                out.finish_reason = "stop".into();
+                out.finish_reason = FinishReason::Stop;
                 break;
             }
             Flow::Continue => {}

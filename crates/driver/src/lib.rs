@@ -13,8 +13,8 @@ mod route;
 pub mod tracker;
 
 pub use driver::{generate, generate_on, DriveOptions, Flow, GenRequest};
-pub use error::DriveError;
+pub use error::{DriveError, FailKind};
 pub use links::Links;
 pub use recover::{generate_recovering, Attempt, Recovered, Recovery, Ticketed};
-pub use report::{Completion, SeamReport, StageReport, Timings, UsageReport};
+pub use report::{Completion, FinishReason, SeamReport, StageReport, Timings, UsageReport};
 pub use route::{Route, StageEndpoint};

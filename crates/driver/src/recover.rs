@@ -4,8 +4,8 @@
 //! generated so far as a prefill on it, and goes on: the client's stream is the same token for
 //! token as without the fault.
 
-use crate::{generate_on, Completion, DriveError, DriveOptions, Flow, GenRequest, Links, Route, UsageReport};
-use dgr_proto::{SignedTicket, TokenOut};
+use crate::{generate_on, Completion, DriveError, DriveOptions, FailKind, Flow, GenRequest, Links, Route, UsageReport};
+use dgr_proto::{ErrorKind, SignedTicket, TokenOut};
 use serde::Serialize;
 use std::future::Future;
 use std::time::Instant;
@@ -21,7 +21,7 @@ pub struct Attempt {
 /// A failure the request got past.
 #[derive(Clone, Debug, Serialize)]
 pub struct Recovery {
-    pub kind: String,
+    pub kind: FailKind,
     pub stage: Option<u32>,
     pub addr: Option<String>,
     pub worker_id: Option<String>,
@@ -39,7 +39,15 @@ pub struct Recovered {
 
 /// Failures a fresh route gets past: the stage is gone, silent, or will not take the session.
 fn recoverable(e: &DriveError) -> bool {
-    matches!(e.kind.as_str(), "connection_lost" | "connect_failed" | "silent" | "timeout" | "next_stage" | "shutting_down" | "overloaded")
+    e.kind.is_overloaded()
+        || matches!(
+            e.kind,
+            FailKind::ConnectionLost
+                | FailKind::ConnectFailed
+                | FailKind::Silent
+                | FailKind::Timeout
+                | FailKind::Worker(ErrorKind::NextStage | ErrorKind::ShuttingDown)
+        )
 }
 
 /// A route and the ticket for one session on it.
@@ -121,7 +129,7 @@ where
                 match replan(exclude.clone(), budget).await {
                     Ok((r, t)) => {
                         recoveries.push(Recovery {
-                            kind: e.kind.clone(),
+                            kind: e.kind,
                             stage: e.stage,
                             addr: e.addr.clone(),
                             worker_id,

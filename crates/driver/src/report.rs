@@ -57,12 +57,57 @@ pub struct UsageReport {
     pub layer_tokens: u64,
 }
 
+/// Why a generation ended. Serialized as its name (`as_str`); the OpenAI API shows a
+/// cancelled one as "stop".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token, or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    #[default]
+    Length,
+    /// The caller stopped it (the client left).
+    Cancelled,
+    /// The one-process driver's context is full.
+    Context,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Context => "context",
+        }
+    }
+}
+
+impl std::fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// By name, as the CLI prints it.
+impl PartialEq<&str> for FinishReason {
+    fn eq(&self, name: &&str) -> bool {
+        self.as_str() == *name
+    }
+}
+
+impl Serialize for FinishReason {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
 #[derive(Serialize, Default, Debug, Clone)]
 pub struct Completion {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
-    pub finish_reason: String,
+    pub finish_reason: FinishReason,
     pub timings: Timings,
     pub seams: Vec<SeamReport>,
     pub stages: Vec<StageReport>,
@@ -78,4 +123,24 @@ pub(crate) fn quantile(v: &[f64], q: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     s[((s.len() as f64 * q).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finish_reasons_keep_their_names() {
+        let all = [
+            (FinishReason::Stop, "stop"),
+            (FinishReason::Length, "length"),
+            (FinishReason::Cancelled, "cancelled"),
+            (FinishReason::Context, "context"),
+        ];
+        for (r, name) in all {
+            assert_eq!((r.as_str(), r.to_string(), serde_json::to_value(r).unwrap()), (name, name.to_string(), serde_json::json!(name)));
+            assert!(r == name);
+        }
+        assert_eq!(Completion::default().finish_reason, FinishReason::Length);
+    }
 }

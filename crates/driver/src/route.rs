@@ -1,7 +1,7 @@
 //! A route: the ordered workers that together hold every layer of one model.
 
 use crate::conn::connect;
-use crate::DriveError;
+use crate::{DriveError, FailKind};
 use dgr_proto::{RouteReply, StageInfo};
 use std::time::Duration;
 
@@ -24,7 +24,7 @@ impl Route {
     /// model exactly once.
     pub async fn discover(addrs: &[String], timeout: Duration) -> Result<Route, DriveError> {
         if addrs.is_empty() {
-            return Err(DriveError::new("route", None, None, "a route needs at least one worker"));
+            return Err(DriveError::new(FailKind::Route, None, None, "a route needs at least one worker"));
         }
         let probes = addrs.iter().enumerate().map(|(i, a)| connect(a, i as u32, timeout, 1 << 20));
         let mut stages = Vec::new();
@@ -41,7 +41,7 @@ impl Route {
         let first = &self.stages[0].info;
         let mut at = 0;
         for (i, s) in self.stages.iter().enumerate() {
-            let bad = |msg: String| Err(DriveError::new("route", Some(i as u32), Some(&s.addr), msg));
+            let bad = |msg: String| Err(DriveError::new(FailKind::Route, Some(i as u32), Some(&s.addr), msg));
             if s.info.model_id != first.model_id || s.info.n_layers != first.n_layers || s.info.hidden != first.hidden {
                 return bad(format!("serves model {} but stage 0 serves {}", s.info.model_id, first.model_id));
             }
@@ -56,7 +56,7 @@ impl Route {
         if at != first.n_layers {
             let last = self.stages.len() - 1;
             return Err(DriveError::new(
-                "route",
+                FailKind::Route,
                 Some(last as u32),
                 Some(&self.stages[last].addr),
                 format!("the route ends at layer {at} of {}", first.n_layers),
@@ -67,9 +67,9 @@ impl Route {
 
     /// The route a tracker planned: its ticket's chain, with the model's shape from the reply.
     pub fn from_tracker(reply: &RouteReply) -> Result<Route, DriveError> {
-        let t = reply.route.as_ref().ok_or_else(|| DriveError::new("tracker", None, None, "a route reply without a route"))?;
+        let t = reply.route.as_ref().ok_or_else(|| DriveError::new(FailKind::Tracker, None, None, "a route reply without a route"))?;
         if t.stages.is_empty() {
-            return Err(DriveError::new("tracker", None, None, "an empty route"));
+            return Err(DriveError::new(FailKind::Tracker, None, None, "an empty route"));
         }
         let stages = t
             .stages

@@ -1,8 +1,8 @@
 //! A driver's dealings with a tracker: asking for a route and its ticket, and reporting what a
 //! request used, once, under its request id.
 
-use crate::{Attempt, Completion, DriveError, Route};
-use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, TrackerClient};
+use crate::{Attempt, Completion, DriveError, FailKind, FinishReason, Route};
+use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, TrackerClient, UsageStatus};
 use std::time::{Duration, Instant};
 
 const CONNECT: Duration = Duration::from_secs(5);
@@ -11,8 +11,8 @@ const REPORT_FOR: Duration = Duration::from_secs(20);
 
 pub fn tracker_error(e: TrackerCallError) -> DriveError {
     match e {
-        TrackerCallError::Refused(r) => DriveError::new(r.refusal_kind().name(), None, None, r.message),
-        e => DriveError::new("tracker", None, None, e.to_string()),
+        TrackerCallError::Refused(r) => DriveError::new(FailKind::Refused(r.refusal_kind()), None, None, r.message),
+        e => DriveError::new(FailKind::Tracker, None, None, e.to_string()),
     }
 }
 
@@ -20,7 +20,7 @@ pub fn tracker_error(e: TrackerCallError) -> DriveError {
 pub fn new_request_id() -> String {
     let mut b = [0u8; 16];
     let _ = getrandom::fill(&mut b);
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    hex::encode(b)
 }
 
 /// A route for `model_id` from the tracker, avoiding the workers in `exclude`, with its ticket
@@ -48,10 +48,10 @@ pub async fn route(
 /// The route, ticket and session id in a tracker's answer to a RouteRequest.
 pub fn routed(answer: TrackerBody) -> Result<(Route, (SignedTicket, [u8; 16])), DriveError> {
     let TrackerBody::RouteReply(reply) = answer else {
-        return Err(DriveError::new("tracker", None, None, "the tracker answered something else"));
+        return Err(DriveError::new(FailKind::Tracker, None, None, "the tracker answered something else"));
     };
     let route = Route::from_tracker(&reply)?;
-    let bad = || DriveError::new("tracker", None, None, "a route without a valid ticket");
+    let bad = || DriveError::new(FailKind::Tracker, None, None, "a route without a valid ticket");
     let ticket = reply.ticket.ok_or_else(bad)?;
     let session: [u8; 16] = reply.route.as_ref().and_then(|t| t.session_id.as_slice().try_into().ok()).ok_or_else(bad)?;
     Ok((route, (ticket, session)))
@@ -68,9 +68,9 @@ pub fn request_usage(
     attempts: &[Attempt],
 ) -> RequestUsage {
     let (status, completion) = match result {
-        Ok(c) if c.finish_reason == "cancelled" => ("cancelled", c.tokens.len()),
-        Ok(c) => ("completed", c.tokens.len()),
-        Err(e) => ("failed", e.generated),
+        Ok(c) if c.finish_reason == FinishReason::Cancelled => (UsageStatus::Cancelled, c.tokens.len()),
+        Ok(c) => (UsageStatus::Completed, c.tokens.len()),
+        Err(e) => (UsageStatus::Failed, e.generated),
     };
     let stages = attempts
         .iter()
@@ -93,7 +93,7 @@ pub fn request_usage(
         engine: String::new(),
         prompt_tokens: prompt_tokens as u64,
         completion_tokens: completion as u64,
-        status: status.into(),
+        status: status.as_str().into(),
         stages,
     }
 }

@@ -79,17 +79,13 @@ pub fn fuzz_request_body(bytes: &[u8], chat: bool) -> Result<(), String> {
     check().map_err(|e| e.body().to_string())
 }
 
-fn unix_secs() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
 impl Gateway {
     /// When the gateway started, in unix seconds (the models' `created`).
     pub fn created(&self) -> u64 {
-        unix_secs().saturating_sub(self.started.elapsed().as_secs())
+        dgr_telemetry::unix_secs().saturating_sub(self.started.elapsed().as_secs())
     }
 
     pub fn created_now(&self) -> u64 {
-        unix_secs()
+        dgr_telemetry::unix_secs()
     }
 }

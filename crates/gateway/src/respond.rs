@@ -6,6 +6,7 @@ use crate::service::{Piece, ServedModel};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use dgr_driver::FinishReason;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -21,7 +22,7 @@ pub struct Shape {
 fn new_id(chat: bool) -> String {
     let mut b = [0u8; 12];
     let _ = getrandom::fill(&mut b);
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    let hex = hex::encode(b);
     if chat {
         format!("chatcmpl-{hex}")
     } else {
@@ -85,12 +86,12 @@ impl Logprobs<'_> {
     }
 }
 
-fn finish(reason: &str) -> &str {
-    // A cancelled generation had no client left to tell.
-    if reason == "cancelled" {
-        "stop"
-    } else {
-        reason
+/// The API's finish_reason.
+fn finish(reason: FinishReason) -> &'static str {
+    match reason {
+        // A cancelled generation had no client left to tell.
+        FinishReason::Cancelled => "stop",
+        r => r.as_str(),
     }
 }
 
@@ -104,12 +105,13 @@ pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
                 text.push_str(&t);
                 lp.tokens.push((id, logprob, top));
             }
-            Some(Piece::Done { text: tail, finish_reason, completion_tokens, error, .. }) => {
-                if let Some(e) = error {
-                    return e.into_response();
-                }
+            Some(Piece::Done { text: tail, end, completion_tokens, .. }) => {
+                let reason = match end {
+                    Ok(r) => r,
+                    Err(e) => return e.into_response(),
+                };
                 text.push_str(&tail);
-                break (finish_reason, completion_tokens);
+                break (reason, completion_tokens);
             }
             None => return (StatusCode::INTERNAL_SERVER_ERROR, "the generation ended without a result").into_response(),
         }
@@ -177,24 +179,25 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
                         out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
                     }
                 }
-                Some(Piece::Done { text, finish_reason, prompt_tokens, completion_tokens, error }) => {
+                Some(Piece::Done { text, end, prompt_tokens, completion_tokens }) => {
                     st.done = true;
-                    if let Some(e) = error {
-                        out.extend_from_slice(&event(&e.body()));
-                    } else {
-                        let choice = if st.shape.chat {
-                            json!({ "index": 0, "delta": if text.is_empty() { json!({}) } else { json!({ "content": text }) },
+                    match end {
+                        Err(e) => out.extend_from_slice(&event(&e.body())),
+                        Ok(finish_reason) => {
+                            let choice = if st.shape.chat {
+                                json!({ "index": 0, "delta": if text.is_empty() { json!({}) } else { json!({ "content": text }) },
                                 "logprobs": null, "finish_reason": finish(finish_reason) })
-                        } else {
-                            json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish(finish_reason) })
-                        };
-                        out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
-                        // The usage chunk (no choices), as OpenAI sends it with include_usage; dgr
-                        // always sends it, so every stream ends with its usage.
-                        let mut u = (st.chunk)(&st.shape, Value::Null);
-                        u["choices"] = json!([]);
-                        u["usage"] = usage(prompt_tokens, completion_tokens);
-                        out.extend_from_slice(&event(&u));
+                            } else {
+                                json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish(finish_reason) })
+                            };
+                            out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
+                            // The usage chunk (no choices), as OpenAI sends it with include_usage; dgr
+                            // always sends it, so every stream ends with its usage.
+                            let mut u = (st.chunk)(&st.shape, Value::Null);
+                            u["choices"] = json!([]);
+                            u["usage"] = usage(prompt_tokens, completion_tokens);
+                            out.extend_from_slice(&event(&u));
+                        }
                     }
                     out.extend_from_slice(b"data: [DONE]\n\n");
                 }

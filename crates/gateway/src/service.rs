@@ -7,7 +7,7 @@ use crate::metrics::HttpMetrics;
 use crate::text::TextOut;
 use crate::verify;
 use axum::http::StatusCode;
-use dgr_driver::{generate_recovering, tracker, DriveError, DriveOptions, Flow, GenRequest, Links, Ticketed};
+use dgr_driver::{generate_recovering, tracker, DriveError, DriveOptions, FinishReason, Flow, GenRequest, Links, Ticketed};
 use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError, TrackerClient};
 use dgr_tokenizer::Tokenizer;
 use std::path::PathBuf;
@@ -105,13 +105,13 @@ pub enum Piece {
         logprob: f32,
         top: Vec<(u32, f32)>,
     },
-    /// The end: text held back for a stop string that never came, why it ended, and usage.
+    /// The end: text held back for a stop string that never came, why it ended (or the error
+    /// it ended with), and usage.
     Done {
         text: String,
-        finish_reason: &'static str,
+        end: Result<FinishReason, ApiError>,
         prompt_tokens: usize,
         completion_tokens: usize,
-        error: Option<ApiError>,
     },
 }
 
@@ -315,7 +315,7 @@ impl Gateway {
             self.metrics.error(&format!("recovered_{}", r.kind));
         }
         let usage = tracker::request_usage(&request_id, &job.api_key, &job.model.model_id, job.prompt.len(), &result, &rec.attempts);
-        let (finish_reason, completion, error): (&'static str, usize, Option<ApiError>) = match &result {
+        let (end, completion): (Result<FinishReason, ApiError>, usize) = match &result {
             Ok(c) if past_deadline => {
                 let e = ApiError::new(
                     StatusCode::GATEWAY_TIMEOUT,
@@ -323,22 +323,22 @@ impl Gateway {
                     format!("the request ran past its deadline of {:?}", self.cfg.request_timeout),
                 )
                 .code("deadline_exceeded");
-                ("error", c.tokens.len(), Some(e))
+                (Err(e), c.tokens.len())
             }
             Ok(c) => {
-                let reason = match c.finish_reason.as_str() {
-                    "cancelled" => "cancelled",
-                    "stop" => "stop",
-                    _ if stopped_by_text => "stop",
-                    _ => "length",
+                let reason = match c.finish_reason {
+                    FinishReason::Cancelled => FinishReason::Cancelled,
+                    FinishReason::Stop => FinishReason::Stop,
+                    _ if stopped_by_text => FinishReason::Stop,
+                    _ => FinishReason::Length,
                 };
-                (reason, c.tokens.len(), None)
+                (Ok(reason), c.tokens.len())
             }
-            Err(e) => ("error", e.generated, Some(drive_error(e))),
+            Err(e) => (Err(drive_error(e)), e.generated),
         };
-        self.metrics.finished(&job.model.name, &key, job.prompt.len(), completion, error.as_ref().map(|e| e.metric_kind()));
+        self.metrics.finished(&job.model.name, &key, job.prompt.len(), completion, end.as_ref().err().map(|e| e.metric_kind()));
         let tail = if stopped_by_text { String::new() } else { text.finish() };
-        let _ = tx.send(Piece::Done { text: tail, finish_reason, prompt_tokens: job.prompt.len(), completion_tokens: completion, error });
+        let _ = tx.send(Piece::Done { text: tail, end, prompt_tokens: job.prompt.len(), completion_tokens: completion });
         if let (true, Ok(c), [attempt]) = (check, &result, rec.attempts.as_slice()) {
             let sample = verify::Sample {
                 route: attempt.route.clone(),
@@ -395,14 +395,14 @@ fn refusal(e: TrackerCallError) -> ApiError {
 
 /// A failed route as an error naming the stage.
 fn drive_error(e: &DriveError) -> ApiError {
-    let status = if e.kind == "overloaded" { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::BAD_GATEWAY };
+    let status = if e.kind.is_overloaded() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::BAD_GATEWAY };
     let at = match (e.stage, &e.addr) {
         (Some(s), Some(a)) => format!(" at stage {s} ({a})"),
         _ => String::new(),
     };
     let err = ApiError::new(status, "api_error", format!("{}{at}: {}", e.kind, e.message)).code("route_failed");
     // Full workers free up as sessions end: worth a retry soon.
-    if e.kind == "overloaded" {
+    if e.kind.is_overloaded() {
         err.retry_after(1)
     } else {
         err

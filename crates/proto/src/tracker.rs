@@ -311,13 +311,54 @@ pub struct RequestUsage {
     pub prompt_tokens: u64,
     #[prost(uint64, tag = "6")]
     pub completion_tokens: u64,
-    /// completed, cancelled or failed.
+    /// A [`UsageStatus`] by name; read it with [`RequestUsage::usage_status`].
     #[prost(string, tag = "7")]
     pub status: String,
     /// The driver's view of what each stage computed (from the stages' Usage frames).
     #[prost(message, repeated, tag = "8")]
     pub stages: Vec<StageUsage>,
 }
+
+impl RequestUsage {
+    /// The status field, checked: a name the protocol does not know is an error.
+    pub fn usage_status(&self) -> Result<UsageStatus, UnknownStatus> {
+        self.status.parse()
+    }
+}
+
+/// How a request ended, as a usage report says. A string on the wire (and in the ledger), so
+/// that the ledger stays readable; code uses this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UsageStatus {
+    Completed,
+    Cancelled,
+    Failed,
+}
+
+impl UsageStatus {
+    pub const ALL: [UsageStatus; 3] = [UsageStatus::Completed, UsageStatus::Cancelled, UsageStatus::Failed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageStatus::Completed => "completed",
+            UsageStatus::Cancelled => "cancelled",
+            UsageStatus::Failed => "failed",
+        }
+    }
+}
+
+impl std::str::FromStr for UsageStatus {
+    type Err = UnknownStatus;
+
+    fn from_str(s: &str) -> Result<UsageStatus, UnknownStatus> {
+        UsageStatus::ALL.into_iter().find(|u| u.as_str() == s).ok_or_else(|| UnknownStatus(s.chars().take(64).collect()))
+    }
+}
+
+/// A usage status the protocol does not know (its first 64 chars).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown request status {0:?} (completed, cancelled or failed)")]
+pub struct UnknownStatus(pub String);
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Ack {
@@ -487,5 +528,26 @@ impl Refused {
 
     pub fn refusal_kind(&self) -> RefusalKind {
         RefusalKind::try_from(self.kind).unwrap_or(RefusalKind::Internal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_statuses_keep_their_wire_names_and_others_are_refused() {
+        let names: Vec<&str> = UsageStatus::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(names, ["completed", "cancelled", "failed"]);
+        for s in UsageStatus::ALL {
+            let u = RequestUsage { status: s.as_str().into(), ..Default::default() };
+            assert_eq!(u.usage_status(), Ok(s));
+        }
+        for bad in ["", "Completed", "done", "completed "] {
+            let u = RequestUsage { status: bad.into(), ..Default::default() };
+            assert_eq!(u.usage_status(), Err(UnknownStatus(bad.into())));
+        }
+        let long = RequestUsage { status: "x".repeat(10_000), ..Default::default() };
+        assert_eq!(long.usage_status().unwrap_err().0.len(), 64);
     }
 }

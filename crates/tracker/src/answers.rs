@@ -126,6 +126,7 @@ fn request_usage(u: RequestUsage, sh: &Shared) -> Result<TrackerBody, Refused> {
     if u.request_id.is_empty() || u.request_id.len() > 256 || u.stages.len() > 1024 {
         return Err(Refused::new(RefusalKind::BadRequest, "a usage report needs a request id (≤ 256 bytes) and ≤ 1024 stages"));
     }
+    u.usage_status().map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
     let added = lock(&sh.store).record_request(&name, &u, unix_ms()).map_err(store_err)?;
     let counter = if added { &sh.metrics.usage_reports } else { &sh.metrics.usage_duplicates };
     counter.fetch_add(1, Relaxed);
