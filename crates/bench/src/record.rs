@@ -44,7 +44,7 @@ pub fn write_maybe_model(dir: &Path, name: &str, model: Option<&Path>, extra: Va
         "dgr": { "version": env!("CARGO_PKG_VERSION"), "commit": env!("DGR_COMMIT") },
         "cpu": cpu(),
         "command": std::env::args().collect::<Vec<_>>(),
-        "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "unix_time": dgr_telemetry::unix_secs(),
     });
     if let (Some(r), Value::Object(e)) = (rec.as_object_mut(), extra) {
         r.extend(e);
