@@ -1,4 +1,5 @@
-//! The messages, as prost types (no .proto build step: the schema is this file).
+//! The messages, as prost types (no .proto build step). `wire.proto` documents every message and
+//! field of the crate; `tests/wire_schema.rs` fails when the two differ, so change both.
 
 /// One frame on the wire.
 #[derive(Clone, PartialEq, prost::Message)]
