@@ -96,15 +96,11 @@ fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
     };
     sh.metrics.planned(started.elapsed().as_micros() as u64);
     let p = planned.ok_or_else(|| Refused::new(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id)))?;
-    let engine = {
-        let reg = lock(&sh.registry);
-        p.stages.first().and_then(|s| reg.workers.get(&s.worker_id)).map(|w| w.reg.engine.clone()).unwrap_or_default()
-    };
     let ticket = Ticket {
         session_id: random::<16>().to_vec(),
         request_id: r.request_id,
         model_id: r.model_id,
-        engine,
+        engine: p.engine,
         stages: p.stages,
         budget_tokens: r.budget_tokens,
         expires_unix_ms: unix_ms() + sh.cfg.ticket_ttl.as_millis() as u64,
@@ -137,8 +133,7 @@ fn swarm(sh: &Shared) -> TrackerBody {
     let reg = lock(&sh.registry);
     let now = Instant::now();
     let mut workers: Vec<WorkerStatus> = reg
-        .workers
-        .values()
+        .workers()
         .map(|w| WorkerStatus {
             worker_id: w.id.clone(),
             registration: Some(Registration { addr: w.addr.clone(), ..w.reg.clone() }),
@@ -201,7 +196,7 @@ fn suspect(q: Suspect, sh: &Shared) -> Result<TrackerBody, Refused> {
     }
     lock(&sh.store).quarantine(&q.worker_id, &q.evidence, unix_ms()).map_err(store_err)?;
     eprintln!("dgr tracker: quarantined worker {}: {}", q.worker_id, q.evidence);
-    lock(&sh.registry).quarantined.insert(q.worker_id, q.evidence);
+    lock(&sh.registry).quarantine(q.worker_id, q.evidence);
     Ok(TrackerBody::Ack(Ack::default()))
 }
 

@@ -3,19 +3,18 @@
 //! connection drops.
 
 use crate::answers::{store_err, token_ok};
-use crate::registry::LiveWorker;
+use crate::registry::Joining;
 use crate::server::{lock, refused, send, unix_ms, Conn, Shared};
 use bytes::Bytes;
 use dgr_proto::{
-    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, Load, RefusalKind, Registration, TrackerBody,
-    TrackerFrame, TRACKER_MAX_FRAME,
+    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, TrackerBody, TrackerFrame,
+    TRACKER_MAX_FRAME,
 };
 use ed25519_dalek::Signature;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Instant;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
@@ -44,32 +43,15 @@ pub(crate) async fn worker_session(mut stream: TcpStream, j: Join, nonce: &[u8],
     let conn_id = sh.next_conn.fetch_add(1, Relaxed);
     let (control, mut control_rx) = mpsc::channel::<TrackerFrame>(256);
     let heartbeat = sh.cfg.heartbeat;
-    {
-        let live = LiveWorker {
-            id: id.clone(),
-            reg: reg.clone(),
-            addr,
-            relayed,
-            conn: conn_id,
-            last_heartbeat: Instant::now(),
-            load: Load::default(),
-            issued: Default::default(),
-            routes_total: 0,
-            control,
-        };
-        // A re-join under the same identity replaces the old record: never listed twice.
-        lock(&sh.registry).workers.insert(id.clone(), live);
-    }
+    // A re-join under the same identity replaces the old record: never listed twice.
+    lock(&sh.registry).join(Joining { id: id.clone(), reg: reg.clone(), addr, relayed, conn: conn_id, control });
     sh.metrics.joins.fetch_add(1, Relaxed);
     let mut conn = Framed::new(stream, codec(TRACKER_MAX_FRAME));
     let joined = Joined { worker_id: id.clone(), heartbeat_ms: heartbeat.as_millis() as u32 };
     if send(&mut conn, TrackerBody::Joined(joined)).await {
         worker_loop(&mut conn, &mut control_rx, &id, &reg, sh).await;
     }
-    let mut registry = lock(&sh.registry);
-    if registry.workers.get(&id).is_some_and(|w| w.conn == conn_id) {
-        registry.workers.remove(&id);
-    }
+    lock(&sh.registry).leave(&id, conn_id);
 }
 
 async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>, id: &str, reg: &Registration, sh: &Arc<Shared>) {
@@ -93,10 +75,7 @@ async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>
                 };
                 match body {
                     TrackerBody::Heartbeat(h) => {
-                        if let Some(w) = lock(&sh.registry).workers.get_mut(id) {
-                            w.last_heartbeat = Instant::now();
-                            w.load = h.load.unwrap_or_default();
-                        }
+                        lock(&sh.registry).heartbeat(id, h.load.unwrap_or_default());
                     }
                     TrackerBody::WorkerUsage(u) => {
                         let stored = lock(&sh.store).record_worker_usage(id, &reg.engine, &reg.model_id, &u, unix_ms());

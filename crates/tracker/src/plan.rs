@@ -55,6 +55,12 @@ const MAX_EXPANSIONS: usize = 64;
 /// deterministically (of identical candidates, the lowest index serves), so the caller adds its own
 /// jitter to the costs to spread load.
 pub fn plan(n_layers: u32, candidates: &[Candidate]) -> Option<Vec<Hop>> {
+    plan_noting_repair(n_layers, candidates).map(|(route, _)| route)
+}
+
+/// As `plan`, and whether the shortest path used a worker twice and had to be repaired: then a
+/// caller that passed only some of its workers may find a cheaper route by passing more.
+pub fn plan_noting_repair(n_layers: u32, candidates: &[Candidate]) -> Option<(Vec<Hop>, bool)> {
     let root: Vec<Piece> = (0..candidates.len() as u32)
         .filter(|&id| candidates[id as usize].usable(n_layers))
         .map(|id| Piece { id, start: candidates[id as usize].start, end: candidates[id as usize].end })
@@ -70,7 +76,7 @@ pub fn plan(n_layers: u32, candidates: &[Candidate]) -> Option<Vec<Hop>> {
     let mut dp = Dp::default();
     let (_, route) = dp.run(n_layers, candidates, &undominated(n_layers, candidates, &root, layers))?;
     if repeat(&route).is_none() {
-        return Some(route);
+        return Some((route, false));
     }
     let mut search = Search { n: n_layers, cands: candidates, dp, open: Vec::new(), best: None };
     search.add(root);
@@ -84,7 +90,7 @@ pub fn plan(n_layers: u32, candidates: &[Candidate]) -> Option<Vec<Hop>> {
             break;
         }
         let Some((w, e1, s2)) = repeat(&node.route) else {
-            return Some(node.route);
+            return Some((node.route, true));
         };
         // w's one hop [s, e) of a valid route ends by s2, starts from e1, or spans [e1 − 1, s2 + 1).
         // Each child drops a (worker, layer) pair the node's path used, so the search ends.
@@ -92,7 +98,7 @@ pub fn plan(n_layers: u32, candidates: &[Candidate]) -> Option<Vec<Hop>> {
             search.add(branch(&node.pieces, w, lo, hi, force));
         }
     }
-    search.best.map(|(_, route)| route)
+    search.best.map(|(_, route)| (route, true))
 }
 
 /// Branch and bound over what each worker may serve.

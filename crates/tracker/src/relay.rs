@@ -20,7 +20,7 @@ pub(crate) async fn relay_client(mut client: TcpStream, rc: RelayConnect, sh: &A
     let (tx, rx) = oneshot::channel();
     let control = {
         let reg = lock(&sh.registry);
-        reg.workers.get(&rc.worker_id).filter(|w| w.relayed).map(|w| w.control.clone())
+        reg.worker(&rc.worker_id).filter(|w| w.relayed).map(|w| w.control.clone())
     };
     let dialed = match control {
         Some(c) => {

@@ -222,7 +222,7 @@ async fn http(stream: TcpStream, head: Vec<u8>, sh: &Shared) {
             let live = {
                 let reg = lock(&sh.registry);
                 let now = Instant::now();
-                reg.workers.values().filter(|w| w.alive(reg.heartbeat, now)).count()
+                reg.workers().filter(|w| w.alive(reg.heartbeat, now)).count()
             };
             sh.metrics.workers_live.store(live as u64, Relaxed);
             sh.metrics.quarantined.store(lock(&sh.registry).quarantined.len() as u64, Relaxed);
