@@ -59,6 +59,11 @@ pub enum BenchError {
     },
     #[error(transparent)]
     Drive(#[from] dgr_driver::DriveError),
+    #[error(transparent)]
+    Tracker(#[from] dgr_proto::TrackerCallError),
+    /// A ledger seeded before a tracker starts on it.
+    #[error(transparent)]
+    Store(#[from] dgr_tracker::StoreError),
 }
 
 /// Names what was being done when an I/O or JSON call failed.

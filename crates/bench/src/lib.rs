@@ -15,6 +15,7 @@ mod serve;
 mod serve_client;
 pub mod swarm;
 mod tracker;
+mod tracker_load;
 
 pub use error::{BenchError, Result};
 pub use model::ModelArg;
@@ -30,7 +31,9 @@ pub enum Command {
     /// against llama-batched-bench; writes a plot beside the record.
     Batch(batch::Args),
     /// What a tracker costs per token: decode through the same 2-worker route given by --route,
-    /// planned by a tracker with a signed ticket, and with its second hop relayed.
+    /// planned by a tracker with a signed ticket, and with its second hop relayed. With
+    /// --workers N [--ledger-rows M]: the tracker under load instead: routed requests/s and route
+    /// latency with N registered workers and M ledger rows (and an empty ledger), no model needed.
     Tracker(tracker::Args),
     /// Load on any OpenAI-compatible endpoint (dgr, llama-server, vLLM): streamed completions,
     /// N in flight, reporting output tok/s, TTFT and inter-token latency; with --peer-url,

@@ -164,6 +164,11 @@ impl LocalTracker {
         Ok(LocalTracker { child, dir, addr, token_file, temporary: false })
     }
 
+    /// The tracker process's id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The flags that make a worker join this tracker.
     pub fn join_flags(&self) -> Vec<String> {
         vec!["--tracker".into(), self.addr.clone(), "--join-token-file".into(), self.token_file.display().to_string()]

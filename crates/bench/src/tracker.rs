@@ -1,7 +1,8 @@
 //! `dgr bench tracker`: what a tracker costs on the data path. One session at a time decodes
 //! through three local 2-worker routes, interleaved per repetition: the same route given by
 //! `--route` (ticketless), a tracker-planned route with a signed ticket, and a tracker-planned
-//! route whose second worker is relayed through the tracker.
+//! route whose second worker is relayed through the tracker. With `--workers`, the tracker under
+//! load instead (`tracker_load`).
 
 use super::{median, record};
 use crate::error::{BenchError, Context, Result};
@@ -29,6 +30,8 @@ pub struct Args {
     /// Directory for the run's record
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
+    #[command(flatten)]
+    load: super::tracker_load::Args,
 }
 
 struct Sample {
@@ -39,6 +42,9 @@ struct Sample {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    if a.load.workers.is_some() {
+        return super::tracker_load::run(a.load, &a.out);
+    }
     let model = a.model.path()?;
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;

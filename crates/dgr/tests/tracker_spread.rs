@@ -4,10 +4,9 @@
 //! measure the tracker's decisions alone.
 
 use dgr_proto::{
-    Heartbeat, Join, Load, RefusalKind, Registration, RouteRequest, SigningKey, SwarmQuery, TrackerBody, TrackerCallError, TrackerClient,
+    Heartbeat, Load, RefusalKind, Registration, RouteRequest, SigningKey, SwarmQuery, TrackerBody, TrackerCallError, TrackerClient,
     TrackerFrame,
 };
-use ed25519_dalek::Signer;
 use futures::{SinkExt, StreamExt};
 use prost::bytes::Bytes;
 use prost::Message;
@@ -149,17 +148,11 @@ async fn try_join(
     sign_wrong_nonce: bool,
 ) -> Result<(TrackerClient, String), TrackerCallError> {
     let mut c = TrackerClient::connect(addr, CALL).await?;
-    let nonce = if sign_wrong_nonce { vec![0u8; 32] } else { c.challenge.nonce.clone() };
-    let join = Join {
-        join_token: token.into(),
-        identity: key.verifying_key().to_bytes().to_vec(),
-        signature: key.sign(&nonce).to_bytes().to_vec(),
-        registration: Some(reg),
-    };
-    match c.call(TrackerBody::Join(join)).await? {
-        TrackerBody::Joined(j) => Ok((c, j.worker_id)),
-        other => panic!("a join was answered with {other:?}"),
+    if sign_wrong_nonce {
+        c.challenge.nonce = vec![0u8; 32];
     }
+    let joined = c.join(key, token, reg).await?;
+    Ok((c, joined.worker_id))
 }
 
 /// A joined fake worker: heartbeats every `heartbeat` with the sessions the test counts as open

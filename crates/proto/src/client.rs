@@ -1,8 +1,9 @@
 //! A client's connection to a tracker: Hello and the tracker's challenge, then one request and
 //! its answer at a time.
 
-use crate::{codec, Challenge, Refused, TrackerBody, TrackerFrame};
+use crate::{codec, Challenge, Join, Joined, Refused, Registration, SigningKey, TrackerBody, TrackerFrame};
 use bytes::Bytes;
+use ed25519_dalek::Signer;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use std::time::Duration;
@@ -64,6 +65,21 @@ impl TrackerClient {
     pub async fn call(&mut self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
         self.send(body).await?;
         self.recv().await
+    }
+
+    /// Joins as a worker: the identity `key` signs this connection's challenge. What follows on
+    /// the connection (heartbeats, usage reports) is the caller's, through `into_framed`.
+    pub async fn join(&mut self, key: &SigningKey, join_token: &str, reg: Registration) -> Result<Joined, TrackerCallError> {
+        let join = Join {
+            join_token: join_token.into(),
+            identity: key.verifying_key().to_bytes().to_vec(),
+            signature: key.sign(&self.challenge.nonce).to_bytes().to_vec(),
+            registration: Some(reg),
+        };
+        match self.call(TrackerBody::Join(join)).await? {
+            TrackerBody::Joined(j) => Ok(j),
+            _ => Err(TrackerCallError::Protocol { addr: self.addr.clone() }),
+        }
     }
 
     /// The framed connection, for a long-lived exchange (a worker's control connection).

@@ -13,4 +13,4 @@ mod server;
 mod store;
 
 pub use server::{Tracker, TrackerConfig, TrackerError};
-pub use store::StoreError;
+pub use store::{Store, StoreError};

@@ -152,35 +152,17 @@ impl Store {
     /// Stores a driver's report of a request; false if this request id was already stored.
     pub fn record_request(&mut self, key_name: &str, u: &RequestUsage, now_ms: u64) -> Result<bool, StoreError> {
         let tx = self.db.transaction()?;
-        let added = tx.execute(
-            "INSERT OR IGNORE INTO requests (request_id, key_name, model_id, engine, prompt_tokens, completion_tokens, status, at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            params![
-                u.request_id,
-                key_name,
-                u.model_id,
-                u.engine,
-                u.prompt_tokens as i64,
-                u.completion_tokens as i64,
-                u.status,
-                now_ms as i64
-            ],
-        )? == 1;
-        if added {
-            for s in &u.stages {
-                tx.execute(
-                    "INSERT OR IGNORE INTO request_stages (request_id, session_id, worker_id, tokens_prefilled, tokens_decoded, layer_tokens)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    params![
-                        u.request_id,
-                        s.session_id,
-                        s.worker_id,
-                        s.tokens_prefilled as i64,
-                        s.tokens_decoded as i64,
-                        s.layer_tokens as i64
-                    ],
-                )?;
-            }
+        let added = insert_request(&tx, key_name, u, now_ms)?;
+        tx.commit()?;
+        Ok(added)
+    }
+
+    /// Stores many drivers' reports in one transaction (a bulk load); returns how many were new.
+    pub fn record_requests(&mut self, key_name: &str, rows: &[RequestUsage], now_ms: u64) -> Result<u64, StoreError> {
+        let tx = self.db.transaction()?;
+        let mut added = 0;
+        for u in rows {
+            added += u64::from(insert_request(&tx, key_name, u, now_ms)?);
         }
         tx.commit()?;
         Ok(added)
@@ -253,6 +235,42 @@ impl Store {
     }
 }
 
+/// One request's rows, unless its id is stored already; false then.
+fn insert_request(tx: &rusqlite::Transaction, key_name: &str, u: &RequestUsage, now_ms: u64) -> Result<bool, StoreError> {
+    let added =
+        tx.prepare_cached(
+            "INSERT OR IGNORE INTO requests (request_id, key_name, model_id, engine, prompt_tokens, completion_tokens, status, at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )?
+        .execute(params![
+            u.request_id,
+            key_name,
+            u.model_id,
+            u.engine,
+            u.prompt_tokens as i64,
+            u.completion_tokens as i64,
+            u.status,
+            now_ms as i64
+        ])? == 1;
+    if added {
+        let mut stage = tx.prepare_cached(
+            "INSERT OR IGNORE INTO request_stages (request_id, session_id, worker_id, tokens_prefilled, tokens_decoded, layer_tokens)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )?;
+        for s in &u.stages {
+            stage.execute(params![
+                u.request_id,
+                s.session_id,
+                s.worker_id,
+                s.tokens_prefilled as i64,
+                s.tokens_decoded as i64,
+                s.layer_tokens as i64
+            ])?;
+        }
+    }
+    Ok(added)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,6 +300,10 @@ mod tests {
             s.add_key("alice", "sk-1", 100, 0).unwrap();
             assert!(s.record_request("alice", &request("r1", 10, 5, 40), 0).unwrap());
             assert!(!s.record_request("alice", &request("r1", 10, 5, 40), 0).unwrap());
+            // In bulk, each id once too: r1 is there already, r2 comes twice.
+            let r2 = RequestUsage { stages: vec![], ..request("r2", 1, 2, 0) };
+            let bulk = [request("r1", 10, 5, 40), r2.clone(), r2];
+            assert_eq!(s.record_requests("alice", &bulk, 0).unwrap(), 1);
             let wu = WorkerUsage { session_id: vec![1; 16], request_id: "r1".into(), layer_tokens: 41, ..Default::default() };
             assert!(s.record_worker_usage("w", "e", "m", &wu, 0).unwrap());
             assert!(!s.record_worker_usage("w", "e", "m", &wu, 0).unwrap());
@@ -289,11 +311,11 @@ mod tests {
         };
         let s = Store::open(&path).unwrap();
         assert_eq!(s.signing_keys().unwrap()[0].to_bytes(), key);
-        assert_eq!(s.key_used("alice").unwrap(), 15);
+        assert_eq!(s.key_used("alice").unwrap(), 18);
         assert_eq!(s.find_key("sk-1").unwrap().unwrap().quota_tokens, 100);
         assert!(s.find_key("sk-2").unwrap().is_none());
         let by_key = s.usage(false).unwrap();
-        assert_eq!((by_key[0].requests, by_key[0].prompt_tokens, by_key[0].layer_tokens), (1, 10, 40));
+        assert_eq!((by_key[0].requests, by_key[0].prompt_tokens, by_key[0].layer_tokens), (2, 11, 40));
         let by_worker = s.usage(true).unwrap();
         assert_eq!((by_worker[0].layer_tokens, by_worker[0].disagreements), (41, 1));
         std::fs::remove_dir_all(&dir).unwrap();
