@@ -1,5 +1,5 @@
 use dgr_proto::{ErrorKind, RefusalKind};
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
 /// Why a routed request failed, naming the stage (index in the route, and its address) where
 /// that is known. Serializes as the structured error the CLI prints.
@@ -75,24 +75,7 @@ impl FailKind {
     }
 }
 
-impl std::fmt::Display for FailKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// By name: what the CLI and the API show is what a caller compares with.
-impl PartialEq<&str> for FailKind {
-    fn eq(&self, name: &&str) -> bool {
-        self.as_str() == *name
-    }
-}
-
-impl Serialize for FailKind {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.as_str())
-    }
-}
+by_name!(FailKind);
 
 #[cfg(test)]
 mod tests {

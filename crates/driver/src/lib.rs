@@ -3,6 +3,9 @@
 //! tracker for routes and usage. Its public items are the whole seam the HTTP gateway
 //! (`dgr-gateway`) and the binary drive requests through.
 
+#[macro_use]
+mod named;
+
 mod conn;
 mod driver;
 mod error;

@@ -83,24 +83,7 @@ impl FinishReason {
     }
 }
 
-impl std::fmt::Display for FinishReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// By name, as the CLI prints it.
-impl PartialEq<&str> for FinishReason {
-    fn eq(&self, name: &&str) -> bool {
-        self.as_str() == *name
-    }
-}
-
-impl Serialize for FinishReason {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.as_str())
-    }
-}
+by_name!(FinishReason);
 
 #[derive(Serialize, Default, Debug, Clone)]
 pub struct Completion {
