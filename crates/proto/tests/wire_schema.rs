@@ -1,6 +1,6 @@
 //! `wire.proto` (the wire's document) and the prost structs in `src/` (its code) say the same:
 //! the same messages, each with the same fields (name, tag, type), oneofs with the same variants,
-//! enums with the same values. Both sides are read as text, the structs by their `#[prost(..)]`
+//! enums with the same values; and the document has a comment on every field and value. Both sides are read as text, the structs by their `#[prost(..)]`
 //! attributes, so a message, field or value added to one and not the other fails here.
 
 use std::collections::BTreeMap;
@@ -183,10 +183,16 @@ fn parse_code(dir: &Path) -> Schema {
 fn parse_doc(text: &str) -> Schema {
     let mut s = Schema::default();
     let (mut message, mut oneof, mut en) = (None::<String>, None::<String>, None::<String>);
+    let mut commented = false;
     for (n, raw) in text.lines().enumerate() {
         let line = raw.split("//").next().unwrap_or("").trim().trim_end_matches(';');
         let words: Vec<&str> = line.split_whitespace().collect();
         let at = || format!("wire.proto:{}", n + 1);
+        // Every field and value says what it is, on the line above it.
+        let said = std::mem::replace(&mut commented, raw.trim_start().starts_with("//"));
+        if words.contains(&"=") && (message.is_some() || en.is_some()) {
+            assert!(said, "{}: {:?} has no comment", at(), raw.trim());
+        }
         match words.as_slice() {
             [] | ["syntax", ..] | ["package", ..] | ["reserved", ..] => {}
             ["message", name, "{"] => {
@@ -284,4 +290,8 @@ fn the_readers_see_a_difference() {
         let wrong = differences("message", &doc.messages, &code.messages).len() + differences("enum", &doc.enums, &code.enums).len();
         assert!(wrong > 0, "{from:?} → {to:?} went unnoticed");
     }
+    let comment = "  // Echoed in the `pong`.\n";
+    assert!(text.contains(comment), "the document no longer holds {comment:?}");
+    let uncommented = text.replacen(comment, "", 1);
+    assert!(std::panic::catch_unwind(|| parse_doc(&uncommented)).is_err(), "a field without a comment went unnoticed");
 }
