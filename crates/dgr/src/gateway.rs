@@ -10,7 +10,8 @@ use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The tracker's address (host:port)
+    /// The tracker's address (host:port), or the swarm's trackers, comma-separated: routes and
+    /// usage reports go to the one that answered last, and to the next when it cannot answer
     #[arg(long, env = "DGR_TRACKER")]
     pub tracker: String,
     /// Address to serve HTTP on

@@ -2,7 +2,7 @@
 
 use crate::state::{read_secret, state_dir};
 use anyhow::{bail, Result};
-use dgr_proto::{KeyAdd, TrackerBody, TrackerClient};
+use dgr_proto::{KeyAdd, TrackerBody};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ pub enum Command {
 
 #[derive(clap::Args)]
 pub struct AddArgs {
+    /// The tracker's address, or the swarm's trackers, comma-separated (the first that answers)
     #[arg(long, env = "DGR_TRACKER")]
     tracker: String,
     /// The key's name in the ledger
@@ -31,10 +32,8 @@ pub fn run(c: Command) -> Result<()> {
     let Command::Add(a) = c;
     let join_token = read_secret(&a.join_token_file.unwrap_or_else(|| state_dir().join("join-token")))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let answer = rt.block_on(async {
-        let mut t = TrackerClient::connect(&a.tracker, Duration::from_secs(5)).await?;
-        t.call(TrackerBody::KeyAdd(KeyAdd { join_token, name: a.name.clone(), quota_tokens: a.quota_tokens, key: String::new() })).await
-    })?;
+    let add = KeyAdd { join_token, name: a.name.clone(), quota_tokens: a.quota_tokens, key: String::new() };
+    let answer = rt.block_on(dgr_driver::Trackers::new(&a.tracker, Duration::from_secs(5)).call(TrackerBody::KeyAdd(add)))?;
     let TrackerBody::KeyAdded(k) = answer else { bail!("the tracker answered something else") };
     println!("{}", serde_json::json!({ "name": a.name, "key": k.key, "quota_tokens": a.quota_tokens }));
     Ok(())

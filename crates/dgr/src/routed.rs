@@ -16,7 +16,8 @@ pub struct RouteArgs {
     /// Start N local workers with even layer ranges, generate through them, then stop them
     #[arg(long, conflicts_with = "tracker")]
     pub split: Option<usize>,
-    /// Ask this tracker (host:port) for a route and its signed ticket, and report the request's usage to its ledger
+    /// Ask this tracker (host:port; or the swarm's trackers, comma-separated: the next when one
+    /// cannot answer) for a route and its signed ticket, and report the request's usage to the ledger
     #[arg(long)]
     pub tracker: Option<String>,
     /// The API key the tracker bills (needed once the tracker has keys)

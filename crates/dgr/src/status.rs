@@ -1,13 +1,13 @@
 //! `dgr swarm` and `dgr usage`: what a tracker knows, as a table or JSON.
 
 use anyhow::{bail, Result};
-use dgr_proto::{SwarmQuery, TrackerBody, TrackerClient, UsageQuery};
+use dgr_proto::{SwarmQuery, TrackerBody, UsageQuery};
 use serde_json::{json, Value};
 use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct SwarmArgs {
-    /// The tracker's address
+    /// The tracker's address, or the swarm's trackers, comma-separated (the first that answers)
     #[arg(long, env = "DGR_TRACKER")]
     tracker: String,
     /// text or json
@@ -17,7 +17,7 @@ pub struct SwarmArgs {
 
 #[derive(clap::Args)]
 pub struct UsageArgs {
-    /// The tracker's address
+    /// The tracker's address, or the swarm's trackers, comma-separated (the first that answers)
     #[arg(long, env = "DGR_TRACKER")]
     tracker: String,
     /// Group by API key (prompt and completion tokens per model) or by worker (layer-tokens computed)
@@ -37,10 +37,7 @@ fn check_format(f: &str) -> Result<()> {
 
 fn ask(tracker: &str, q: TrackerBody) -> Result<TrackerBody> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    Ok(rt.block_on(async {
-        let mut c = TrackerClient::connect(tracker, Duration::from_secs(5)).await?;
-        c.call(q).await
-    })?)
+    Ok(rt.block_on(dgr_driver::Trackers::new(tracker, Duration::from_secs(5)).call(q))?)
 }
 
 pub fn swarm(a: SwarmArgs) -> Result<()> {

@@ -1,12 +1,13 @@
 //! Several trackers, one swarm, on the real default model with real processes on loopback:
 //! trackers sharing one ledger sign with one key set and workers joined to all of them accept
-//! tickets from any (and no other key); a restarted tracker lists every worker again within one
-//! heartbeat interval.
+//! tickets from any (and no other key); drivers given the list (`dgr generate`, the gateway)
+//! fail over when one is SIGKILLed, under load, without losing or double-billing a request; a
+//! restarted tracker lists every worker again within one heartbeat interval.
 #![cfg(feature = "real-model")]
 
 mod common;
 
-use common::swarm::{Tracker, Worker};
+use common::swarm::{Gateway, Tracker, Worker};
 use common::{dgr_json, serial};
 use dgr_proto::{RouteRequest, TrackerBody, TrackerClient};
 use serde_json::Value;
@@ -119,4 +120,152 @@ fn a_restarted_tracker_lists_every_worker_within_one_heartbeat() {
     let slack = Duration::from_millis(300);
     let took = t2.wait_live(&ids, Duration::from_millis(HEARTBEAT_MS) + slack, "after the restart");
     println!("a restarted tracker listed all {} workers {took:?} after its start (heartbeat {HEARTBEAT_MS} ms)", ids.len());
+}
+
+/// POST /v1/completions on the gateway with `stream: true` and log-probabilities (so every token
+/// makes a chunk; without an end of sequence, so each stream runs `max_tokens`): the tokens received, and the usage chunk's (prompt, completion) tokens.
+/// Panics on anything but a complete stream.
+fn stream_completion(gateway: &str, model: &str, max_tokens: usize, seed: u64) -> (usize, (u64, u64)) {
+    use std::io::{Read, Write};
+    let body = serde_json::json!({
+        "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+        "stream": true, "logprobs": 1, "ignore_eos": true,
+    })
+    .to_string();
+    let mut s = std::net::TcpStream::connect(gateway).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let (mut tokens, mut usage, mut finished, mut done) = (0, None, false, false);
+    for line in resp.lines() {
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+        assert!(v.get("error").is_none(), "the stream failed: {data}");
+        if let Some(c) = v["choices"].as_array().and_then(|c| c.first()) {
+            tokens += c["logprobs"]["tokens"].as_array().map_or(0, |t| t.len());
+            finished |= c["finish_reason"].is_string();
+        }
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            usage = Some((u["prompt_tokens"].as_u64().unwrap(), u["completion_tokens"].as_u64().unwrap()));
+        }
+    }
+    assert!(finished && done, "the stream did not finish: {resp}");
+    (tokens, usage.unwrap_or_else(|| panic!("no usage chunk: {resp}")))
+}
+
+fn totals(rows: &Value, field: &str) -> u64 {
+    rows["rows"].as_array().unwrap().iter().map(|r| r[field].as_u64().unwrap()).sum()
+}
+
+/// Waits until the ledger holds `n` requests (reports are sent in the background); the rows.
+fn wait_requests(t: &Tracker, n: u64, within: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let by_key = t.usage("key");
+        if totals(&by_key, "requests") >= n {
+            return by_key;
+        }
+        assert!(start.elapsed() < within, "the ledger holds {by_key} after {within:?}; want {n} requests");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `dgr generate --tracker A,B` keeps working when A is SIGKILLed: the next route comes from B
+/// within 2 s, and every request is in the shared ledger once.
+#[test]
+fn generate_fails_over_to_the_surviving_tracker() {
+    let _g = serial();
+    let mut a = Tracker::start("failover", &[]);
+    let b = Tracker::start_in(&a.dir, "127.0.0.1:0", &[]);
+    let w0 = Worker::start_joined(&[&a, &b], (0, 15), "w0", &[], &[], Some(&common::model()));
+    let w1 = Worker::start_joined(&[&a, &b], (15, 30), "w1", &[], &[], Some(&common::model()));
+    for t in [&a, &b] {
+        t.wait_live(&[&w0.id, &w1.id], Duration::from_secs(10), "joined to both");
+    }
+    let want = dgr_json(&["generate", "--prompt", PROMPT, "--format", "json", "--threads", "1", "--max-tokens", "8"]);
+    let first = generate(&[&a, &b], &["--max-tokens", "8"]);
+    assert_tokens(&first, &want, "both up");
+    assert_eq!(first["ledger"], "recorded", "{first}");
+
+    a.kill();
+    let killed = Instant::now();
+    let model_id = dgr_gguf::model_identity(&common::model()).unwrap().id;
+    let list = format!("{},{}", a.addr, b.addr);
+    let rt = common::runtime();
+    let routed = rt.block_on(dgr_driver::tracker::route(&list, &model_id, 64, "", "after-kill", &[]));
+    let took = killed.elapsed();
+    assert!(routed.is_ok(), "no route from the survivor: {:?}", routed.err());
+    assert!(took < Duration::from_secs(2), "the survivor routed {took:?} after the kill");
+    println!("a route from the survivor {took:?} after the other tracker was killed");
+
+    let after = generate(&[&a, &b], &["--max-tokens", "8"]);
+    assert_tokens(&after, &want, "A killed");
+    assert_eq!(after["ledger"], "recorded", "{after}");
+    let by_key = b.usage("key");
+    assert_eq!(totals(&by_key, "requests"), 2, "each request once: {by_key}");
+    assert_eq!(totals(&by_key, "completion_tokens"), 16, "{by_key}");
+}
+
+/// The acceptance test: two trackers on one ledger, 32 streaming sessions through a gateway that
+/// knows both, and one tracker SIGKILLed while they stream. Every session completes, the ledger
+/// holds every request exactly once with the tokens the clients received, and a new request is
+/// routed by the survivor within 2 s.
+#[test]
+fn a_tracker_killed_under_32_streaming_sessions_loses_and_double_bills_nothing() {
+    const SESSIONS: usize = 32;
+    const MAX_TOKENS: usize = 48;
+    let _g = serial();
+    let mut a = Tracker::start("killload", &[]);
+    let b = Tracker::start_in(&a.dir, "127.0.0.1:0", &[]);
+    let w0 = Worker::start_joined(&[&a, &b], (0, 15), "w0", &[], &[], Some(&common::model()));
+    let w1 = Worker::start_joined(&[&a, &b], (15, 30), "w1", &[], &[], Some(&common::model()));
+    for t in [&a, &b] {
+        t.wait_live(&[&w0.id, &w1.id], Duration::from_secs(10), "joined to both");
+    }
+    let gw = Gateway::start(&[&a, &b], &[]);
+    let model_id = dgr_gguf::model_identity(&common::model()).unwrap().id;
+    let clients: Vec<_> = (0..SESSIONS)
+        .map(|i| {
+            let (addr, model) = (gw.addr.clone(), model_id.clone());
+            std::thread::spawn(move || stream_completion(&addr, &model, MAX_TOKENS, i as u64))
+        })
+        .collect();
+    // Kill A once half the sessions are open on the last stage (the rest still asking routes).
+    let start = Instant::now();
+    let w1_addr = w1.addr.clone().unwrap();
+    while common::metrics(&w1_addr).get("dgr_worker_sessions_opened_total") < (SESSIONS / 2) as f64 {
+        assert!(start.elapsed() < Duration::from_secs(60), "sessions did not open: {}", gw.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    a.kill();
+    let killed = Instant::now();
+    assert!(common::metrics(&w1_addr).get("dgr_worker_sessions_open") > 0.0, "killed under load: sessions were streaming");
+    let (tokens, _) = stream_completion(&gw.addr, &model_id, 4, 1000);
+    let took = killed.elapsed();
+    assert_eq!(tokens, 4);
+    println!("a new request through the gateway completed {took:?} after the kill");
+    assert!(took < Duration::from_secs(2), "the survivor routed a new request {took:?} after the kill");
+
+    let (mut prompt, mut completion) = (0, 0);
+    for c in clients {
+        let (got, (p, n)) = c.join().expect("a session failed");
+        assert_eq!((got, n), (MAX_TOKENS, MAX_TOKENS as u64), "the tokens received are the tokens reported");
+        prompt += p;
+        completion += n;
+    }
+    let (p, n) = (prompt / SESSIONS as u64, 4u64);
+    let by_key = wait_requests(&b, SESSIONS as u64 + 1, Duration::from_secs(30));
+    println!("ledger after the kill: {by_key}");
+    assert_eq!(totals(&by_key, "requests"), SESSIONS as u64 + 1, "each request exactly once: {by_key}");
+    assert_eq!(totals(&by_key, "completion_tokens"), completion + n, "billed what the clients received: {by_key}");
+    assert_eq!(totals(&by_key, "prompt_tokens"), prompt + p, "{by_key}");
+    let m = common::metrics(&gw.addr);
+    assert_eq!(m.get("dgr_gateway_usage_reports_pending"), 0.0);
+    assert_eq!(m.get("dgr_gateway_usage_reports_recorded_total"), (SESSIONS + 1) as f64);
 }

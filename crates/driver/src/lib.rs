@@ -12,12 +12,16 @@ mod error;
 mod links;
 mod recover;
 mod report;
+mod reporter;
 mod route;
 pub mod tracker;
+mod trackers;
 
 pub use driver::{generate, generate_on, DriveOptions, Flow, GenRequest};
 pub use error::{DriveError, FailKind};
 pub use links::Links;
 pub use recover::{generate_recovering, Attempt, Recovered, Recovery, Ticketed};
 pub use report::{Completion, FinishReason, SeamReport, StageReport, Timings, UsageReport};
+pub use reporter::{ReportStats, UsageReporter};
 pub use route::{Route, StageEndpoint};
+pub use trackers::Trackers;

@@ -1,8 +1,11 @@
-//! A driver's dealings with a tracker: asking for a route and its ticket, and reporting what a
-//! request used, once, under its request id.
+//! A driver's dealings with the trackers: asking for a route and its ticket, and reporting what
+//! a request used, once, under its request id. `tracker` is one address or the comma-separated
+//! list of the swarm's trackers; a call goes to the next when one cannot answer.
 
+use crate::reporter::{report_until, ReportStats};
+use crate::trackers::Trackers;
 use crate::{Attempt, Completion, DriveError, FailKind, FinishReason, Route};
-use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, TrackerClient, UsageStatus};
+use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, UsageStatus};
 use std::time::{Duration, Instant};
 
 const CONNECT: Duration = Duration::from_secs(5);
@@ -33,7 +36,6 @@ pub async fn route(
     request_id: &str,
     exclude: &[String],
 ) -> Result<(Route, (SignedTicket, [u8; 16])), DriveError> {
-    let mut c = TrackerClient::connect(tracker, CONNECT).await.map_err(tracker_error)?;
     let ask = RouteRequest {
         model_id: model_id.into(),
         budget_tokens,
@@ -42,7 +44,7 @@ pub async fn route(
         exclude: exclude.to_vec(),
         ..Default::default()
     };
-    routed(c.call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)?)
+    routed(Trackers::new(tracker, CONNECT).call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)?)
 }
 
 /// The route, ticket and session id in a tracker's answer to a RouteRequest.
@@ -98,24 +100,12 @@ pub fn request_usage(
     }
 }
 
-/// Sends the report until the tracker stores it (or says it already had it): "recorded", or
-/// why it could not be.
+/// Sends the report until a tracker stores it (or says it already had it), for up to
+/// `REPORT_FOR`: "recorded", or why it was not.
 pub async fn report(tracker: &str, usage: RequestUsage) -> String {
-    let deadline = Instant::now() + REPORT_FOR;
-    loop {
-        let sent = async {
-            let mut c = TrackerClient::connect(tracker, CONNECT).await?;
-            c.call(TrackerBody::RequestUsage(usage.clone())).await
-        };
-        let why = match sent.await {
-            Ok(TrackerBody::Ack(_)) => return "recorded".into(),
-            Ok(_) => "unexpected answer".to_string(),
-            Err(TrackerCallError::Refused(r)) => return format!("refused: {}", r.message),
-            Err(e) => e.to_string(),
-        };
-        if Instant::now() >= deadline {
-            return format!("not recorded: {why}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let give_up = Instant::now() + REPORT_FOR;
+    match report_until(&Trackers::new(tracker, CONNECT), usage, Some(give_up), &ReportStats::default()).await {
+        Ok(()) => "recorded".into(),
+        Err(why) => why,
     }
 }

@@ -51,7 +51,8 @@ async fn health(State(gw): State<Arc<Gateway>>) -> Response {
 }
 
 async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
-    let body = gw.metrics.render(gw.admission.waiting(), gw.admission.running(gw.cfg.max_running));
+    let mut body = gw.metrics.render(gw.admission.waiting(), gw.admission.running(gw.cfg.max_running));
+    body.push_str(&crate::metrics::render_reports(gw.report_stats()));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

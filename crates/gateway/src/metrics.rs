@@ -91,3 +91,32 @@ impl HttpMetrics {
         t.finish()
     }
 }
+
+/// The usage reporter's counters: reports waiting for a tracker, stored, retried, refused, and
+/// how often the queue was full (zeros before the first report).
+pub fn render_reports(stats: Option<&dgr_driver::ReportStats>) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    let n = |f: fn(&dgr_driver::ReportStats) -> &AtomicU64| stats.map_or(0, |s| f(s).load(Relaxed));
+    let mut t = Text::new();
+    t.metric(
+        "dgr_gateway_usage_reports_pending",
+        "Usage reports of finished requests not yet stored by a tracker.",
+        Gauge,
+        n(|s| &s.pending),
+    );
+    t.metric("dgr_gateway_usage_reports_recorded_total", "Usage reports a tracker stored (or had already).", Counter, n(|s| &s.recorded));
+    t.metric(
+        "dgr_gateway_usage_report_retries_total",
+        "Usage report sends that reached no tracker and were retried.",
+        Counter,
+        n(|s| &s.retries),
+    );
+    t.metric("dgr_gateway_usage_reports_refused_total", "Usage reports a tracker refused for good.", Counter, n(|s| &s.refused));
+    t.metric(
+        "dgr_gateway_usage_queue_full_total",
+        "Finished requests that found the usage report queue full and waited.",
+        Counter,
+        n(|s| &s.queue_full),
+    );
+    t.finish()
+}

@@ -7,16 +7,24 @@ use crate::metrics::HttpMetrics;
 use crate::text::TextOut;
 use crate::verify;
 use axum::http::StatusCode;
-use dgr_driver::{generate_recovering, tracker, DriveError, DriveOptions, FinishReason, Flow, GenRequest, Links, Ticketed};
-use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError, TrackerClient};
+use dgr_driver::{
+    generate_recovering, tracker, DriveError, DriveOptions, FinishReason, Flow, GenRequest, Links, Ticketed, Trackers, UsageReporter,
+};
+use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError};
 use dgr_tokenizer::Tokenizer;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// Usage reports of finished requests waiting for a tracker; past it, a finished request waits
+/// for room (and says so).
+const USAGE_QUEUE: usize = 4096;
+
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
+    /// The swarm's trackers, comma-separated: each call goes to the one that answered last, and
+    /// to the next when that one cannot answer.
     pub tracker: String,
     /// GGUF files whose tokenizers and chat templates the gateway uses (the swarm serves the weights).
     pub models: Vec<PathBuf>,
@@ -80,7 +88,9 @@ pub struct Gateway {
     pub links: Links,
     pub admission: Admission,
     pub metrics: HttpMetrics,
-    trackers: Mutex<Vec<TrackerClient>>,
+    trackers: Arc<Trackers>,
+    /// Started on first use, on the gateway's runtime.
+    usage: OnceLock<UsageReporter>,
     swarm: Mutex<Option<(Instant, SwarmReply)>>,
     pub started: Instant,
 }
@@ -137,11 +147,12 @@ impl Gateway {
         }
         Ok(Gateway {
             admission: Admission::new(cfg.max_running, cfg.queue, cfg.queue_timeout),
+            trackers: Arc::new(Trackers::new(&cfg.tracker, cfg.drive.connect_timeout)),
             cfg,
             models,
             links: Links::new(),
             metrics: HttpMetrics::default(),
-            trackers: Mutex::new(Vec::new()),
+            usage: OnceLock::new(),
             swarm: Mutex::new(None),
             started: Instant::now(),
         })
@@ -155,24 +166,20 @@ impl Gateway {
         })
     }
 
-    /// One exchange with the tracker over a warm connection; a pooled connection that turns out
-    /// broken (the tracker restarted) is replaced once.
+    /// One exchange with a tracker of the swarm over a warm connection (the one that answered
+    /// last first, failing over to the next).
     pub async fn tracker_call(&self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
-        let pooled = self.trackers.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let fresh = pooled.is_none();
-        let mut c = match pooled {
-            Some(c) => c,
-            None => TrackerClient::connect(&self.cfg.tracker, self.cfg.drive.connect_timeout).await?,
-        };
-        let mut r = c.call(body.clone()).await;
-        if !fresh && matches!(r, Err(TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. })) {
-            c = TrackerClient::connect(&self.cfg.tracker, self.cfg.drive.connect_timeout).await?;
-            r = c.call(body).await;
-        }
-        if !matches!(r, Err(TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. })) {
-            self.trackers.lock().unwrap_or_else(|p| p.into_inner()).push(c);
-        }
-        r
+        self.trackers.call(body).await
+    }
+
+    /// The background sender of usage reports; called on the gateway's runtime.
+    fn reporter(&self) -> &UsageReporter {
+        self.usage.get_or_init(|| UsageReporter::start(self.trackers.clone(), USAGE_QUEUE))
+    }
+
+    /// What the usage reporter has done, once it has started.
+    pub fn report_stats(&self) -> Option<&dgr_driver::ReportStats> {
+        self.usage.get().map(|r| r.stats.as_ref())
     }
 
     /// The swarm as the tracker sees it, at most a second old.
@@ -350,13 +357,8 @@ impl Gateway {
             };
             self.spot_check(sample).await;
         }
-        let tracker = self.cfg.tracker.clone();
-        tokio::spawn(async move {
-            let recorded = tracker::report(&tracker, usage).await;
-            if recorded != "recorded" {
-                eprintln!("dgr gateway: usage of request {request_id}: {recorded}");
-            }
-        });
+        // Stored by some tracker eventually, however long they are all down.
+        self.reporter().submit(usage).await;
     }
 }
 

@@ -229,3 +229,34 @@ impl Drop for Worker {
         }
     }
 }
+
+/// `dgr gateway` on the default model, asking the trackers `ts` (the list form).
+pub struct Gateway {
+    pub child: Child,
+    pub addr: String,
+    log: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Gateway {
+    pub fn start(ts: &[&Tracker], extra: &[&str]) -> Gateway {
+        let trackers: Vec<&str> = ts.iter().map(|t| t.addr.as_str()).collect();
+        let mut cmd = dgr();
+        cmd.args(["gateway", "--tracker", &trackers.join(","), "--listen", "127.0.0.1:0"]).args(extra).arg("--model").arg(model());
+        let (child, v, log) = spawn_ready(cmd, "gateway");
+        Gateway { child, addr: v["listening"].as_str().expect("listening").to_string(), log }
+    }
+
+    pub fn log(&self) -> String {
+        String::from_utf8_lossy(&self.log.lock().unwrap()).into_owned()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- gateway stderr:\n{}", self.log());
+        }
+    }
+}
