@@ -1,10 +1,12 @@
 use super::{median, peer, prompt, record};
 use crate::error::{BenchError, Context, Result};
 use crate::model::ModelArg;
+use crate::plot::{self, Chart};
 use crate::swarm::{balanced_split, check_split, LocalSwarm};
 use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
 use dgr_proto::{Sampling, SeamDtype};
+use plotters::chart::SeriesLabelPosition;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -196,7 +198,7 @@ pub fn run(a: Args) -> Result<()> {
     let series = [("dgr one process", &one), (&*format!("dgr route {}", ranges.join(" + ")), &split), ("llama.cpp batched", &peer_s)];
     let svg_path = a.out.join("batch.svg");
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    std::fs::write(&svg_path, plot(&sessions, &series)).with_context(|| format!("writing {}", svg_path.display()))?;
+    std::fs::write(&svg_path, plot(&sessions, &series)?).with_context(|| format!("writing {}", svg_path.display()))?;
     let path = record::write(
         &a.out,
         "batch",
@@ -219,33 +221,46 @@ pub fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-/// A small SVG line chart: aggregate tok/s (median) against session count, one line per series.
-fn plot(xs: &[usize], series: &[(&str, &Vec<Vec<f64>>)]) -> String {
-    let (w, h, m) = (640.0, 360.0, 50.0);
-    let ymax = series.iter().flat_map(|(_, s)| s.iter().map(|v| median(v))).fold(1.0, f64::max) * 1.1;
-    let x = |i: usize| m + (w - 2.0 * m) * i as f64 / (xs.len().max(2) - 1) as f64;
-    let y = |v: f64| h - m - (h - 2.0 * m) * v / ymax;
-    let colors = ["#1f77b4", "#2ca02c", "#d62728"];
-    let mut svg = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\n");
-    svg += &format!("<line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n", h - m, w - m, h - m);
-    svg += &format!("<line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n", h - m);
-    svg += &format!("<text x='{}' y='{}' text-anchor='middle'>concurrent sessions</text>\n", w / 2.0, h - 10.0);
-    svg += &format!(
-        "<text x='12' y='{}' transform='rotate(-90 12 {})' text-anchor='middle'>aggregate decode tok/s</text>\n",
-        h / 2.0,
-        h / 2.0
-    );
-    for (i, b) in xs.iter().enumerate() {
-        svg += &format!("<text x='{}' y='{}' text-anchor='middle'>{b}</text>\n", x(i), h - m + 16.0);
+/// A line chart: aggregate tok/s (median) against session count, one line per series.
+fn plot(xs: &[usize], series: &[(&str, &Vec<Vec<f64>>)]) -> Result<String> {
+    let ymax = series.iter().flat_map(|(_, s)| s.iter().map(|v| median(v))).filter(|v| v.is_finite()).fold(1.0, f64::max) * 1.1;
+    // The session counts sit evenly spaced, at their index, whatever their values.
+    let label = |v: &f64| match xs.get(v.round() as usize) {
+        Some(b) if (v - v.round()).abs() < 1e-6 => b.to_string(),
+        _ => String::new(),
+    };
+    let last = xs.len().max(2) as f64 - 1.0;
+    let chart = Chart {
+        title: "aggregate decode throughput",
+        x_desc: "concurrent sessions",
+        y_desc: "aggregate decode tok/s",
+        x: -0.1..last + 0.1,
+        y: 0.0..ymax,
+        x_ticks: xs.len(),
+        x_label: &label,
+        legend: SeriesLabelPosition::UpperLeft,
+        lines: series.iter().map(|(name, s)| (*name, s.iter().enumerate().map(|(i, v)| (i as f64, median(v))).collect())).collect(),
+    };
+    plot::svg(&[chart], (640, 360))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plots_a_line_per_series_over_the_session_counts() {
+        let (a, b) = (vec![vec![10.0, 12.0], vec![20.0], vec![35.0]], vec![vec![5.0], vec![9.0], vec![f64::NAN]]);
+        let svg = plot(&[1, 2, 4], &[("one <process>", &a), ("route", &b)]).unwrap();
+        let line =
+            |color: &str| svg.lines().filter(|l| l.starts_with("<polyline") && l.contains(color)).map(str::to_string).collect::<Vec<_>>();
+        // Each series: its line and its legend mark; the route's line skips its missing point.
+        let (first, second) = (line("#1F77B4"), line("#D62728"));
+        assert_eq!((first.len(), second.len()), (2, 2), "{svg}");
+        assert_eq!((first[0].matches(',').count(), second[0].matches(',').count()), (3, 2), "{svg}");
+        assert!(svg.contains("one &lt;process&gt;") && svg.contains("concurrent sessions"));
+        for b in ["1", "2", "4"] {
+            assert!(svg.contains(&format!("\n{b}\n</text>")), "tick {b}: {svg}");
+        }
     }
-    for k in 0..=4 {
-        let v = ymax * k as f64 / 4.0;
-        svg += &format!("<text x='{}' y='{}' text-anchor='end'>{v:.0}</text>\n", m - 4.0, y(v) + 4.0);
-    }
-    for (si, (name, s)) in series.iter().enumerate() {
-        let pts: Vec<String> = s.iter().enumerate().map(|(i, v)| format!("{:.1},{:.1}", x(i), y(median(v)))).collect();
-        svg += &format!("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", colors[si % 3], pts.join(" "));
-        svg += &format!("<text x='{}' y='{}' fill='{}'>{name}</text>\n", m + 10.0, m + 16.0 * si as f64, colors[si % 3]);
-    }
-    svg + "</svg>\n"
 }

@@ -32,6 +32,9 @@ pub enum BenchError {
     /// The run produced nothing it could measure.
     #[error("{0}")]
     Measure(String),
+    /// A plot could not be drawn.
+    #[error("drawing a plot: {0}")]
+    Plot(String),
     /// The endpoint under load could not be measured at all.
     #[error("{0}")]
     Endpoint(String),

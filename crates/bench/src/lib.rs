@@ -9,6 +9,7 @@ mod error;
 pub mod local;
 mod model;
 mod peer;
+mod plot;
 mod record;
 mod route;
 mod serve;

@@ -6,6 +6,8 @@
 use super::record;
 use super::serve_client::{self as client, Endpoint, RequestSpec, Sample};
 use crate::error::{BenchError, Context, Result};
+use crate::plot::{self, Chart};
+use plotters::chart::SeriesLabelPosition;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::cell::Cell;
@@ -474,7 +476,7 @@ pub fn run(a: Args) -> Result<()> {
             (c.label.as_str(), sorted(ok().filter_map(|s| s.ttft_ms)), sorted(ok().flat_map(|s| s.itl_ms.iter().copied())))
         })
         .collect();
-    std::fs::write(&svg_path, plot(&series)).with_context(|| format!("writing {}", svg_path.display()))?;
+    std::fs::write(&svg_path, plot(&series)?).with_context(|| format!("writing {}", svg_path.display()))?;
     println!("record: {}\nplot: {}", path.display(), svg_path.display());
     Ok(())
 }
@@ -541,52 +543,33 @@ fn table(a: &Args, rounds: usize, load: &Load, cs: &[Contender], ss: &[Summary],
     t
 }
 
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('\'', "&apos;")
-}
-
-/// An SVG of two panels, the distributions (CDFs) of TTFT and of ITL, one line per endpoint.
-/// Each series is sorted.
-fn plot(series: &[(&str, Vec<f64>, Vec<f64>)]) -> String {
-    let (pw, ph, m) = (400.0, 320.0, 50.0);
-    let colors = ["#1f77b4", "#d62728"];
-    let mut svg = format!(
-        "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n",
-        2.0 * pw,
-        ph + 20.0 * series.len() as f64
-    );
+/// Two charts, the distributions (CDFs) of TTFT and of ITL, one line per endpoint. Each
+/// series is sorted.
+fn plot(series: &[(&str, Vec<f64>, Vec<f64>)]) -> Result<String> {
     let titles = ["time to first token: share of requests within x", "inter-token latency: share of gaps within x"];
-    for (panel, title) in titles.iter().enumerate() {
-        let x0 = pw * panel as f64;
-        let data: Vec<(&str, &Vec<f64>)> = series.iter().map(|s| (s.0, if panel == 0 { &s.1 } else { &s.2 })).collect();
-        let xmax = data.iter().filter_map(|(_, v)| v.last().copied()).fold(0.0, f64::max).max(1e-3) * 1.05;
-        let x = |v: f64| x0 + m + (pw - 1.5 * m) * v / xmax;
-        let y = |q: f64| ph - m - (ph - 2.0 * m) * q;
-        let _ = writeln!(svg, "<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>", x(0.0), y(0.0), x(xmax), y(0.0));
-        let _ = writeln!(svg, "<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>", x(0.0), y(0.0), x(0.0), y(1.0));
-        let _ = writeln!(svg, "<text x='{}' y='{}' text-anchor='middle'>{title}</text>", x(xmax / 2.0), m * 0.6);
-        let _ = writeln!(svg, "<text x='{}' y='{}' text-anchor='middle'>x (ms)</text>", x(xmax / 2.0), ph - 12.0);
-        let digits = if xmax < 20.0 { 1 } else { 0 };
-        for k in 0..=4 {
-            let v = xmax * k as f64 / 4.0;
-            let _ = writeln!(svg, "<text x='{:.1}' y='{}' text-anchor='middle'>{v:.digits$}</text>", x(v), y(0.0) + 16.0);
-            let q = k as f64 / 4.0;
-            let _ = writeln!(svg, "<text x='{}' y='{:.1}' text-anchor='end'>{q:.2}</text>", x(0.0) - 4.0, y(q) + 4.0);
-        }
-        for (i, (_, v)) in data.iter().enumerate() {
-            if v.is_empty() {
-                continue;
-            }
+    let ms_label = |v: &f64| if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.1}") };
+    let charts: Vec<Chart> = titles
+        .into_iter()
+        .enumerate()
+        .map(|(panel, title)| {
+            let data: Vec<(&str, &Vec<f64>)> = series.iter().map(|s| (s.0, if panel == 0 { &s.1 } else { &s.2 })).collect();
+            let xmax = data.iter().filter_map(|(_, v)| v.last().copied()).fold(0.0, f64::max).max(1e-3) * 1.05;
             // 201 quantiles draw the curve at any sample count.
-            let pts: Vec<String> =
-                (0..=200).map(|k| k as f64 / 2.0).map(|p| format!("{:.1},{:.1}", x(quantile_sorted(v, p)), y(p / 100.0))).collect();
-            let _ = writeln!(svg, "<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>", colors[i % 2], pts.join(" "));
-        }
-    }
-    for (i, (label, ..)) in series.iter().enumerate() {
-        let _ = writeln!(svg, "<text x='{}' y='{}' fill='{}'>{}</text>", m, ph + 14.0 + 20.0 * i as f64, colors[i % 2], escape(label));
-    }
-    svg + "</svg>\n"
+            let cdf = |v: &Vec<f64>| (0..=200).map(|k| k as f64 / 2.0).map(|p| (quantile_sorted(v, p), p / 100.0)).collect();
+            Chart {
+                title,
+                x_desc: "x (ms)",
+                y_desc: "share",
+                x: 0.0..xmax,
+                y: 0.0..1.0,
+                x_ticks: 5,
+                x_label: &ms_label,
+                legend: SeriesLabelPosition::LowerRight,
+                lines: data.iter().map(|(label, v)| (*label, if v.is_empty() { vec![] } else { cdf(v) })).collect(),
+            }
+        })
+        .collect();
+    plot::svg(&charts, (400, 340))
 }
 
 #[cfg(test)]
@@ -721,7 +704,8 @@ mod tests {
         assert!(sum.tok_s > 0.0 && sum.tok_s < 48.0 / 0.06, "{}", sum.tok_s);
         assert!(sum.tpot_p50_ms > 0.0 && sum.tpot_p50_ms < sum.itl_p50_ms);
         let svg =
-            plot(&[("a<b", sorted(r.samples.iter().filter_map(|s| s.ttft_ms)), sorted(r.samples.iter().flat_map(|s| s.itl_ms.clone())))]);
+            plot(&[("a<b", sorted(r.samples.iter().filter_map(|s| s.ttft_ms)), sorted(r.samples.iter().flat_map(|s| s.itl_ms.clone())))])
+                .unwrap();
         assert!(svg.contains("a&lt;b") && svg.contains("polyline"));
     }
 

@@ -1,19 +1,19 @@
-//! The client side of `dgr bench serve`: just enough HTTP/1.1 to stream one response (a
-//! chunked-transfer decoder and a server-sent-events parser, both bounded, every read under a
-//! deadline) and one measured streamed completion request.
+//! The client side of `dgr bench serve`: one streamed completion request on hyper's HTTP/1.1
+//! client (a connection of its own, every wait under the request's deadline), its body parsed
+//! as server-sent events as it arrives, bounded, and each token's arrival timed.
 
 use crate::BenchError;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_TYPE, HOST};
+use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Bounds on what a server may send: more than this is not the protocol being measured, and no
-/// buffer grows past them whatever the server says.
-const MAX_HEAD: usize = 64 << 10;
-const MAX_SIZE_LINE: usize = 1024;
-const MAX_TRAILERS: usize = 16 << 10;
-const MAX_CHUNK: u64 = 16 << 20;
+/// buffer grows past them whatever the server says (hyper bounds the head and chunk framing).
 const MAX_SSE_LINE: usize = 1 << 20;
 const MAX_ERROR_BODY: usize = 64 << 10;
 const MAX_JSON_BODY: usize = 1 << 20;
@@ -67,134 +67,26 @@ pub struct Endpoint {
 
 impl Endpoint {
     pub fn parse(url: &str, api_key: Option<String>) -> crate::Result<Endpoint> {
-        let rest = url.strip_prefix("http://").ok_or_else(|| BenchError::Usage(format!("{url}: only http:// URLs are supported")))?;
-        let (authority, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, ""),
-        };
         let bad = || BenchError::Usage(format!("{url}: expected http://HOST[:PORT][/PATH]"));
-        let (host, port) = if let Some(r) = authority.strip_prefix('[') {
-            let (h, after) = r.split_once(']').ok_or_else(bad)?;
-            (h, if after.is_empty() { "80" } else { after.strip_prefix(':').ok_or_else(bad)? })
-        } else {
-            authority.rsplit_once(':').unwrap_or((authority, "80"))
+        let uri: hyper::Uri = url.parse().map_err(|_| bad())?;
+        if uri.scheme_str() != Some("http") {
+            return Err(BenchError::Usage(format!("{url}: only http:// URLs are supported")));
+        }
+        let authority = uri.authority().ok_or_else(bad)?;
+        // An IPv6 literal comes bracketed, as in the URL; a socket address wants it bare.
+        let host = authority.host().trim_start_matches('[').trim_end_matches(']');
+        // The Uri keeps a port it cannot read as a number; a port must be one.
+        let port = match authority.as_str().rsplit_once(authority.host()).map(|(_, r)| r) {
+            Some("") => 80,
+            Some(r) => r.strip_prefix(':').and_then(|p| p.parse().ok()).ok_or_else(bad)?,
+            None => return Err(bad()),
         };
-        let port = port.parse().map_err(|_| bad())?;
         if host.is_empty() {
             return Err(bad());
         }
-        let path = path.trim_end_matches('/');
+        let path = uri.path().trim_end_matches('/');
         let prefix = path.strip_suffix("/v1").unwrap_or(path).to_string();
-        Ok(Endpoint { host: host.into(), port, authority: authority.into(), prefix, api_key: api_key.filter(|k| !k.is_empty()) })
-    }
-}
-
-/// Decodes `Transfer-Encoding: chunked` incrementally, from input split anywhere.
-#[derive(Default)]
-pub struct Chunked {
-    state: ChunkState,
-    line: Vec<u8>,
-    trailer_bytes: usize,
-}
-
-#[derive(Default, Clone, Copy, PartialEq, Debug)]
-enum ChunkState {
-    #[default]
-    Size,
-    Data(u64),
-    DataEnd,
-    Trailer,
-    Done,
-}
-
-/// Moves input up to the next '\n' into `line` (without it); returns the bytes consumed and
-/// whether the line is complete. Fails rather than let `line` pass `cap`.
-fn take_line(line: &mut Vec<u8>, input: &[u8], cap: usize) -> Result<(usize, bool), String> {
-    let (piece, complete) = match input.iter().position(|&b| b == b'\n') {
-        Some(i) => (&input[..i], true),
-        None => (input, false),
-    };
-    if line.len() + piece.len() > cap {
-        return Err(format!("line longer than {cap} bytes"));
-    }
-    line.extend_from_slice(piece);
-    Ok((piece.len() + complete as usize, complete))
-}
-
-fn without_cr(line: &[u8]) -> &[u8] {
-    line.strip_suffix(b"\r").unwrap_or(line)
-}
-
-fn parse_chunk_size(line: &[u8]) -> Result<u64, String> {
-    let line = without_cr(line);
-    let digits = line.split(|&b| b == b';').next().unwrap_or_default();
-    let digits = digits.strip_suffix(b" ").unwrap_or(digits); // some servers pad the size
-    let bad = || format!("bad chunk size line {:?}", String::from_utf8_lossy(&line[..line.len().min(40)]));
-    if digits.is_empty() || digits.len() > 16 || !digits.iter().all(u8::is_ascii_hexdigit) {
-        return Err(bad());
-    }
-    let size = u64::from_str_radix(std::str::from_utf8(digits).map_err(|_| bad())?, 16).map_err(|_| bad())?;
-    if size > MAX_CHUNK {
-        return Err(format!("chunk of {size} bytes is over the {MAX_CHUNK}-byte limit"));
-    }
-    Ok(size)
-}
-
-impl Chunked {
-    pub fn is_done(&self) -> bool {
-        self.state == ChunkState::Done
-    }
-
-    /// Appends the body bytes in `input` to `out`. Anything after the last chunk is ignored.
-    pub fn feed(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
-        while !input.is_empty() {
-            match self.state {
-                ChunkState::Size => {
-                    let (n, complete) = take_line(&mut self.line, input, MAX_SIZE_LINE)?;
-                    input = &input[n..];
-                    if complete {
-                        let size = parse_chunk_size(&self.line)?;
-                        self.line.clear();
-                        self.state = if size == 0 { ChunkState::Trailer } else { ChunkState::Data(size) };
-                    }
-                }
-                ChunkState::Data(left) => {
-                    let n = left.min(input.len() as u64) as usize;
-                    out.extend_from_slice(&input[..n]);
-                    input = &input[n..];
-                    self.state = if left == n as u64 { ChunkState::DataEnd } else { ChunkState::Data(left - n as u64) };
-                }
-                ChunkState::DataEnd => {
-                    // Only "\r\n" (or a bare "\n") may follow a chunk's data.
-                    let (n, complete) = take_line(&mut self.line, input, 1).map_err(|_| "no CRLF after chunk data".to_string())?;
-                    input = &input[n..];
-                    if self.line.first().is_some_and(|&b| b != b'\r') {
-                        return Err("no CRLF after chunk data".into());
-                    }
-                    if complete {
-                        self.line.clear();
-                        self.state = ChunkState::Size;
-                    }
-                }
-                ChunkState::Trailer => {
-                    let (n, complete) = take_line(&mut self.line, input, MAX_SIZE_LINE)?;
-                    input = &input[n..];
-                    self.trailer_bytes += n;
-                    if self.trailer_bytes > MAX_TRAILERS {
-                        return Err("trailers too long".into());
-                    }
-                    if complete {
-                        let empty = without_cr(&self.line).is_empty();
-                        self.line.clear();
-                        if empty {
-                            self.state = ChunkState::Done;
-                        }
-                    }
-                }
-                ChunkState::Done => return Ok(()),
-            }
-        }
-        Ok(())
+        Ok(Endpoint { host: host.into(), port, authority: authority.as_str().into(), prefix, api_key: api_key.filter(|k| !k.is_empty()) })
     }
 }
 
@@ -277,136 +169,88 @@ impl Sse {
     }
 }
 
-enum Framing {
-    Chunked(Chunked),
-    Length(u64),
-    Close,
-}
-
-/// A response whose head has been read; its body is read piece by piece.
+/// A response whose head has arrived; its body is read piece by piece.
 pub struct Response {
     pub status: u16,
-    stream: TcpStream,
-    buf: Vec<u8>,
-    framing: Framing,
-    done: bool,
+    body: Incoming,
+    /// The task driving the connection, ended with the response.
+    _conn: ConnTask,
 }
 
-fn find_head_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, i + 4));
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, i + 2));
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
+struct ConnTask(tokio::task::JoinHandle<()>);
+
+impl Drop for ConnTask {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
-fn parse_head(head: &[u8]) -> Result<(u16, Framing), Failure> {
-    let text = String::from_utf8_lossy(head);
-    let mut lines = text.lines();
-    let status_line = lines.next().unwrap_or_default();
-    let bad = || Failure::Protocol(format!("bad status line {:?}", &status_line.chars().take(60).collect::<String>()));
-    let mut parts = status_line.split_whitespace();
-    if !parts.next().is_some_and(|v| v.starts_with("HTTP/1.")) {
-        return Err(bad());
+/// A hyper error with its causes, which say what actually broke.
+fn describe(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s = format!("{s}: {c}");
+        cause = c.source();
     }
-    let status: u16 = parts.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
-    let mut framing = Framing::Close;
-    for line in lines {
-        let Some((name, value)) = line.split_once(':') else { continue };
-        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
-        if name == "transfer-encoding" && value.rsplit(',').next().is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked")) {
-            framing = Framing::Chunked(Chunked::default());
-        } else if name == "content-length" && !matches!(framing, Framing::Chunked(_)) {
-            framing = Framing::Length(value.parse().map_err(|_| Failure::Protocol(format!("bad content-length {value:?}")))?);
-        }
-    }
-    Ok((status, framing))
+    s
 }
 
-async fn read_some(stream: &mut TcpStream, deadline: Instant, buf: &mut Vec<u8>) -> Result<usize, Failure> {
-    let mut tmp = [0u8; 16 << 10];
-    let read = tokio::time::timeout_at(deadline.into(), stream.read(&mut tmp)).await.map_err(|_| Failure::Timeout)?;
-    let n = read.map_err(|e| Failure::Broken(e.to_string()))?;
-    buf.extend_from_slice(&tmp[..n]);
-    Ok(n)
+fn failure(e: hyper::Error) -> Failure {
+    if e.is_parse() || e.is_parse_status() {
+        Failure::Protocol(describe(&e))
+    } else {
+        Failure::Broken(describe(&e))
+    }
 }
 
-/// Sends one request (`Connection: close`, so each request has its own connection, as a
-/// client without a pool would) and reads the response head.
+/// Sends one request on a connection of its own (`Connection: close`, as a client without a
+/// pool would) and waits for the response head.
 pub async fn send(ep: &Endpoint, method: &str, path: &str, body: Option<&[u8]>, deadline: Instant) -> Result<Response, Failure> {
     let connect = TcpStream::connect((ep.host.as_str(), ep.port));
-    let mut stream = tokio::time::timeout_at(deadline.into(), connect)
+    let stream = tokio::time::timeout_at(deadline.into(), connect)
         .await
         .map_err(|_| Failure::Timeout)?
         .map_err(|e| Failure::Connect(format!("{}:{}: {e}", ep.host, ep.port)))?;
     stream.set_nodelay(true).ok();
-    let mut req = format!("{method} {}{path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n", ep.prefix, ep.authority);
-    req += "Accept: application/json, text/event-stream\r\n";
+    let handshake = hyper::client::conn::http1::handshake(TokioIo::new(stream));
+    let (mut sender, conn) = tokio::time::timeout_at(deadline.into(), handshake).await.map_err(|_| Failure::Timeout)?.map_err(failure)?;
+    let conn = ConnTask(tokio::spawn(async move {
+        let _ = conn.await;
+    }));
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("{}{path}", ep.prefix))
+        .header(HOST, &ep.authority)
+        .header(CONNECTION, "close")
+        .header(ACCEPT, "application/json, text/event-stream");
     if let Some(k) = &ep.api_key {
-        req += &format!("Authorization: Bearer {k}\r\n");
+        req = req.header(AUTHORIZATION, format!("Bearer {k}"));
     }
-    if let Some(b) = body {
-        req += &format!("Content-Type: application/json\r\nContent-Length: {}\r\n", b.len());
+    if body.is_some() {
+        req = req.header(CONTENT_TYPE, "application/json");
     }
-    let mut bytes = (req + "\r\n").into_bytes();
-    bytes.extend_from_slice(body.unwrap_or_default());
-    let write = tokio::time::timeout_at(deadline.into(), stream.write_all(&bytes)).await.map_err(|_| Failure::Timeout)?;
-    write.map_err(|e| Failure::Broken(format!("sending the request: {e}")))?;
-
-    let mut buf = Vec::new();
-    let (head_len, body_start) = loop {
-        if let Some(end) = find_head_end(&buf) {
-            break end;
-        }
-        if buf.len() > MAX_HEAD {
-            return Err(Failure::Protocol(format!("response head longer than {MAX_HEAD} bytes")));
-        }
-        if read_some(&mut stream, deadline, &mut buf).await? == 0 {
-            return Err(Failure::Broken("connection closed before the response head".into()));
-        }
-    };
-    let (status, framing) = parse_head(&buf[..head_len])?;
-    buf.drain(..body_start);
-    let done = matches!(framing, Framing::Length(0));
-    Ok(Response { status, stream, buf, framing, done })
+    let req = req
+        .body(Full::new(Bytes::copy_from_slice(body.unwrap_or_default())))
+        .map_err(|e| Failure::Protocol(format!("building the request: {e}")))?;
+    let sent = tokio::time::timeout_at(deadline.into(), sender.send_request(req)).await.map_err(|_| Failure::Timeout)?;
+    let resp = sent.map_err(failure)?;
+    Ok(Response { status: resp.status().as_u16(), body: resp.into_body(), _conn: conn })
 }
 
 impl Response {
     /// The next piece of the body, or None at its end.
-    pub async fn next(&mut self, deadline: Instant) -> Result<Option<Vec<u8>>, Failure> {
+    pub async fn next(&mut self, deadline: Instant) -> Result<Option<Bytes>, Failure> {
         loop {
-            if self.done {
-                return Ok(None);
-            }
-            if !self.buf.is_empty() {
-                let input = std::mem::take(&mut self.buf);
-                let piece = match &mut self.framing {
-                    Framing::Chunked(d) => {
-                        let mut out = Vec::new();
-                        d.feed(&input, &mut out).map_err(Failure::Protocol)?;
-                        self.done = d.is_done();
-                        out
-                    }
-                    Framing::Length(left) => {
-                        let n = (*left).min(input.len() as u64) as usize;
-                        *left -= n as u64;
-                        self.done = *left == 0;
-                        input[..n].to_vec()
-                    }
-                    Framing::Close => input,
-                };
-                if !piece.is_empty() {
-                    return Ok(Some(piece));
-                }
-                continue;
-            }
-            if read_some(&mut self.stream, deadline, &mut self.buf).await? == 0 {
-                if matches!(self.framing, Framing::Close) {
-                    self.done = true;
-                    return Ok(None);
-                }
-                return Err(Failure::Broken("connection closed in the middle of the body".into()));
+            let frame = tokio::time::timeout_at(deadline.into(), self.body.frame()).await.map_err(|_| Failure::Timeout)?;
+            match frame {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(failure(e)),
+                // Trailers and empty pieces carry nothing to measure.
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(data) if !data.is_empty() => return Ok(Some(data)),
+                    _ => {}
+                },
             }
         }
     }
@@ -602,77 +446,9 @@ pub async fn measure(ep: &Endpoint, spec: &RequestSpec, id: usize, phase_start: 
 mod tests {
     use super::*;
 
-    const BODY: &[u8] = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: [DONE]\n\n";
-
-    fn chunked(body: &[u8], sizes: &[usize]) -> Vec<u8> {
-        let mut out = Vec::new();
-        let mut rest = body;
-        for &s in sizes.iter().chain(std::iter::repeat(&7)) {
-            if rest.is_empty() {
-                break;
-            }
-            let (c, r) = rest.split_at(s.min(rest.len()));
-            out.extend_from_slice(format!("{:x};ext=1\r\n", c.len()).as_bytes());
-            out.extend_from_slice(c);
-            out.extend_from_slice(b"\r\n");
-            rest = r;
-        }
-        out.extend_from_slice(b"0\r\nX-Trailer: 1\r\n\r\nleftover ignored");
-        out
-    }
-
-    fn decode_split(wire: &[u8], at: &[usize]) -> Result<(Vec<u8>, bool), String> {
-        let (mut d, mut out, mut prev) = (Chunked::default(), Vec::new(), 0);
-        for &i in at.iter().chain([wire.len()].iter()) {
-            d.feed(&wire[prev..i], &mut out)?;
-            prev = i;
-        }
-        Ok((out, d.is_done()))
-    }
-
     #[test]
-    fn chunked_decodes_at_every_split() {
-        let wire = chunked(BODY, &[1, 3, 20]);
-        for i in 0..=wire.len() {
-            for j in i..=wire.len() {
-                assert_eq!(decode_split(&wire, &[i, j]).unwrap(), (BODY.to_vec(), true), "split at {i},{j}");
-            }
-        }
-        // One byte at a time, and bare LF line ends.
-        let bytewise: Vec<usize> = (0..wire.len()).collect();
-        assert_eq!(decode_split(&wire, &bytewise).unwrap().0, BODY);
-        assert_eq!(decode_split(b"3\nabc\n0\n\n", &[]).unwrap(), (b"abc".to_vec(), true));
-    }
-
-    #[test]
-    fn chunked_rejects_hostile_input() {
-        for bad in [
-            &b"ffffffffffffffffff\r\n"[..], // more than 16 hex digits
-            b"1000001\r\n",                 // over the chunk cap
-            b"zz\r\n",
-            b"\r\n",
-            b"-1\r\n",
-            b" 5\r\n",
-            b"3\r\nabcXY",    // no CRLF after the data
-            b"3\r\nabc\rX\n", // CR then garbage
-        ] {
-            assert!(decode_split(bad, &[]).is_err(), "{:?}", String::from_utf8_lossy(bad));
-        }
-        // A size line that never ends fails at the cap, without growing past it.
-        let long = vec![b'1'; MAX_SIZE_LINE + 1];
-        assert!(decode_split(&long, &[MAX_SIZE_LINE / 2]).is_err());
-        // A trailer section that never ends.
-        let mut t = b"0\r\n".to_vec();
-        t.extend(std::iter::repeat_n(b"X: y\r\n".to_vec(), MAX_TRAILERS).flatten());
-        assert!(decode_split(&t, &[]).is_err());
-        // A huge declared chunk within the cap is streamed, not allocated up front.
-        let (out, done) = decode_split(b"fffff\r\nabc", &[]).unwrap();
-        assert_eq!((out, done), (b"abc".to_vec(), false));
-    }
-
-    #[test]
-    fn chunked_survives_random_garbage() {
-        const ALPHABET: &[u8] = b"0123456789abcdefXZ\r\n; ";
+    fn sse_survives_random_garbage() {
+        const ALPHABET: &[u8] = b"data:event error\r\n[DONE]{}";
         let mut x: u64 = 0x2545_f491_4f6c_dd1d;
         for _ in 0..2000 {
             let len = (x % 64) as usize;
@@ -684,12 +460,57 @@ mod tests {
                     ALPHABET[(x % ALPHABET.len() as u64) as usize]
                 })
                 .collect();
-            let (mut d, mut out) = (Chunked::default(), Vec::new());
-            let _ = d.feed(&bytes, &mut out);
-            assert!(out.len() <= bytes.len());
-            let mut events = Vec::new();
-            let _ = Sse::default().feed(&bytes, &mut events);
+            let (mut p, mut events) = (Sse::default(), Vec::new());
+            p.feed(&bytes, &mut events).unwrap();
+            p.finish(&mut events).unwrap();
+            let data: usize = events
+                .iter()
+                .map(|e| match e {
+                    SseEvent::Data(d) | SseEvent::Error(d) => d.len(),
+                })
+                .sum();
+            assert!(data <= bytes.len());
         }
+    }
+
+    /// A server that answers every connection with `reply` and then holds it open.
+    async fn raw_server(reply: &'static [u8]) -> Endpoint {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = [0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    let _ = s.write_all(reply).await;
+                    let _ = s.read(&mut buf).await; // until the client goes
+                });
+            }
+        });
+        Endpoint::parse(&format!("http://{addr}"), None).unwrap()
+    }
+
+    #[tokio::test]
+    async fn hostile_responses_fail_by_kind_and_in_time() {
+        let soon = || Instant::now() + Duration::from_millis(500);
+        let not_http = raw_server(b"SSH-2.0 hi\r\n\r\n").await;
+        let e = send(&not_http, "GET", "/", None, soon()).await.err().unwrap();
+        assert_eq!(e.kind(), "protocol", "{e:?}");
+        let silent = raw_server(b"").await;
+        assert_eq!(send(&silent, "GET", "/", None, soon()).await.err(), Some(Failure::Timeout));
+        // A head, then a body that never ends, then a chunk size that is not hex.
+        let stalls = raw_server(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n").await;
+        let mut r = send(&stalls, "GET", "/", None, soon()).await.unwrap();
+        assert_eq!(r.next(soon()).await.unwrap().as_deref(), Some(&b"abc"[..]));
+        assert_eq!(r.next(soon()).await.err(), Some(Failure::Timeout));
+        let bad_chunk = raw_server(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n").await;
+        let mut r = send(&bad_chunk, "GET", "/", None, soon()).await.unwrap();
+        assert!(matches!(r.next(soon()).await, Err(Failure::Protocol(_) | Failure::Broken(_))));
+        // A body past the cap fails without being kept.
+        let big = raw_server(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789012345678901234567890123456789").await;
+        let mut r = send(&big, "GET", "/", None, soon()).await.unwrap();
+        assert!(matches!(r.read_all(soon(), 16).await, Err(Failure::Protocol(_))));
     }
 
     fn sse_split(wire: &[u8], at: usize) -> Vec<SseEvent> {
@@ -737,17 +558,6 @@ mod tests {
         assert_eq!(Endpoint::parse("http://example", None).unwrap().port, 80);
         for bad in ["https://x", "http://:80", "http://h:port", "http://[::1", "ftp://h"] {
             assert!(Endpoint::parse(bad, None).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn heads_parse() {
-        let (s, f) = parse_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, Chunked\r\nContent-Length: 5").unwrap();
-        assert!(s == 200 && matches!(f, Framing::Chunked(_)));
-        assert!(matches!(parse_head(b"HTTP/1.0 503 x\r\ncontent-length: 12").unwrap(), (503, Framing::Length(12))));
-        assert!(matches!(parse_head(b"HTTP/1.1 200 OK").unwrap().1, Framing::Close));
-        for bad in [&b"SSH-2.0 hi"[..], b"HTTP/1.1 abc", b"", b"HTTP/1.1 200\r\ncontent-length: -1"] {
-            assert!(parse_head(bad).is_err());
         }
     }
 
