@@ -269,3 +269,61 @@ fn a_tracker_killed_under_32_streaming_sessions_loses_and_double_bills_nothing()
     assert_eq!(m.get("dgr_gateway_usage_reports_pending"), 0.0);
     assert_eq!(m.get("dgr_gateway_usage_reports_recorded_total"), (SESSIONS + 1) as f64);
 }
+
+/// Usage reports queued while no tracker answers are retried, across the list, until one is up:
+/// each is stored once, and a full queue makes the submitter wait (counted), never drops one.
+#[test]
+fn usage_reports_wait_for_a_tracker_and_are_never_dropped() {
+    const REPORTS: u64 = 6;
+    let _g = serial();
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (dead, later) = (free(), free());
+    // A database and join token for the tracker that comes up later.
+    let mut first = Tracker::start("reports", &[]);
+    let dir = first.dir.clone();
+    first.kill();
+    let rt = common::runtime();
+    let _in_rt = rt.enter();
+    let trackers = std::sync::Arc::new(dgr_driver::Trackers::new(&format!("{dead},{later}"), Duration::from_millis(500)));
+    let reporter = std::sync::Arc::new(dgr_driver::UsageReporter::start(trackers, 2));
+    let usage = |i: u64| dgr_proto::RequestUsage {
+        request_id: format!("queued-{i}"),
+        model_id: "m".into(),
+        prompt_tokens: 3,
+        completion_tokens: i,
+        status: dgr_proto::UsageStatus::Completed.as_str().into(),
+        ..Default::default()
+    };
+    let submits: Vec<_> = (0..REPORTS)
+        .map(|i| {
+            let r = reporter.clone();
+            rt.spawn(async move { r.submit(usage(i)).await })
+        })
+        .chain([{
+            // The same request again: stored once.
+            let r = reporter.clone();
+            rt.spawn(async move { r.submit(usage(0)).await })
+        }])
+        .collect();
+    let stats = reporter.stats.clone();
+    let start = Instant::now();
+    let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    while count(&stats.queue_full) == 0 || count(&stats.retries) < 2 {
+        assert!(start.elapsed() < Duration::from_secs(10), "no retries or full queue seen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(count(&stats.recorded), 0, "no tracker is up yet");
+    let t = Tracker::start_in(&dir, &later, &[]);
+    while count(&stats.recorded) < REPORTS + 1 {
+        assert!(start.elapsed() < Duration::from_secs(30), "reports not stored: {} of {}", count(&stats.recorded), REPORTS + 1);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for s in submits {
+        rt.block_on(s).unwrap();
+    }
+    assert_eq!((count(&stats.pending), count(&stats.refused)), (0, 0));
+    println!("{} retries, the queue full {} times, before the tracker came up", count(&stats.retries), count(&stats.queue_full));
+    let by_key = t.usage("key");
+    assert_eq!(totals(&by_key, "requests"), REPORTS, "each stored once: {by_key}");
+    assert_eq!(totals(&by_key, "completion_tokens"), (0..REPORTS).sum::<u64>(), "{by_key}");
+}
