@@ -120,3 +120,40 @@ pub fn render_reports(stats: Option<&dgr_driver::ReportStats>) -> String {
     );
     t.finish()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The families, labels and values the dashboard, the tests and scrapers read, as they were
+    /// written before the renderer moved to dgr-telemetry.
+    #[test]
+    fn renders_the_names_labels_and_values_it_always_has() {
+        let m = HttpMetrics::default();
+        m.finished("smol", "k\"1", 9, 4, None);
+        m.finished("smol", "k\"1", 3, 0, Some("route_failed"));
+        m.check("agree");
+        m.ttft.observe(0.03);
+        let text = m.render(2, 1);
+        for line in [
+            "# HELP dgr_gateway_requests_total Requests finished, by model and key.",
+            "# TYPE dgr_gateway_requests_total counter",
+            "dgr_gateway_requests_total{model=\"smol\",key=\"k\\\"1\"} 2",
+            "dgr_gateway_prompt_tokens_total{model=\"smol\",key=\"k\\\"1\"} 12",
+            "dgr_gateway_completion_tokens_total{model=\"smol\",key=\"k\\\"1\"} 4",
+            "# TYPE dgr_gateway_ttft_seconds histogram",
+            "dgr_gateway_ttft_seconds_bucket{le=\"0.02\"} 0",
+            "dgr_gateway_ttft_seconds_bucket{le=\"0.05\"} 1",
+            "dgr_gateway_ttft_seconds_bucket{le=\"+Inf\"} 1",
+            "dgr_gateway_ttft_seconds_sum 0.03",
+            "dgr_gateway_ttft_seconds_count 1",
+            "dgr_gateway_inter_token_seconds_count 0",
+            "dgr_gateway_errors_total{kind=\"route_failed\"} 1",
+            "dgr_gateway_spot_checks_total{result=\"agree\"} 1",
+            "# HELP dgr_gateway_queue_depth Requests waiting for admission.\n# TYPE dgr_gateway_queue_depth gauge\ndgr_gateway_queue_depth 2",
+            "# HELP dgr_gateway_running Generations running.\n# TYPE dgr_gateway_running gauge\ndgr_gateway_running 1\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+    }
+}
