@@ -46,7 +46,7 @@ fn route_from(rt: &tokio::runtime::Runtime, t: &Tracker, model_id: &str, request
 }
 
 /// Two trackers on one database sign with one key: workers joined to both take tickets from
-/// either, and refuse one signed by a key outside the set.
+/// either, and refuse one signed by a key outside the set; a quarantine reaches both.
 #[test]
 fn trackers_on_one_ledger_share_a_key_set() {
     let _g = serial();
@@ -89,6 +89,18 @@ fn trackers_on_one_ledger_share_a_key_set() {
     }
     let m = common::metrics(w0.addr.as_ref().unwrap());
     assert_eq!(m.get("dgr_worker_ticket_refusals_total{reason=\"forged\"}"), 2.0);
+
+    // A quarantine (a spot check's verdict) goes to every tracker: neither routes to w1 again.
+    let token = std::fs::read_to_string(&a.token_file).unwrap().trim().to_string();
+    let q = dgr_proto::Suspect { join_token: token, worker_id: w1.id.clone(), evidence: "test".into() };
+    let list = format!("{},{}", a.addr, b.addr);
+    rt.block_on(dgr_driver::Trackers::new(&list, Duration::from_secs(5)).broadcast(TrackerBody::Suspect(q))).unwrap();
+    for t in [&a, &b] {
+        let w = t.workers().into_iter().find(|w| w["worker_id"] == w1.id.as_str()).unwrap();
+        assert_eq!(w["quarantined"], true, "{w}");
+        let refused = generate(&[t], &["--max-tokens", "2"]);
+        assert_eq!(refused["error"]["kind"], "no_route", "{refused}");
+    }
 }
 
 /// A tracker restarted on its database lists every worker (direct and relayed) again within one

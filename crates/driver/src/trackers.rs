@@ -38,7 +38,7 @@ impl Trackers {
     pub async fn call(&self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
         let n = self.addrs.len();
         let first = self.preferred.load(Relaxed);
-        let mut failed = TrackerCallError::Io { addr: String::new(), why: "no tracker given".into() };
+        let mut failed = no_tracker();
         for k in 0..n {
             let i = (first + k) % n;
             match self.call_at(i, body.clone()).await {
@@ -50,6 +50,14 @@ impl Trackers {
             }
         }
         Err(failed)
+    }
+
+    /// The same message to every tracker (what each keeps in memory besides the shared ledger,
+    /// such as a quarantine): Ok with the first answer if any tracker took it.
+    pub async fn broadcast(&self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
+        let calls = (0..self.addrs.len()).map(|i| self.call_at(i, body.clone()));
+        let answers = futures::future::join_all(calls).await;
+        answers.into_iter().reduce(|kept, next| if kept.is_ok() { kept } else { next }).unwrap_or_else(|| Err(no_tracker()))
     }
 
     /// One exchange with tracker `i` over a pooled connection; one that turns out broken (the
@@ -84,6 +92,10 @@ pub fn fails_over(e: &TrackerCallError) -> bool {
         TrackerCallError::Refused(r) => matches!(r.refusal_kind(), RefusalKind::Internal | RefusalKind::Overloaded),
         TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. } => true,
     }
+}
+
+fn no_tracker() -> TrackerCallError {
+    TrackerCallError::Io { addr: String::new(), why: "no tracker given".into() }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -172,6 +172,11 @@ impl Gateway {
         self.trackers.call(body).await
     }
 
+    /// The same message to every tracker of the swarm; Ok if any took it.
+    pub async fn tracker_broadcast(&self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
+        self.trackers.broadcast(body).await
+    }
+
     /// The background sender of usage reports; called on the gateway's runtime.
     fn reporter(&self) -> &UsageReporter {
         self.usage.get_or_init(|| UsageReporter::start(self.trackers.clone(), USAGE_QUEUE))

@@ -119,7 +119,8 @@ impl Gateway {
             return;
         };
         let q = Suspect { join_token, worker_id: worker_id.into(), evidence: evidence.into() };
-        match self.tracker_call(TrackerBody::Suspect(q)).await {
+        // Every tracker keeps the quarantine in its registry (and the shared ledger): tell all.
+        match self.tracker_broadcast(TrackerBody::Suspect(q)).await {
             Ok(_) => {
                 self.metrics.check("quarantined");
                 eprintln!("dgr gateway: spot check caught worker {worker_id} ({evidence}); quarantined");
