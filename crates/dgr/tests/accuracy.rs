@@ -1,5 +1,9 @@
-//! Accuracy on the real model: teacher-forced log-probabilities held against the exact float64
-//! computation of the same quantized weights, and against llama.cpp's.
+//! Accuracy on the real model (SmolLM2-135M-Instruct Q4_1): `dgr score` teacher-forces the 32
+//! tokens llama.cpp generated greedily for each of six prompts (`once`, `capital`, `chat`,
+//! `code`, `list`, `long`) and its log-probabilities are held against two references in
+//! `tests/data`: `smollm2-q4_1-exact.json`, a float64 forward of the same dequantized weights
+//! (no rounding of activations, KV or attention; the truth), and `smollm2-q4_1-llamacpp.json`,
+//! llama-server's own log-probabilities and prompt tokens on the same file (the peer).
 #![cfg(feature = "real-model")]
 
 mod common;
@@ -11,7 +15,10 @@ struct Figures {
     argmax_misses: Vec<(usize, f64)>,
 }
 
-/// Compares dgr's steps with a reference's steps on the same tokens.
+/// Compares dgr's steps with a reference's steps on the same tokens: asserts that every step
+/// scores the reference's token, and returns the mean and the largest |Δ log-probability| of the
+/// scored token, and the steps whose top-1 token differs from the reference's (with the
+/// reference's margin between its first and second candidates there).
 fn compare(ours: &[serde_json::Value], reference: &[serde_json::Value]) -> Figures {
     assert_eq!(ours.len(), reference.len());
     let mut sum = 0.0;
@@ -31,6 +38,12 @@ fn compare(ours: &[serde_json::Value], reference: &[serde_json::Value]) -> Figur
     Figures { mean: sum / ours.len() as f64, max, argmax_misses }
 }
 
+/// Per prompt: dgr tokenizes the prompt exactly as llama.cpp did; against the exact
+/// computation, the mean |Δ logprob| of the scored tokens is at most 0.08 and the largest at most
+/// 0.50 (the bar: llama.cpp's own accuracy), a top-1 token differs only where the exact
+/// margin is under 0.30, and dgr stays near-exact (mean at most 0.001, max at most 0.01). Over
+/// all prompts the mean against the exact computation is at most 0.05. The figures against
+/// llama.cpp are printed, not asserted: llama.cpp is the bar, not the truth.
 #[test]
 fn teacher_forced_logprobs_are_at_least_as_accurate_as_llama_cpp() {
     let exact = reference("smollm2-q4_1-exact.json");

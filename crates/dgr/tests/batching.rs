@@ -216,9 +216,16 @@ fn labelled(name: &str, phase: &str, dtype: &str) -> String {
     format!("{name}{{phase=\"{phase}\",seam_dtype=\"{dtype}\"}}")
 }
 
-/// A labelled series, 0 where the worker has not reported it yet.
+/// A labelled series the worker must have reported: a read that finds none fails the test.
 fn series(m: &Metrics, name: &str, phase: &str, dtype: &str) -> f64 {
-    m.0.get(&labelled(name, phase, dtype)).copied().unwrap_or(0.0)
+    m.get(&labelled(name, phase, dtype))
+}
+
+/// How much a labelled counter grew from `before` to `after`. A worker reports a (phase, seam
+/// dtype) series from its first batch of that kind on, so one absent before had counted none
+/// yet; `after` must have it.
+fn grew(before: &Metrics, after: &Metrics, name: &str, phase: &str, dtype: &str) -> f64 {
+    series(after, name, phase, dtype) - before.0.get(&labelled(name, phase, dtype)).copied().unwrap_or(0.0)
 }
 
 fn finish(what: &str, failures: Vec<String>) {
@@ -277,8 +284,7 @@ fn concurrent_sessions_equal_their_solo_runs_bitwise_on_every_route() {
                 let mut per_batch = Vec::new();
                 for (b, a) in before.iter().zip(&after) {
                     let rows = a.get("dgr_worker_tokens_decoded_total") - b.get("dgr_worker_tokens_decoded_total");
-                    let batches =
-                        series(a, "dgr_worker_batches_total", "decode", "f32") - series(b, "dgr_worker_batches_total", "decode", "f32");
+                    let batches = grew(b, a, "dgr_worker_batches_total", "decode", "f32");
                     per_batch.push(rows / batches);
                 }
                 let must_batch = if w.n() == 1 { n >= 2 } else { n > w.n() };
@@ -425,7 +431,7 @@ fn sessions_with_different_seam_dtypes_never_share_a_batch() {
         let mut seen = Vec::new();
         for dtype in ["f32", "f16"] {
             for phase in ["prefill", "decode"] {
-                let batches = series(a, "dgr_worker_batches_total", phase, dtype) - series(b, "dgr_worker_batches_total", phase, dtype);
+                let batches = grew(b, a, "dgr_worker_batches_total", phase, dtype);
                 let max = series(a, "dgr_worker_batch_sessions_max", phase, dtype);
                 seen.push(format!("{phase} {dtype}: {batches} batches, at most {max} sessions"));
                 if phase == "decode" && batches == 0.0 {

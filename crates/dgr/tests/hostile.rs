@@ -272,8 +272,17 @@ fn connections_past_the_cap_are_closed_at_once_and_counted() {
     let addr = w.addrs[0].clone();
     // Idle connections that never say Hello (the handshake timeout is 10 s: longer than this test needs).
     let mut conns: Vec<TcpStream> = (0..CAP + 8).map(|_| connect_tcp(&addr)).collect();
-    std::thread::sleep(Duration::from_millis(300));
-    let closed: Vec<usize> = (0..conns.len()).filter(|&i| closed_within(&mut conns[i], Duration::from_millis(40)).is_some()).collect();
+    // Last first: those past the cap must close by the deadline, and since the worker accepts in
+    // order, once they have it has taken every earlier one, which must then stay open.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut closed: Vec<usize> = (0..conns.len())
+        .rev()
+        .filter(|&i| {
+            let wait = if i >= CAP { deadline.saturating_duration_since(Instant::now()) } else { Duration::from_millis(40) };
+            closed_within(&mut conns[i], wait).is_some()
+        })
+        .collect();
+    closed.reverse();
     println!("{} idle connections to a worker capped at {CAP}: closed {closed:?}", conns.len());
     assert_eq!(closed, (CAP..CAP + 8).collect::<Vec<_>>(), "the connections past the cap, and only those, are closed");
     // Still full: one more is closed at once, even one that would speak.

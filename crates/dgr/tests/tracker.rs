@@ -417,11 +417,17 @@ fn running_sessions_survive_a_tracker_restart() {
             .unwrap();
         serde_json::from_slice::<Value>(&out.stdout).unwrap()
     });
-    std::thread::sleep(Duration::from_millis(700));
+    // Kill the tracker once the session has its route and decodes on both workers.
+    let start = Instant::now();
+    while metrics(w1.addr.as_ref().unwrap()).get("dgr_worker_tokens_decoded_total") < 1.0 {
+        assert!(start.elapsed() < Duration::from_secs(30), "the session never started decoding");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let dir = t.dir.clone();
     let addr = t.addr.clone();
+    // kill() waits for the process to be gone, and with it its listening socket.
     t.kill();
-    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(metrics(w0.addr.as_ref().unwrap()).get("dgr_worker_sessions_open"), 1.0, "the session ended before the kill");
     let t2 = Tracker::start_in(&dir, &addr, &[]);
     let got = running.join().unwrap();
     assert_same_output(&got, &want, "the session across the restart");

@@ -109,7 +109,11 @@ fn sigterm_lets_open_sessions_finish_then_exits_zero() {
         std::thread::sleep(Duration::from_millis(5));
     }
     terminate(&w, 0);
-    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    while w.metrics(0).get("dgr_worker_draining") != 1.0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the worker did not begin draining within 5 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let refused = rt.block_on(async {
         let route = Route::discover(&w.addrs, Duration::from_secs(5)).await?;
         dgr_driver::generate(&route, &request(&p.tokens, 4), &DriveOptions::default(), |_| Flow::Continue).await

@@ -33,6 +33,8 @@ pub struct Metrics {
     pub idle_closed: AtomicU64,
     /// Frames of hidden rows refused for holding a NaN or an infinity.
     pub nonfinite_frames: AtomicU64,
+    /// 1 once the scheduler has begun a drain (SIGTERM): from then on it refuses new sessions.
+    pub draining: AtomicU64,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
     tickets_refused: Mutex<Vec<(TicketError, u64)>>,
     batches: Mutex<Vec<BatchCount>>,
@@ -93,6 +95,7 @@ impl Metrics {
             get(&self.sessions_closed),
         );
         t.metric("dgr_worker_connections_open", "Connections open now.", Gauge, get(&self.connections_open));
+        t.metric("dgr_worker_draining", "1 once a drain has begun: new sessions are refused.", Gauge, get(&self.draining));
         t.metric(
             "dgr_worker_connections_refused_total",
             "Connections closed at once because --max-connections were open.",

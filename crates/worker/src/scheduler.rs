@@ -320,7 +320,10 @@ impl<E: Engine> Scheduler<E> {
                     }
                 }
             }
-            Cmd::Drain { deadline } => self.drain = Some(deadline),
+            Cmd::Drain { deadline } => {
+                self.drain = Some(deadline);
+                self.metrics.draining.store(1, Relaxed);
+            }
         }
     }
 
