@@ -9,7 +9,9 @@
 use super::record;
 use crate::error::{BenchError, Context, Result};
 use crate::swarm::LocalTracker;
-use dgr_proto::{Heartbeat, Load, Registration, RequestUsage, RouteRequest, SigningKey, StageUsage, TrackerBody, TrackerClient};
+use dgr_proto::{
+    Heartbeat, Load, Registration, RequestUsage, RouteRequest, SigningKey, StageUsage, TrackerBody, TrackerClient, UsageStatus,
+};
 use futures::StreamExt;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -198,7 +200,7 @@ async fn client(addr: String, conn: usize, measure_from: Instant, end: Instant) 
             engine: route.engine,
             prompt_tokens: PROMPT,
             completion_tokens: COMPLETION,
-            status: "completed".into(),
+            status: UsageStatus::Completed.as_str().into(),
             stages,
         };
         match c.call(TrackerBody::RequestUsage(usage)).await? {
@@ -233,7 +235,7 @@ fn seed(dir: &Path, rows: u64) -> Result<Duration> {
                     engine: ENGINE.into(),
                     prompt_tokens: PROMPT,
                     completion_tokens: COMPLETION,
-                    status: "completed".into(),
+                    status: UsageStatus::Completed.as_str().into(),
                     stages: vec![StageUsage {
                         worker_id: format!("seed-worker-{}", i % 10_000),
                         session_id: i.to_le_bytes().to_vec(),

@@ -1,8 +1,13 @@
 //! Route planning over many registered workers holding random overlapping ranges of an 80-layer
-//! model. Each size cycles through several seeded instances so one lucky layout cannot skew it.
+//! model: the planner given every worker (`plan`), and the registry's whole route (`registry`:
+//! one candidate per registered range from its index, the plan, and counting the issue in each
+//! chosen worker's load). Each `plan` size cycles through several seeded instances so one lucky
+//! layout cannot skew it.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use dgr_proto::Registration;
 use dgr_tracker::plan::{plan, Candidate};
+use dgr_tracker::registry::{Joining, Registry};
 use std::hint::black_box;
 
 const LAYERS: u32 = 80;
@@ -58,5 +63,37 @@ fn bench_plan(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_plan);
+/// A registry of `n` workers laid out as `workers(n, seed)` lays out candidates (a candidate's
+/// per-layer ms is the worker's measured step time), all live, none loaded.
+fn registry(n: usize, seed: u64) -> Registry {
+    let mut r = Registry::new(std::time::Duration::from_secs(3600));
+    for (i, c) in workers(n, seed).into_iter().enumerate() {
+        let reg = Registration {
+            engine: "e".into(),
+            model_id: "m".into(),
+            n_layers: LAYERS,
+            layer_start: c.start,
+            layer_end: c.end,
+            max_sessions: u32::MAX,
+            step_us_per_layer: c.per_layer * 1e3,
+            ..Default::default()
+        };
+        let (control, _) = tokio::sync::mpsc::channel(1);
+        r.join(Joining { id: format!("w{i}"), reg, addr: format!("10.0.0.1:{i}"), relayed: false, conn: 0, control });
+    }
+    r
+}
+
+fn bench_registry(c: &mut Criterion) {
+    let mut group = c.benchmark_group("registry");
+    for n in [1_000, 10_000] {
+        let mut r = registry(n, 0);
+        assert!(r.plan_route("m", "", &[]).is_some(), "the instance must be routable");
+        // Each route counts in its workers' load, so successive routes spread as under real load.
+        group.bench_function(BenchmarkId::new("plan_route", n), |b| b.iter(|| r.plan_route("m", "", &[]).map(|p| p.stages.len())));
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_plan, bench_registry);
 criterion_main!(benches);

@@ -7,7 +7,7 @@ mod control;
 mod keys;
 mod metrics;
 pub mod plan;
-mod registry;
+pub mod registry;
 mod relay;
 mod server;
 mod store;

@@ -80,6 +80,18 @@ struct Cell {
     start: u32,
     end: u32,
     order: BTreeSet<Rank>,
+    /// The first of `order` as of its last change, so that a plan reads the cells in a row
+    /// without visiting their trees and workers unless the first cannot serve.
+    head: Option<Head>,
+}
+
+/// What a plan needs to know of a cell's first worker: its rank, its last heartbeat, and whether
+/// it had room (which changes only with its rank).
+#[derive(Clone, Copy)]
+struct Head {
+    rank: Rank,
+    beat: Instant,
+    room: bool,
 }
 
 pub struct Registry {
@@ -209,7 +221,7 @@ impl Registry {
         let g = &mut self.groups[group];
         let range = (j.reg.layer_start, j.reg.layer_end);
         let cell = *g.cell_of.entry(range).or_insert_with(|| {
-            g.cells.push(Cell { start: range.0, end: range.1, order: BTreeSet::new() });
+            g.cells.push(Cell { start: range.0, end: range.1, order: BTreeSet::new(), head: None });
             g.cells.len() - 1
         });
         let slot = self.free.pop().unwrap_or_else(|| {
@@ -265,7 +277,9 @@ impl Registry {
     pub fn quarantine(&mut self, id: String, evidence: String) {
         if let Some(&slot) = self.by_id.get(&id) {
             if let Some(w) = &self.slots[slot as usize] {
-                self.groups[w.group].cells[w.cell].order.remove(&w.rank);
+                let (group, cell) = (w.group, w.cell);
+                self.groups[group].cells[cell].order.remove(&w.rank);
+                self.refresh_head(group, cell);
             }
         }
         self.quarantined.insert(id, evidence);
@@ -277,7 +291,8 @@ impl Registry {
         self.free.push(slot);
         let g = &mut self.groups[w.group];
         g.cells[w.cell].order.remove(&w.rank);
-        if g.cells[w.cell].order.is_empty() {
+        self.refresh_head(w.group, w.cell);
+        if self.groups[w.group].cells[w.cell].order.is_empty() {
             self.drop_cell(w.group, w.cell);
         }
     }
@@ -318,6 +333,16 @@ impl Registry {
         }
         w.rank = Rank { per_layer: w.per_layer_ms().to_bits(), tie: next_random(&mut self.rng), slot };
         order.insert(w.rank);
+        let (group, cell) = (w.group, w.cell);
+        self.refresh_head(group, cell);
+    }
+
+    fn refresh_head(&mut self, group: usize, cell: usize) {
+        let c = &mut self.groups[group].cells[cell];
+        c.head = c.order.first().and_then(|&rank| {
+            let w = self.slots[rank.slot as usize].as_ref()?;
+            Some(Head { rank, beat: w.last_heartbeat, room: w.has_room() })
+        });
     }
 
     fn usable(&self, slot: u32, excluded: &[u32], now: Instant) -> bool {
@@ -361,13 +386,20 @@ impl Registry {
         let g = &self.groups[group];
         let (mut candidates, mut slots) = (Vec::new(), Vec::new());
         let mut rng = self.rng;
+        let hb = self.heartbeat;
+        let mut offer = |cell: &Cell, rank: &Rank| {
+            // Jitter below any real difference breaks ties between equal chains at random.
+            let tie = 1.0 + 1e-9 * (next_random(&mut rng) >> 11) as f64 / (1u64 << 53) as f64;
+            let per_layer = f64::from_bits(rank.per_layer) * tie;
+            candidates.push(Candidate { start: cell.start, end: cell.end, per_layer, fixed: HOP_MS });
+            slots.push(rank.slot);
+        };
         for cell in &g.cells {
-            for rank in cell.order.iter().filter(|r| self.usable(r.slot, excluded, now)).take(depth) {
-                // Jitter below any real difference breaks ties between equal chains at random.
-                let tie = 1.0 + 1e-9 * (next_random(&mut rng) >> 11) as f64 / (1u64 << 53) as f64;
-                let per_layer = f64::from_bits(rank.per_layer) * tie;
-                candidates.push(Candidate { start: cell.start, end: cell.end, per_layer, fixed: HOP_MS });
-                slots.push(rank.slot);
+            match cell.head {
+                Some(h) if depth == 1 && h.room && now.duration_since(h.beat) <= 3 * hb && !excluded.contains(&h.rank.slot) => {
+                    offer(cell, &h.rank)
+                }
+                _ => cell.order.iter().filter(|r| self.usable(r.slot, excluded, now)).take(depth).for_each(|r| offer(cell, r)),
             }
         }
         self.rng = rng;
