@@ -230,11 +230,16 @@ fn generate_fails_over_to_the_surviving_tracker() {
 /// routed by the survivor within 2 s.
 #[test]
 fn a_tracker_killed_under_32_streaming_sessions_loses_and_double_bills_nothing() {
+    let _g = serial();
+    let a = Tracker::start("killload", &[]);
+    let b = Tracker::start_in(&a.dir, "127.0.0.1:0", &[]);
+    kill_one_under_load(a, b);
+}
+
+/// The acceptance test's body: `a` and `b` share one ledger; `a` is killed.
+fn kill_one_under_load(mut a: Tracker, b: Tracker) {
     const SESSIONS: usize = 32;
     const MAX_TOKENS: usize = 48;
-    let _g = serial();
-    let mut a = Tracker::start("killload", &[]);
-    let b = Tracker::start_in(&a.dir, "127.0.0.1:0", &[]);
     let w0 = Worker::start_joined(&[&a, &b], (0, 15), "w0", &[], &[], Some(&common::model()));
     let w1 = Worker::start_joined(&[&a, &b], (15, 30), "w1", &[], &[], Some(&common::model()));
     for t in [&a, &b] {
