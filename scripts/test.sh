@@ -7,15 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Plain `cargo test` runs what needs no download; these features add the suites on the real
-# default model, and workers that can be told to lie (for the spot-check test).
-features=dgr/real-model,dgr-gguf/real-model,dgr-tokenizer/real-model,dgr/fault-injection
+# default model, workers that can be told to lie (for the spot-check test), and the ledger's
+# tests on PostgreSQL (against the server started below).
+features=dgr/real-model,dgr-gguf/real-model,dgr-tokenizer/real-model,dgr/fault-injection,dgr/postgres-tests
 # Lints before any test, failing the run at once: formatting, then clippy with warnings as errors.
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --locked --features "$features" -- -D warnings
 scripts/fetch-model.sh >/dev/null
 scripts/fetch-model.sh gemma3 >/dev/null
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+# A PostgreSQL server of this run's own for the ledger's tests (each makes a database on it).
+trap 'rm -f "$log"; scripts/postgres.sh stop' EXIT
+DGR_TEST_POSTGRES=$(scripts/postgres.sh start)
+export DGR_TEST_POSTGRES
 status=0
 cargo test --release --workspace --locked --no-fail-fast --features "$features" "$@" 2>&1 | tee "$log" || status=$?
 read -r passed failed < <(awk '/^test result:/ { p += $4; f += $6 } END { print p + 0, f + 0 }' "$log")

@@ -219,7 +219,7 @@ async fn client(addr: String, conn: usize, measure_from: Instant, end: Instant) 
 /// A fresh ledger in `dir` holding the bench key and `rows` seeded usage rows billed to it.
 fn seed(dir: &Path, rows: u64) -> Result<Duration> {
     let started = Instant::now();
-    let mut store = dgr_tracker::Store::open(&dir.join("tracker.db"))?;
+    let mut store = dgr_tracker::Store::open(&dgr_tracker::LedgerSpec::Sqlite(dir.join("tracker.db")))?;
     store.add_key(KEY_NAME, KEY, QUOTA, 0)?;
     let mut rng = Rng(rows);
     let mut at = 0;

@@ -2,7 +2,7 @@
 
 use crate::state::{read_or_create_secret, read_secret, state_dir};
 use anyhow::{Context, Result};
-use dgr_tracker::{Tracker, TrackerConfig};
+use dgr_tracker::{LedgerSpec, Tracker, TrackerConfig};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -14,8 +14,14 @@ pub struct Args {
     /// The address clients reach this tracker on, used in relayed workers' addresses [default: the bound address]
     #[arg(long)]
     advertise: Option<String>,
-    /// SQLite database for what survives a restart: the ledger, API keys, worker identities, the
-    /// signing key [default: $DGR_STATE_DIR/tracker.db]
+    /// Where what survives a restart lives (the ledger, API keys and their running totals,
+    /// reservations, worker identities, the signing keys): `postgres://user@host:port/db` for a
+    /// PostgreSQL database that several trackers may share, `sqlite:PATH` or a plain PATH for an
+    /// SQLite file [default: $DGR_STATE_DIR/tracker.db]. The schema is migrated at start; a
+    /// database written by a newer dgr is refused
+    #[arg(long, conflicts_with = "db")]
+    ledger: Option<String>,
+    /// SQLite database file (the same as `--ledger PATH`)
     #[arg(long)]
     db: Option<PathBuf>,
     /// File holding the join token workers must present (and that `dgr key add` needs)
@@ -31,18 +37,28 @@ pub struct Args {
     /// Most connections open at once
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
+    /// Seconds a route holds its reservation of the key's quota (its token budget) when its
+    /// usage is never reported (a driver that died); a reported request settles it at once
+    /// and is billed the tokens it actually used
+    #[arg(long, default_value_t = 300)]
+    reservation_ttl_s: u64,
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let db = a.db.unwrap_or_else(|| state_dir().join("tracker.db"));
+    let ledger = match (a.ledger, a.db) {
+        (Some(l), _) => LedgerSpec::parse(&l),
+        (None, Some(path)) => LedgerSpec::Sqlite(path),
+        (None, None) => LedgerSpec::Sqlite(state_dir().join("tracker.db")),
+    };
     let token_file = a.join_token_file.clone().unwrap_or_else(|| state_dir().join("join-token"));
     let token = if a.join_token_file.is_some() { read_secret(&token_file)? } else { read_or_create_secret(&token_file)? };
-    let mut cfg = TrackerConfig::new(db.clone(), token);
+    let mut cfg = TrackerConfig::new(ledger.clone(), token);
     anyhow::ensure!((50..=60_000).contains(&a.heartbeat_ms), "--heartbeat-ms must be 50..=60000");
     cfg.heartbeat = Duration::from_millis(a.heartbeat_ms);
     cfg.max_connections = a.max_connections.max(1);
     cfg.ticket_ttl = Duration::from_millis(a.ticket_ttl_ms.max(1));
-    let tracker = Tracker::open(cfg).with_context(|| format!("opening the tracker database {}", db.display()))?;
+    cfg.reservation_ttl = Duration::from_secs(a.reservation_ttl_s.max(1));
+    let tracker = Tracker::open(cfg).with_context(|| format!("opening the ledger {ledger}"))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let shutdown = crate::worker::shutdown_signal()?;
@@ -54,7 +70,7 @@ pub fn run(a: Args) -> Result<()> {
             serde_json::json!({
                 "listening": addr,
                 "advertise": advertise,
-                "db": db,
+                "ledger": ledger.to_string(),
                 "join_token_file": token_file,
                 "key_id": tracker.key_id(),
                 "api_keys_required": tracker.requires_keys()?,

@@ -6,10 +6,8 @@
 
 mod common;
 
-use common::swarm::{Tracker, Worker};
+use common::swarm::{Gateway, Tracker, Worker};
 use common::{dgr_json, metrics, serial};
-use serde_json::Value;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::time::Duration;
 
 const PROMPT: &str = "The quick brown fox";
@@ -19,45 +17,11 @@ const PROMPT: &str = "The quick brown fox";
 /// first session's check that is the liar (whatever step times the planner prefers).
 const CAUGHT_WITHIN: usize = 2;
 
-struct Gateway {
-    child: std::process::Child,
-    addr: String,
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn gateway(t: &Tracker) -> Gateway {
-    let mut child = common::dgr()
-        .args(["gateway", "--tracker", &t.addr, "--listen", "127.0.0.1:0", "--verify-fraction", "1", "--join-token-file"])
-        .arg(&t.token_file)
-        .arg("--model")
-        .arg(common::model())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("gateway ready line {line:?}: {e}"));
-    Gateway { child, addr: v["listening"].as_str().unwrap().to_string() }
-}
-
 /// POST /v1/completions, greedy; the completion's text.
-fn complete(addr: &str, model: &str) -> String {
-    let body = serde_json::json!({ "model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0 }).to_string();
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{resp}");
-    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+fn complete(g: &Gateway, model: &str) -> String {
+    let body = serde_json::json!({ "model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0 });
+    let (status, _, v) = g.post("/v1/completions", None, &body);
+    assert_eq!(status, 200, "{v}");
     v["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
@@ -72,15 +36,16 @@ fn a_lying_worker_is_caught_and_quarantined() {
     let mut ids: Vec<&str> = honest.iter().map(|w| w.id.as_str()).collect();
     ids.push(&liar.id);
     t.wait_live(&ids, Duration::from_secs(5), "joined");
-    let g = gateway(&t);
-    let model = common::model().file_stem().unwrap().to_string_lossy().trim_end_matches(".gguf").to_string();
+    let token = t.token_file.to_str().unwrap();
+    let g = Gateway::start(&[&t], &["--verify-fraction", "1", "--join-token-file", token]);
+    let model = Gateway::model_name();
 
     let quarantined = || t.workers().iter().any(|w| w["worker_id"] == liar.id.as_str() && w["quarantined"] == true);
     let mut wrong = 0;
     let mut sessions = 0;
     loop {
         assert!(sessions < CAUGHT_WITHIN, "the liar was not caught within {CAUGHT_WITHIN} sessions");
-        if complete(&g.addr, &model) != want {
+        if complete(&g, &model) != want {
             wrong += 1;
         }
         sessions += 1;
@@ -101,7 +66,7 @@ fn a_lying_worker_is_caught_and_quarantined() {
     assert!(metrics(&g.addr).get("dgr_gateway_spot_checks_total{result=\"quarantined\"}") >= 1.0);
     let routes_before = t.workers().iter().find(|w| w["worker_id"] == liar.id.as_str()).unwrap()["routes_total"].clone();
     for i in 0..8 {
-        assert_eq!(complete(&g.addr, &model), want, "session {i} after the quarantine");
+        assert_eq!(complete(&g, &model), want, "session {i} after the quarantine");
     }
     let routes_after = t.workers().iter().find(|w| w["worker_id"] == liar.id.as_str()).unwrap()["routes_total"].clone();
     assert_eq!(routes_before, routes_after, "a quarantined worker got routes");

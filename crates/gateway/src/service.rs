@@ -389,6 +389,10 @@ fn refusal(e: TrackerCallError) -> ApiError {
                 RefusalKind::NoRoute => {
                     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg).code("no_route").retry_after(1)
                 }
+                // The tracker's database is down: nothing was routed, and it resumes by itself.
+                RefusalKind::Unavailable => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg).code("ledger_unavailable").retry_after(1)
+                }
                 RefusalKind::BadRequest => ApiError::bad_request(msg),
                 _ => ApiError::new(StatusCode::BAD_GATEWAY, "api_error", msg),
             }

@@ -477,6 +477,9 @@ pub enum RefusalKind {
     /// A relayed worker that is not connected.
     NotConnected = 7,
     Overloaded = 8,
+    /// The tracker's ledger (its database) cannot be reached: nothing is routed unbilled and
+    /// no report is lost; ask again shortly.
+    Unavailable = 9,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -517,6 +520,7 @@ impl RefusalKind {
             RefusalKind::QuotaExceeded => "quota_exceeded",
             RefusalKind::NotConnected => "not_connected",
             RefusalKind::Overloaded => "overloaded",
+            RefusalKind::Unavailable => "unavailable",
         }
     }
 }

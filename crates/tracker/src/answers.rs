@@ -2,7 +2,7 @@
 //! and quarantines. One request and its answer at a time per connection.
 
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
-use crate::store::{key_hash, StoreError};
+use crate::store::{key_hash, Grant, StoreError};
 use dgr_proto::{
     codec, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply, RouteRequest, Suspect, SwarmReply, Ticket,
     TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, TRACKER_MAX_FRAME,
@@ -35,7 +35,7 @@ pub(crate) async fn client_session(stream: TcpStream, first: TrackerBody, sh: &A
         };
         let answer = match body {
             TrackerBody::Refused(r) => TrackerBody::Refused(r),
-            b => answer(b, sh),
+            b => answer(b, sh).await,
         };
         if let TrackerBody::Refused(r) = &answer {
             sh.metrics.refused(r.refusal_kind().name());
@@ -46,56 +46,71 @@ pub(crate) async fn client_session(stream: TcpStream, first: TrackerBody, sh: &A
     }
 }
 
-fn answer(body: TrackerBody, sh: &Arc<Shared>) -> TrackerBody {
+async fn answer(body: TrackerBody, sh: &Arc<Shared>) -> TrackerBody {
     let result = match body {
-        TrackerBody::RouteRequest(r) => route(r, sh),
-        TrackerBody::RequestUsage(u) => request_usage(u, sh),
+        TrackerBody::RouteRequest(r) => route(r, sh).await,
+        TrackerBody::RequestUsage(u) => request_usage(u, sh).await,
         TrackerBody::SwarmQuery(_) => Ok(swarm(sh)),
-        TrackerBody::UsageQuery(q) => usage(q, sh),
-        TrackerBody::KeyAdd(k) => key_add(k, sh),
-        TrackerBody::Suspect(q) => suspect(q, sh),
+        TrackerBody::UsageQuery(q) => usage(q, sh).await,
+        TrackerBody::KeyAdd(k) => key_add(k, sh).await,
+        TrackerBody::Suspect(q) => suspect(q, sh).await,
         _ => Err(Refused::new(RefusalKind::BadRequest, "not a request a client may send")),
     };
     result.unwrap_or_else(TrackerBody::Refused)
 }
 
+/// A ledger failure as a refusal: an unreachable database is `Unavailable` (retry later),
+/// never a request served unbilled.
 pub(crate) fn store_err(e: StoreError) -> Refused {
-    Refused::new(RefusalKind::Internal, e.to_string())
+    let kind = match e {
+        StoreError::Unavailable(_) => RefusalKind::Unavailable,
+        StoreError::Busy(_) => RefusalKind::Overloaded,
+        StoreError::Conflict(_) => RefusalKind::BadRequest,
+        _ => RefusalKind::Internal,
+    };
+    Refused::new(kind, e.to_string())
 }
 
-/// The key's name for the ledger: API keys are required once any exists; without any, every
-/// request is "anonymous".
-fn authorize(sh: &Shared, api_key: &str, check_quota: bool) -> Result<String, Refused> {
-    let store = lock(&sh.store);
-    if !store.has_keys().map_err(store_err)? {
-        return Ok("anonymous".into());
+/// Checks the key, reserves the request's budget against its quota, and plans the route (the
+/// registry locked once); a reservation no route came of is given back.
+async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused> {
+    if r.budget_tokens == 0 || r.model_id.is_empty() || r.request_id.is_empty() || r.request_id.len() > 256 {
+        return Err(Refused::new(RefusalKind::BadRequest, "a route needs a model id, a request id (≤ 256 bytes) and a token budget"));
     }
-    let key = store.find_key(api_key).map_err(store_err)?.ok_or_else(|| Refused::new(RefusalKind::BadApiKey, "unknown API key"))?;
-    if check_quota && key.quota_tokens > 0 {
-        let used = store.key_used(&key.name).map_err(store_err)?;
-        if used >= key.quota_tokens {
-            let msg = format!("key {} has used {used} of its {} tokens", key.name, key.quota_tokens);
+    if r.fixed.len() > 1024 {
+        return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 fixed stages"));
+    }
+    let (api_key, request_id, budget) = (r.api_key.clone(), r.request_id.clone(), r.budget_tokens);
+    let expires = unix_ms() + sh.cfg.reservation_ttl.as_millis() as u64;
+    let grant = sh.store.call(move |s| s.reserve(&api_key, &request_id, budget, expires)).await.map_err(store_err)?;
+    let (key_name, reserved) = match grant {
+        Grant::Anonymous => ("anonymous".to_string(), false),
+        Grant::Granted { key_name, new } => (key_name, new),
+        Grant::UnknownKey => return Err(Refused::new(RefusalKind::BadApiKey, "unknown API key")),
+        Grant::OverQuota { key_name, used, reserved, quota } => {
+            let msg = format!("key {key_name} has used {used} and reserved {reserved} of its {quota} tokens; this request needs {budget}");
             return Err(Refused::new(RefusalKind::QuotaExceeded, msg));
         }
-    }
-    Ok(key.name)
-}
-
-fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
-    let key_name = authorize(sh, &r.api_key, true)?;
-    if r.budget_tokens == 0 || r.model_id.is_empty() {
-        return Err(Refused::new(RefusalKind::BadRequest, "a route needs a model id and a token budget"));
-    }
+        Grant::Settled => return Err(Refused::new(RefusalKind::BadRequest, "this request id's usage is recorded already")),
+    };
     let started = Instant::now();
-    let planned = if r.fixed.is_empty() {
-        lock(&sh.registry).plan_route(&r.model_id, &r.engine, &r.exclude)
-    } else if r.fixed.len() > 1024 {
-        return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 fixed stages"));
-    } else {
-        lock(&sh.registry).plan_fixed(&r.model_id, &r.fixed, &r.exclude)
+    let planned = {
+        let mut reg = lock(&sh.registry);
+        if r.fixed.is_empty() {
+            reg.plan_route(&r.model_id, &r.engine, &r.exclude)
+        } else {
+            reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude)
+        }
     };
     sh.metrics.planned(started.elapsed().as_micros() as u64);
-    let p = planned.ok_or_else(|| Refused::new(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id)))?;
+    let Some(p) = planned else {
+        if reserved {
+            let id = r.request_id.clone();
+            // If this fails the reservation expires by itself.
+            let _ = sh.store.call(move |s| s.release(&id)).await;
+        }
+        return Err(Refused::new(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id)));
+    };
     let ticket = Ticket {
         session_id: random::<16>().to_vec(),
         request_id: r.request_id,
@@ -117,13 +132,22 @@ fn route(r: RouteRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
     }))
 }
 
-fn request_usage(u: RequestUsage, sh: &Shared) -> Result<TrackerBody, Refused> {
-    let name = authorize(sh, &u.api_key, false)?;
+/// Stores a driver's report (settling its reservation) under the key it names.
+async fn request_usage(u: RequestUsage, sh: &Arc<Shared>) -> Result<TrackerBody, Refused> {
     if u.request_id.is_empty() || u.request_id.len() > 256 || u.stages.len() > 1024 {
         return Err(Refused::new(RefusalKind::BadRequest, "a usage report needs a request id (≤ 256 bytes) and ≤ 1024 stages"));
     }
     u.usage_status().map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
-    let added = lock(&sh.store).record_request(&name, &u, unix_ms()).map_err(store_err)?;
+    let now = unix_ms();
+    let added = sh
+        .store
+        .call(move |s| match s.key_name(&u.api_key)? {
+            Some(name) => s.record_request(&name, &u, now).map(Some),
+            None => Ok(None),
+        })
+        .await
+        .map_err(store_err)?
+        .ok_or_else(|| Refused::new(RefusalKind::BadApiKey, "unknown API key"))?;
     let counter = if added { &sh.metrics.usage_reports } else { &sh.metrics.usage_duplicates };
     counter.fetch_add(1, Relaxed);
     Ok(TrackerBody::Ack(Ack { duplicate: !added }))
@@ -152,17 +176,17 @@ fn swarm(sh: &Shared) -> TrackerBody {
     TrackerBody::SwarmReply(SwarmReply { workers, heartbeat_ms: reg.heartbeat.as_millis() as u32 })
 }
 
-fn usage(q: UsageQuery, sh: &Shared) -> Result<TrackerBody, Refused> {
+async fn usage(q: UsageQuery, sh: &Shared) -> Result<TrackerBody, Refused> {
     let by_worker = match q.by.as_str() {
         "key" | "" => false,
         "worker" => true,
         other => return Err(Refused::new(RefusalKind::BadRequest, format!("usage by {other:?}: use key or worker"))),
     };
-    let rows = lock(&sh.store).usage(by_worker).map_err(store_err)?;
+    let rows = sh.store.call(move |s| s.usage(by_worker)).await.map_err(store_err)?;
     Ok(TrackerBody::UsageReply(UsageReply { rows }))
 }
 
-fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, Refused> {
+async fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, Refused> {
     if !token_ok(&k.join_token, &sh.cfg.join_token) {
         return Err(Refused::new(RefusalKind::BadJoinToken, "adding a key needs the join token"));
     }
@@ -173,28 +197,29 @@ fn key_add(k: KeyAdd, sh: &Shared) -> Result<TrackerBody, Refused> {
         if k.key.len() < 16 || k.key.len() > 256 {
             return Err(Refused::new(RefusalKind::BadRequest, "a chosen key must be 16 to 256 bytes"));
         }
-        lock(&sh.store).put_key(&k.name, &k.key, k.quota_tokens, unix_ms()).map_err(store_err)?;
+        let (name, key, quota) = (k.name, k.key.clone(), k.quota_tokens);
+        sh.store.call(move |s| s.put_key(&name, &key, quota, unix_ms())).await.map_err(store_err)?;
         return Ok(TrackerBody::KeyAdded(KeyAdded { key: k.key }));
     }
     let key = format!("dgr-{}", hex::encode(random::<24>()));
-    lock(&sh.store).add_key(&k.name, &key, k.quota_tokens, unix_ms()).map_err(|e| match e {
-        StoreError::Sql(rusqlite::Error::SqliteFailure(f, _)) if f.code == rusqlite::ErrorCode::ConstraintViolation => {
-            Refused::new(RefusalKind::BadRequest, format!("a key named {:?} exists", k.name))
-        }
+    let (name, chosen, quota) = (k.name.clone(), key.clone(), k.quota_tokens);
+    sh.store.call(move |s| s.add_key(&name, &chosen, quota, unix_ms())).await.map_err(|e| match e {
+        StoreError::Conflict(_) => Refused::new(RefusalKind::BadRequest, format!("a key named {:?} exists", k.name)),
         e => store_err(e),
     })?;
     Ok(TrackerBody::KeyAdded(KeyAdded { key }))
 }
 
 /// A spot check caught a worker: it is out of every route from now on, also after a restart.
-fn suspect(q: Suspect, sh: &Shared) -> Result<TrackerBody, Refused> {
+async fn suspect(q: Suspect, sh: &Shared) -> Result<TrackerBody, Refused> {
     if !token_ok(&q.join_token, &sh.cfg.join_token) {
         return Err(Refused::new(RefusalKind::BadJoinToken, "a quarantine needs the join token"));
     }
     if q.worker_id.is_empty() || q.worker_id.len() > 128 || q.evidence.len() > 4096 {
         return Err(Refused::new(RefusalKind::BadRequest, "a worker id and at most 4 KiB of evidence"));
     }
-    lock(&sh.store).quarantine(&q.worker_id, &q.evidence, unix_ms()).map_err(store_err)?;
+    let (id, evidence) = (q.worker_id.clone(), q.evidence.clone());
+    sh.store.call(move |s| s.quarantine(&id, &evidence, unix_ms())).await.map_err(store_err)?;
     eprintln!("dgr tracker: quarantined worker {}: {}", q.worker_id, q.evidence);
     lock(&sh.registry).quarantine(q.worker_id, q.evidence);
     Ok(TrackerBody::Ack(Ack::default()))

@@ -35,7 +35,8 @@ pub(crate) async fn worker_session(mut stream: TcpStream, j: Join, nonce: &[u8],
     let id = worker_id(&key);
     let relayed = reg.addr.is_empty();
     let addr = if relayed { relay_addr(&lock(&sh.advertise), &id) } else { reg.addr.clone() };
-    let joined = lock(&sh.store).worker_joined(&id, &reg, &addr, unix_ms());
+    let (wid, wreg, waddr) = (id.clone(), reg.clone(), addr.clone());
+    let joined = sh.store.call(move |s| s.worker_joined(&wid, &wreg, &waddr, unix_ms())).await;
     if let Err(e) = joined {
         let _ = write_frame(&mut stream, &TrackerFrame::new(TrackerBody::Refused(store_err(e)))).await;
         return;
@@ -78,7 +79,8 @@ async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>
                         lock(&sh.registry).heartbeat(id, h.load.unwrap_or_default());
                     }
                     TrackerBody::WorkerUsage(u) => {
-                        let stored = lock(&sh.store).record_worker_usage(id, &reg.engine, &reg.model_id, &u, unix_ms());
+                        let (wid, engine, model) = (id.to_string(), reg.engine.clone(), reg.model_id.clone());
+                        let stored = sh.store.call(move |s| s.record_worker_usage(&wid, &engine, &model, &u, unix_ms())).await;
                         let reply = match stored {
                             Ok(added) => TrackerBody::Ack(Ack { duplicate: !added }),
                             Err(e) => TrackerBody::Refused(store_err(e)),

@@ -10,7 +10,7 @@ pub mod plan;
 pub mod registry;
 mod relay;
 mod server;
-mod store;
+pub mod store;
 
 pub use server::{Tracker, TrackerConfig, TrackerError};
-pub use store::{Store, StoreError};
+pub use store::{Ledger, LedgerSpec, Store, StoreError};

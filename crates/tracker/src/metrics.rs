@@ -18,6 +18,7 @@ pub struct Metrics {
     pub connections_open: AtomicU64,
     pub connections_refused: AtomicU64,
     pub quarantined: AtomicU64,
+    pub reservations_expired: AtomicU64,
     /// Refusals by kind (bad join token, no route, quota, ...).
     refusals: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -46,6 +47,12 @@ impl Metrics {
         t.metric("dgr_tracker_connections_open", "Connections open now.", Gauge, get(&self.connections_open));
         t.metric("dgr_tracker_connections_refused_total", "Connections refused at the cap.", Counter, get(&self.connections_refused));
         t.metric("dgr_tracker_workers_quarantined", "Workers quarantined by spot checks (never routed to).", Gauge, get(&self.quarantined));
+        t.metric(
+            "dgr_tracker_reservations_expired_total",
+            "Route reservations dropped unsettled after their TTL.",
+            Counter,
+            get(&self.reservations_expired),
+        );
         let mut refusals = t.family("dgr_tracker_refusals_total", "Requests refused, by kind.", Counter);
         for (kind, n) in self.refusals.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             refusals.sample(&[("kind", kind)], n);

@@ -6,13 +6,12 @@
 use crate::keys::KeySet;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
-use crate::store::{Store, StoreError};
+use crate::store::{Ledger, LedgerSpec, StoreError};
 use bytes::Bytes;
-use dgr_proto::{read_frame, write_frame, Challenge, RefusalKind, Refused, TrackerBody, TrackerFrame, PROTOCOL_VERSION};
+use dgr_proto::{read_frame, write_frame, Challenge, RefusalKind, Refused, SigningKey, TrackerBody, TrackerFrame, PROTOCOL_VERSION};
 use futures::SinkExt;
 use prost::Message;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -27,18 +26,30 @@ const FIRST_FRAME: usize = 64 << 10;
 
 #[derive(Clone, Debug)]
 pub struct TrackerConfig {
-    pub db: PathBuf,
+    pub ledger: LedgerSpec,
+    /// Store threads (database connections); see `LedgerSpec::default_threads`.
+    pub ledger_threads: usize,
     pub join_token: String,
     /// Workers heartbeat this often; three missed ones take a worker out of new routes.
     pub heartbeat: Duration,
     /// How long a route ticket may wait before its session is opened.
     pub ticket_ttl: Duration,
     pub max_connections: usize,
+    /// How long a route's reservation of its budget holds if its usage is never recorded.
+    pub reservation_ttl: Duration,
 }
 
 impl TrackerConfig {
-    pub fn new(db: PathBuf, join_token: String) -> TrackerConfig {
-        TrackerConfig { db, join_token, heartbeat: Duration::from_millis(1000), ticket_ttl: Duration::from_secs(60), max_connections: 4096 }
+    pub fn new(ledger: LedgerSpec, join_token: String) -> TrackerConfig {
+        TrackerConfig {
+            ledger_threads: ledger.default_threads(),
+            ledger,
+            join_token,
+            heartbeat: Duration::from_millis(1000),
+            ticket_ttl: Duration::from_secs(60),
+            max_connections: 4096,
+            reservation_ttl: Duration::from_secs(300),
+        }
     }
 }
 
@@ -56,7 +67,7 @@ pub struct Tracker {
 
 pub(crate) struct Shared {
     pub(crate) cfg: TrackerConfig,
-    pub(crate) store: Mutex<Store>,
+    pub(crate) store: Ledger,
     pub(crate) registry: Mutex<Registry>,
     pub(crate) keys: KeySet,
     pub(crate) metrics: Metrics,
@@ -86,19 +97,22 @@ pub(crate) fn refused(kind: RefusalKind, msg: impl Into<String>) -> TrackerBody 
 
 impl Tracker {
     pub fn open(cfg: TrackerConfig) -> Result<Tracker, TrackerError> {
-        if let Some(dir) = cfg.db.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
+        if let LedgerSpec::Sqlite(path) = &cfg.ledger {
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)?;
+            }
         }
-        let store = Store::open(&cfg.db)?;
-        let stored = store.signing_keys()?;
-        let (current, others) = stored.split_first().ok_or(StoreError::BadKey)?;
-        let keys = KeySet::new(current.clone(), others);
+        let store = Ledger::start(&cfg.ledger, cfg.ledger_threads)?;
+        let stored = store.call_blocking(|s| s.signing_keys())?;
+        let (current, others) = stored.split_first().ok_or_else(|| StoreError::Decode("no signing key".into()))?;
+        let others: Vec<SigningKey> = others.iter().map(|k| k.key.clone()).collect();
+        let keys = KeySet::new(current.key.clone(), &others);
         let mut registry = Registry::new(cfg.heartbeat);
-        registry.quarantined = store.quarantined()?.into_iter().collect();
+        registry.quarantined = store.call_blocking(|s| s.quarantined())?.into_iter().collect();
         let shared = Shared {
             registry: Mutex::new(registry),
             cfg,
-            store: Mutex::new(store),
+            store,
             keys,
             metrics: Metrics::default(),
             advertise: Mutex::new(String::new()),
@@ -115,7 +129,7 @@ impl Tracker {
 
     /// Whether API keys are required (any key was ever added).
     pub fn requires_keys(&self) -> Result<bool, TrackerError> {
-        Ok(lock(&self.shared.store).has_keys()?)
+        Ok(self.shared.store.call_blocking(|s| s.has_keys())?)
     }
 
     /// Serves until `shutdown` completes. `advertise` is the address clients reach it on.
@@ -126,6 +140,8 @@ impl Tracker {
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<(), TrackerError> {
         *lock(&self.shared.advertise) = advertise;
+        let sweeper = tokio::spawn(expire_reservations(self.shared.clone()));
+        let _stop_sweeper = AbortOnDrop(sweeper);
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -145,6 +161,31 @@ impl Tracker {
                     });
                 }
             }
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Gives back the room of reservations whose requests never reported (a driver that died),
+/// a few times per TTL, so an expired reservation lingers at most a quarter TTL more.
+async fn expire_reservations(sh: Arc<Shared>) {
+    let every = (sh.cfg.reservation_ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(30));
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        match sh.store.call(|s| s.expire_reservations(unix_ms())).await {
+            Ok(0) => {}
+            Ok(n) => {
+                sh.metrics.reservations_expired.fetch_add(n as u64, Relaxed);
+            }
+            Err(e) => eprintln!("dgr tracker: expiring reservations: {e}"),
         }
     }
 }

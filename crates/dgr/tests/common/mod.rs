@@ -2,6 +2,7 @@
 //! `dgr worker` processes with guards, their /metrics, and the reference prompts.
 #![allow(dead_code)]
 
+pub mod proxy;
 pub mod swarm;
 
 use dgr_driver::Completion;

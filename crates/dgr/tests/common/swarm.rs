@@ -49,20 +49,33 @@ pub struct Tracker {
 impl Tracker {
     /// A tracker with its database and join token in a fresh directory `name` under the temp dir.
     pub fn start(name: &str, extra: &[&str]) -> Tracker {
+        Tracker::start_in(&Tracker::fresh_dir(name), "127.0.0.1:0", extra)
+    }
+
+    /// A tracker on the ledger `ledger` (`--ledger`), its join token in a fresh directory `name`.
+    pub fn start_on_ledger(name: &str, ledger: &str, extra: &[&str]) -> Tracker {
+        Tracker::start_with(&Tracker::fresh_dir(name), "127.0.0.1:0", &["--ledger", ledger], extra)
+    }
+
+    fn fresh_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("dgr-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let token_file = dir.join("join-token");
-        std::fs::write(&token_file, "test-join-token\n").unwrap();
-        Tracker::start_in(&dir, "127.0.0.1:0", extra)
+        std::fs::write(dir.join("join-token"), "test-join-token\n").unwrap();
+        dir
     }
 
     /// A tracker on the database in `dir` (a restart), listening on `listen`.
     pub fn start_in(dir: &Path, listen: &str, extra: &[&str]) -> Tracker {
+        let db = dir.join("tracker.db");
+        Tracker::start_with(dir, listen, &["--db", db.to_str().unwrap()], extra)
+    }
+
+    fn start_with(dir: &Path, listen: &str, ledger: &[&str], extra: &[&str]) -> Tracker {
         let token_file = dir.join("join-token");
         let mut cmd = dgr();
-        cmd.args(["tracker", "--listen", listen, "--db"])
-            .arg(dir.join("tracker.db"))
+        cmd.args(["tracker", "--listen", listen])
+            .args(ledger)
             .arg("--join-token-file")
             .arg(&token_file)
             .args(extra)
@@ -248,6 +261,33 @@ impl Gateway {
 
     pub fn log(&self) -> String {
         String::from_utf8_lossy(&self.log.lock().unwrap()).into_owned()
+    }
+
+    /// The model's name in the API (the file's stem).
+    pub fn model_name() -> String {
+        model().file_stem().unwrap().to_string_lossy().trim_end_matches(".gguf").to_string()
+    }
+
+    /// POSTs `body` as JSON to `path`, with `key` as the bearer token: the status, the response
+    /// head, and the body as JSON.
+    pub fn post(&self, path: &str, key: Option<&str>, body: &Value) -> (u16, String, Value) {
+        use std::io::Write;
+        let body = body.to_string();
+        let mut s = std::net::TcpStream::connect(&self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        let (head, body) = resp.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP response: {resp:?}"));
+        let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("status line: {head}"));
+        let v = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        (status, head.to_string(), v)
     }
 }
 

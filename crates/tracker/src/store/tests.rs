@@ -1,0 +1,256 @@
+//! One body per property, run on SQLite and (with the `postgres-tests` feature, against the
+//! server `DGR_TEST_POSTGRES` names: scripts/postgres.sh) on PostgreSQL, each in a database of
+//! its own.
+
+use super::*;
+use dgr_proto::StageUsage;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+fn unique(tag: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let rand: [u8; 4] = crate::server::random();
+    format!("{tag}_{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), hex::encode(rand))
+}
+
+fn sqlite(tag: &str) -> LedgerSpec {
+    let dir = std::env::temp_dir().join(format!("dgr-store-{}", unique(tag)));
+    std::fs::create_dir_all(&dir).unwrap();
+    LedgerSpec::Sqlite(dir.join("ledger.db"))
+}
+
+#[cfg(feature = "postgres-tests")]
+fn postgres(tag: &str) -> LedgerSpec {
+    let url = std::env::var("DGR_TEST_POSTGRES").expect("postgres-tests need DGR_TEST_POSTGRES (scripts/postgres.sh start prints it)");
+    LedgerSpec::Postgres(pg::fresh_database(&url, &unique(tag)).expect("a fresh database on DGR_TEST_POSTGRES"))
+}
+
+/// Runs the body on each backend, as its own test.
+macro_rules! on_both {
+    ($($body:ident),* $(,)?) => {$(
+        mod $body {
+            #[test]
+            fn sqlite() {
+                super::$body(super::sqlite(stringify!($body)));
+            }
+            #[cfg(feature = "postgres-tests")]
+            #[test]
+            fn postgres() {
+                super::$body(super::postgres(stringify!($body)));
+            }
+        }
+    )*};
+}
+
+on_both!(
+    records_each_report_once_and_survive_reopening,
+    running_totals_equal_the_sum_over_rows,
+    reservations_reserve_once_settle_and_expire,
+    concurrent_reservations_fill_the_quota_exactly,
+    trackers_starting_together_share_one_signing_key,
+    a_newer_schema_is_refused,
+    bulk_loaded_rows_are_counted_once,
+);
+
+fn request(id: &str, prompt: u64, completion: u64, layer_tokens: u64) -> RequestUsage {
+    RequestUsage {
+        request_id: id.into(),
+        api_key: String::new(),
+        model_id: "m".into(),
+        engine: "e".into(),
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        status: "completed".into(),
+        stages: vec![StageUsage { worker_id: "w".into(), session_id: id.as_bytes().to_vec(), layer_tokens, ..Default::default() }],
+    }
+}
+
+fn records_each_report_once_and_survive_reopening(spec: LedgerSpec) {
+    let key = {
+        let mut s = Store::open(&spec).unwrap();
+        s.add_key("alice", "sk-1", 100, 0).unwrap();
+        assert!(matches!(s.add_key("alice", "sk-9", 100, 0), Err(StoreError::Conflict(_))));
+        assert!(s.record_request("alice", &request("r1", 10, 5, 40), 0).unwrap());
+        assert!(!s.record_request("alice", &request("r1", 10, 5, 40), 0).unwrap(), "a request is stored once");
+        let wu = WorkerUsage { session_id: b"r1".to_vec(), request_id: "r1".into(), layer_tokens: 41, ..Default::default() };
+        assert!(s.record_worker_usage("w", "e", "m", &wu, 0).unwrap());
+        assert!(!s.record_worker_usage("w", "e", "m", &wu, 0).unwrap(), "a worker's report is stored once");
+        let reg = dgr_proto::Registration { engine: "e".into(), model_id: "m".into(), layer_end: 2, ..Default::default() };
+        assert_eq!(s.worker_joined("w", &reg, "a:1", 0).unwrap(), 1);
+        assert_eq!(s.worker_joined("w", &reg, "a:1", 1).unwrap(), 2);
+        s.quarantine("bad", "lied", 0).unwrap();
+        s.quarantine("bad", "lied again", 1).unwrap();
+        s.signing_keys().unwrap()[0].key.to_bytes()
+    };
+    let mut s = Store::open(&spec).unwrap();
+    let keys = s.signing_keys().unwrap();
+    assert_eq!((keys.len(), keys[0].key.to_bytes()), (1, key), "the signing key survives a restart");
+    assert_eq!(keys[0].key_id, dgr_proto::key_id(&keys[0].key.verifying_key()));
+    assert_eq!(s.key_totals("alice").unwrap(), (15, 0));
+    assert_eq!(s.find_key("sk-1").unwrap().unwrap().quota_tokens, 100);
+    assert!(s.find_key("sk-2").unwrap().is_none());
+    assert_eq!(s.quarantined().unwrap(), vec![("bad".to_string(), "lied".to_string())]);
+    let by_key = s.usage(false).unwrap();
+    assert_eq!((by_key[0].requests, by_key[0].prompt_tokens, by_key[0].layer_tokens), (1, 10, 40));
+    let by_worker = s.usage(true).unwrap();
+    assert_eq!((by_worker[0].layer_tokens, by_worker[0].disagreements), (41, 1));
+}
+
+fn running_totals_equal_the_sum_over_rows(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    s.add_key("a", "key-a", 0, 0).unwrap();
+    s.put_key("b", "key-b", 1000, 0).unwrap();
+    for i in 0..30u64 {
+        let key = ["a", "b", "anonymous"][i as usize % 3];
+        s.record_request(key, &request(&format!("r{i}"), i, 2 * i + 1, 0), 0).unwrap();
+        s.record_request(key, &request(&format!("r{i}"), 99, 99, 0), 0).unwrap();
+    }
+    for row in s.usage(false).unwrap() {
+        assert_eq!(s.key_totals(&row.who).unwrap().0, row.prompt_tokens + row.completion_tokens, "{}", row.who);
+    }
+    assert_eq!(s.usage(false).unwrap().iter().map(|r| r.requests).sum::<u64>(), 30);
+}
+
+fn reservations_reserve_once_settle_and_expire(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    assert_eq!(s.reserve("", "r0", 10, 1_000).unwrap(), Grant::Anonymous, "no keys: no quota");
+    s.add_key("k", "key-k", 100, 0).unwrap();
+    s.add_key("free", "key-free", 0, 0).unwrap();
+    let granted = |new| Grant::Granted { key_name: "k".into(), new };
+    assert_eq!(s.reserve("nope", "r0", 10, 1_000).unwrap(), Grant::UnknownKey);
+    assert_eq!(s.reserve("key-free", "r0", 1 << 40, 1_000).unwrap(), Grant::Granted { key_name: "free".into(), new: false });
+    assert_eq!(s.reserve("key-k", "r1", 60, 1_000).unwrap(), granted(true));
+    assert_eq!(s.reserve("key-k", "r1", 60, 1_000).unwrap(), granted(false), "a re-route reserves nothing more");
+    assert_eq!(s.key_totals("k").unwrap(), (0, 60));
+    let over = s.reserve("key-k", "r2", 41, 1_000).unwrap();
+    assert_eq!(over, Grant::OverQuota { key_name: "k".into(), used: 0, reserved: 60, quota: 100 });
+    assert_eq!(s.reserve("key-k", "r2", 40, 1_000).unwrap(), granted(true), "exactly the rest fits");
+    // Settling: the reservation goes, the actual use stays (less than reserved here).
+    assert!(s.record_request("k", &request("r1", 20, 30, 0), 0).unwrap());
+    assert_eq!(s.key_totals("k").unwrap(), (50, 40));
+    assert_eq!(s.reserve("key-k", "r1", 60, 1_000).unwrap(), Grant::Settled, "a recorded request is not routed again");
+    // Use beyond the reservation is billed in full.
+    assert!(s.record_request("k", &request("r2", 40, 5, 0), 0).unwrap());
+    assert_eq!(s.key_totals("k").unwrap(), (95, 0));
+    assert_eq!(s.reserve("key-k", "r3", 6, 1_000).unwrap(), Grant::OverQuota { key_name: "k".into(), used: 95, reserved: 0, quota: 100 });
+    // Released (no route came of it) and expired reservations give their room back.
+    assert_eq!(s.reserve("key-k", "r3", 5, 1_000).unwrap(), granted(true));
+    s.release("r3").unwrap();
+    assert_eq!(s.key_totals("k").unwrap(), (95, 0));
+    assert_eq!(s.reserve("key-k", "r4", 5, 1_000).unwrap(), granted(true));
+    assert_eq!(s.expire_reservations(1_000).unwrap(), 0, "not yet");
+    assert_eq!(s.expire_reservations(1_001).unwrap(), 1);
+    assert_eq!(s.key_totals("k").unwrap(), (95, 0));
+    assert!(s.record_request("k", &request("r4", 5, 0, 0), 0).unwrap(), "a late settle still bills");
+    assert_eq!(s.key_totals("k").unwrap(), (100, 0));
+}
+
+/// 64 requests of 15 tokens at once against a quota of 150, through two trackers' ledgers on
+/// one database: exactly 10 reserve, and settling them fills the quota exactly.
+fn concurrent_reservations_fill_the_quota_exactly(spec: LedgerSpec) {
+    Store::open(&spec).unwrap().add_key("k", "key-k", 150, 0).unwrap();
+    let ledgers = [Ledger::start(&spec, spec.default_threads()).unwrap(), Ledger::start(&spec, spec.default_threads()).unwrap()];
+    let barrier = Arc::new(std::sync::Barrier::new(64));
+    let threads: Vec<_> = (0..64)
+        .map(|i| {
+            let (ledger, barrier) = (ledgers[i % 2].clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                ledger.call_blocking(move |s| s.reserve("key-k", &format!("r{i}"), 15, u64::MAX / 2)).unwrap()
+            })
+        })
+        .collect();
+    let grants: Vec<Grant> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let won: Vec<usize> = (0..64).filter(|&i| matches!(grants[i], Grant::Granted { new: true, .. })).collect();
+    assert_eq!(won.len(), 10, "{grants:?}");
+    assert!(grants.iter().all(|g| matches!(g, Grant::Granted { .. } | Grant::OverQuota { .. })), "{grants:?}");
+    let mut s = Store::open(&spec).unwrap();
+    assert_eq!(s.key_totals("k").unwrap(), (0, 150));
+    for i in won {
+        s.record_request("k", &request(&format!("r{i}"), 5, 10, 0), 0).unwrap();
+    }
+    assert_eq!(s.key_totals("k").unwrap(), (150, 0));
+    assert_eq!(s.usage(false).unwrap()[0].requests, 10);
+}
+
+use std::sync::Arc;
+
+fn trackers_starting_together_share_one_signing_key(spec: LedgerSpec) {
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let spec = spec.clone();
+            std::thread::spawn(move || Store::open(&spec).unwrap().signing_keys().unwrap()[0].key.to_bytes())
+        })
+        .collect();
+    let keys: Vec<[u8; 32]> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert!(keys.iter().all(|k| *k == keys[0]), "one key for all");
+    assert_eq!(Store::open(&spec).unwrap().signing_keys().unwrap().len(), 1);
+}
+
+fn a_newer_schema_is_refused(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    s.db.execute("INSERT INTO schema_migrations (version, applied_ms) VALUES (?1, 0)", &[Value::Int(SCHEMA_VERSION + 1)]).unwrap();
+    drop(s);
+    match Store::open(&spec) {
+        Err(StoreError::TooNew { found, supported }) => assert_eq!((found, supported), (SCHEMA_VERSION + 1, SCHEMA_VERSION)),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a newer schema was opened"),
+    }
+}
+
+fn bulk_loaded_rows_are_counted_once(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    assert!(s.record_request("a", &request("before", 1, 1, 0), 0).unwrap());
+    let mut rows: Vec<RequestUsage> = (0..5000u64)
+        .map(|i| {
+            let mut u = request(&format!("bulk\t{i}\\"), 3, i % 7, 1);
+            u.model_id = "m\nwith a newline".into();
+            u
+        })
+        .collect();
+    let want: u64 = 2 + rows.iter().map(|u| u.prompt_tokens + u.completion_tokens).sum::<u64>();
+    rows.push(request("before", 50, 50, 9));
+    rows.push(rows[0].clone());
+    assert_eq!(s.record_requests("a", &rows, 0).unwrap(), 5000, "an id stored before, or twice in the batch, counts once");
+    assert_eq!(s.key_totals("a").unwrap(), (want, 0));
+    let by_key = s.usage(false).unwrap();
+    assert_eq!(by_key.iter().map(|r| (r.requests, r.layer_tokens)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1)), (5001, 5000));
+    assert!(by_key.iter().any(|r| r.model_id == "m\nwith a newline"), "{by_key:?}");
+    assert!(!s.record_request("a", &rows[0], 0).unwrap(), "a bulk-loaded id is stored already");
+    assert_eq!(s.record_requests("a", &rows, 0).unwrap(), 0);
+    assert_eq!(s.key_totals("a").unwrap(), (want, 0), "a repeated load changes nothing");
+}
+
+/// A file made by a dgr from before versioned migrations: its rows stay, the totals are
+/// computed from them, and its signing key becomes the first of the set.
+#[test]
+fn an_unversioned_sqlite_file_migrates_forward() {
+    let LedgerSpec::Sqlite(path) = sqlite("unversioned") else { unreachable!() };
+    let seed = [7u8; 32];
+    {
+        let db = rusqlite::Connection::open(&path).unwrap();
+        db.execute_batch(migrate::V1).unwrap();
+        db.execute("INSERT INTO meta (key, value) VALUES ('signing_key', ?1)", [seed.to_vec()]).unwrap();
+        db.execute("INSERT INTO api_keys VALUES (?1, 'old', 50, 0)", [key_hash("key-old")]).unwrap();
+        db.execute_batch(
+            "INSERT INTO requests VALUES ('a', 'old', 'm', 'e', 10, 20, 'completed', 0);
+             INSERT INTO requests VALUES ('b', 'old', 'm', 'e', 1, 2, 'failed', 0);
+             INSERT INTO requests VALUES ('c', 'anonymous', 'm', 'e', 4, 4, 'completed', 0);",
+        )
+        .unwrap();
+    }
+    let mut s = Store::open(&LedgerSpec::Sqlite(path.clone())).unwrap();
+    assert_eq!(s.key_totals("old").unwrap(), (33, 0));
+    assert_eq!(s.key_totals("anonymous").unwrap(), (8, 0));
+    assert_eq!(s.signing_keys().unwrap()[0].key.to_bytes(), seed, "workers keep trusting the old key");
+    assert_eq!(s.reserve("key-old", "d", 17, u64::MAX / 2).unwrap(), Grant::Granted { key_name: "old".into(), new: true });
+    assert!(matches!(s.reserve("key-old", "e", 1, u64::MAX / 2).unwrap(), Grant::OverQuota { used: 33, reserved: 17, .. }));
+    let versions = s.db.query("SELECT version FROM schema_migrations ORDER BY version", &[]).unwrap();
+    assert_eq!(versions, (1..=SCHEMA_VERSION).map(|v| vec![Value::Int(v)]).collect::<Vec<_>>());
+}
+
+#[test]
+fn ledger_specs() {
+    assert_eq!(LedgerSpec::parse("postgres://u@h:5/db"), LedgerSpec::Postgres("postgres://u@h:5/db".into()));
+    assert_eq!(LedgerSpec::parse("sqlite:/a/b.db"), LedgerSpec::Sqlite("/a/b.db".into()));
+    assert_eq!(LedgerSpec::parse("b.db"), LedgerSpec::Sqlite("b.db".into()));
+}
