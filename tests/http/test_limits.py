@@ -82,10 +82,15 @@ def test_a_body_over_the_size_limit_is_413(swarm, no_worker_touched):
 
 
 def test_a_key_over_its_quota_gets_429_with_retry_after(swarm, no_worker_touched):
+    # A route reserves its whole budget (prompt + max_tokens) against the quota: the first
+    # request asks for exactly what is left after its prompt, and uses it all.
+    prompt = swarm.client("free").completions.create(model=swarm.model, prompt="Hello", max_tokens=1).usage.prompt_tokens
     small = swarm.client("small")
-    r = small.completions.create(model=swarm.model, prompt="Hello", max_tokens=SMALL_QUOTA, temperature=0, extra_body={"ignore_eos": True})
+    r = small.completions.create(
+        model=swarm.model, prompt="Hello", max_tokens=SMALL_QUOTA - prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
     used = r.usage.total_tokens
-    assert used > SMALL_QUOTA, f"the first request should use the whole quota of {SMALL_QUOTA}: {r.usage}"
+    assert used == SMALL_QUOTA, f"the first request should use the whole quota of {SMALL_QUOTA}: {r.usage}"
     # The gateway reports usage to the ledger once the response is out: wait for it there.
     wait_until(
         "the ledger to bill the small key",
