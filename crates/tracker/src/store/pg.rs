@@ -172,7 +172,7 @@ impl Db for Postgres {
             let done = pg.client()?.batch_execute(&postgres_sql(sql));
             done.map_err(|e| pg.failed(e))
         });
-        let verb = sql.trim_start().split_whitespace().next().unwrap_or("").to_ascii_uppercase();
+        let verb = sql.split_whitespace().next().unwrap_or("").to_ascii_uppercase();
         match verb.as_str() {
             "BEGIN" => self.in_tx = done.is_ok(),
             "COMMIT" | "ROLLBACK" => self.in_tx = false,
