@@ -79,9 +79,11 @@ pub(crate) enum Cmd {
     ConnClosed {
         conn: ConnId,
     },
-    /// The connection to a next stage broke.
+    /// The connection to a next stage broke: `conn` is its outbox, so only the sessions on that
+    /// connection fail, not those already on a fresh one to the same address.
     PeerLost {
         addr: String,
+        conn: Outbox,
         why: String,
     },
     /// The next stage reported an error about one of our sessions.
@@ -302,9 +304,9 @@ impl<E: Engine> Scheduler<E> {
                     self.remove(&id);
                 }
             }
-            Cmd::PeerLost { addr, why } => {
-                let ids: Vec<SessionId> =
-                    self.sessions.values().filter(|s| s.next.as_ref().is_some_and(|(a, _)| *a == addr)).map(|s| s.id).collect();
+            Cmd::PeerLost { addr, conn, why } => {
+                let on_it = self.sessions.values().filter(|s| s.next.as_ref().is_some_and(|(_, tx)| tx.same_channel(&conn)));
+                let ids: Vec<SessionId> = on_it.map(|s| s.id).collect();
                 for id in ids {
                     if let Some(s) = self.remove(&id) {
                         let msg = format!("lost the next stage at {addr}: {why}");
@@ -886,6 +888,24 @@ mod tests {
         assert!(!feeder.in_use() && other.in_use());
         s.handle(Cmd::Close { id: vec![1; 16] });
         assert!(!driver.in_use() && !feeder.in_use() && !other.in_use());
+    }
+
+    #[test]
+    fn a_lost_next_stage_connection_fails_only_the_sessions_on_it() {
+        // Two connections to one next-stage address: an old one, lost, and a fresh one dialled
+        // after the old one's writer closed, whose loss report may come after sessions on the fresh one.
+        let mut s = scheduler(0..6, 64);
+        let (old, _old_inbox) = channel(8);
+        let (fresh, _fresh_inbox) = channel(8);
+        let (opened, mut on_old) = open(&mut s, 1, 0..3, 16, Some(&old));
+        assert!(matches!(opened, Body::Opened(_)));
+        let (opened, mut on_fresh) = open(&mut s, 2, 0..3, 16, Some(&fresh));
+        assert!(matches!(opened, Body::Opened(_)));
+        s.handle(Cmd::PeerLost { addr: "next".into(), conn: old.clone(), why: "reset".into() });
+        assert_eq!(refused(on_old.try_recv().unwrap().body.unwrap()), ErrorKind::NextStage);
+        assert!(!s.sessions.contains_key(&[1; 16]), "the session on the lost connection is freed");
+        assert!(s.sessions.contains_key(&[2; 16]), "the session on the fresh connection lives on");
+        assert!(on_fresh.try_recv().is_err(), "its driver hears nothing");
     }
 
     #[test]

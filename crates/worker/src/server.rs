@@ -595,13 +595,20 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
 }
 
 /// Dials and greets the next stage at `addr`, then records the result in `shared.peers`: the
-/// connection, or nothing (a failed dial is not remembered; the next open tries again).
+/// connection, or nothing (a failed dial, a panicked one too, is not remembered; the next open
+/// tries again).
 async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<Outbox, String> {
-    let greeted = greet_peer(&shared, &addr).await;
+    // The greeting runs in a task of its own so that even its panic settles the map here.
+    let greeting = tokio::spawn({
+        let (shared, addr) = (shared.clone(), addr.clone());
+        async move { greet_peer(&shared, &addr).await }
+    });
+    let greeted = greeting.await.unwrap_or_else(|e| Err(format!("the dial failed: {e}")));
     let mut peers = shared.peers.lock().await;
     let (tx, mut frames) = match greeted {
         Ok(up) => up,
         Err(why) => {
+            // Only this dial's entry can be there: a Dialing one is replaced by its own dial alone.
             peers.remove(&addr);
             return Err(why);
         }
@@ -624,14 +631,16 @@ async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<Outbox, String> 
             }
         }
         // The next session to go there opens a fresh connection (this one may have been
-        // closed by the next stage for idleness, with no session on it). The loss is queued
-        // under the lock, so it reaches the scheduler before any session on a fresh one.
-        let mut peers = shared.peers.lock().await;
-        if matches!(peers.get(&addr), Some(Peer::Up(tx)) if tx.same_channel(&mine)) {
-            peers.remove(&addr);
+        // closed by the next stage for idleness, with no session on it). A fresh one may be
+        // up already (peer() redials once this writer has closed), so the loss names this
+        // connection's outbox: only the sessions on it fail.
+        {
+            let mut peers = shared.peers.lock().await;
+            if matches!(peers.get(&addr), Some(Peer::Up(tx)) if tx.same_channel(&mine)) {
+                peers.remove(&addr);
+            }
         }
-        drop(mine);
-        let _ = cmds.send(Cmd::PeerLost { addr, why });
+        let _ = cmds.send(Cmd::PeerLost { addr, conn: mine, why });
     });
     Ok(tx)
 }
