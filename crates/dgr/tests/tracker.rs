@@ -208,6 +208,17 @@ fn forged_tickets_are_refused_and_others_are_unaffected() {
         let TrackerBody::RouteReply(reply) = c.call(TrackerBody::RouteRequest(ask)).await.unwrap() else { panic!() };
         let (real, signed) = (reply.route.unwrap(), reply.ticket.unwrap());
         assert_eq!(real.stages[0].worker_id, w0.id);
+        // A route request excluding more workers than a route could ever have met is refused.
+        let exclude: Vec<String> = (0..1025).map(|i| format!("w{i}")).collect();
+        let ask =
+            RouteRequest { model_id: model_id.clone(), budget_tokens: 16, request_id: "exclude".into(), exclude, ..Default::default() };
+        match c.call(TrackerBody::RouteRequest(ask)).await {
+            Err(dgr_proto::TrackerCallError::Refused(r)) => {
+                assert_eq!(r.kind(), dgr_proto::RefusalKind::BadRequest, "{}", r.message);
+                assert!(r.message.contains("excluded"), "refused for another reason: {}", r.message);
+            }
+            other => panic!("a route request excluding 1025 workers was answered {other:?}"),
+        }
         let addr0 = w0.addr.clone().unwrap();
         let mut attempts: Vec<(&str, usize, OpenSession)> = Vec::new();
         attempts.push(("missing", 0, open_for(&real, 0, None)));

@@ -80,6 +80,9 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
     if r.fixed.len() > 1024 {
         return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 fixed stages"));
     }
+    if r.exclude.len() > 1024 {
+        return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 excluded workers"));
+    }
     let (api_key, request_id, budget) = (r.api_key.clone(), r.request_id.clone(), r.budget_tokens);
     let expires = unix_ms() + sh.cfg.reservation_ttl.as_millis() as u64;
     let grant = sh.store.call(move |s| s.reserve(&api_key, &request_id, budget, expires)).await.map_err(store_err)?;

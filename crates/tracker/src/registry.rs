@@ -11,7 +11,7 @@
 
 use crate::plan::{plan_noting_repair, Candidate};
 use dgr_proto::{Load, Registration, RouteStage, TrackerFrame};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -345,7 +345,7 @@ impl Registry {
         });
     }
 
-    fn usable(&self, slot: u32, excluded: &[u32], now: Instant) -> bool {
+    fn usable(&self, slot: u32, excluded: &HashSet<u32>, now: Instant) -> bool {
         let w = self.slots[slot as usize].as_ref().expect("indexed workers are live");
         w.alive(self.heartbeat, now) && w.has_room() && !excluded.contains(&slot)
     }
@@ -356,7 +356,7 @@ impl Registry {
     /// since), plus a per-hop latency. Records the issue on each chosen worker.
     pub fn plan_route(&mut self, model_id: &str, engine: &str, exclude: &[String]) -> Option<Planned> {
         let now = Instant::now();
-        let excluded: Vec<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
+        let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
         let mut best: Option<(usize, Chain)> = None;
         for group in 0..self.groups.len() {
             let key = &self.groups[group].key;
@@ -382,7 +382,7 @@ impl Registry {
     }
 
     /// The cheapest route in one group offering the first `depth` usable workers of each cell.
-    fn plan_in(&mut self, group: usize, depth: usize, excluded: &[u32], now: Instant) -> Option<Chain> {
+    fn plan_in(&mut self, group: usize, depth: usize, excluded: &HashSet<u32>, now: Instant) -> Option<Chain> {
         let g = &self.groups[group];
         let (mut candidates, mut slots) = (Vec::new(), Vec::new());
         let mut rng = self.rng;
@@ -429,6 +429,7 @@ impl Registry {
     pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String]) -> Option<Planned> {
         let now = Instant::now();
         let hb = self.heartbeat;
+        let exclude: HashSet<&str> = exclude.iter().map(String::as_str).collect();
         let usable = |w: &LiveWorker, s: &RouteStage| {
             w.reg.model_id == model_id
                 && w.alive(hb, now)
@@ -442,7 +443,7 @@ impl Registry {
             let w = if s.worker_id.is_empty() {
                 // Rare (spot checks): a scan over the registry is fine here.
                 self.workers()
-                    .filter(|w| usable(w, s) && !exclude.contains(&w.id) && !ids.contains(&w.id.as_str()))
+                    .filter(|w| usable(w, s) && !exclude.contains(w.id.as_str()) && !ids.contains(&w.id.as_str()))
                     .min_by(|a, b| a.routes_total.cmp(&b.routes_total).then(a.per_layer_ms().total_cmp(&b.per_layer_ms())))?
             } else {
                 self.worker(&s.worker_id).filter(|w| usable(w, s))?
