@@ -86,10 +86,12 @@ impl Trackers {
 }
 
 /// Whether another tracker should be asked: this one did not answer, or answered that it
-/// cannot serve now (its store failed, or it is overloaded).
+/// cannot serve now (its store failed, its ledger is unreachable, or it is overloaded).
 pub fn fails_over(e: &TrackerCallError) -> bool {
     match e {
-        TrackerCallError::Refused(r) => matches!(r.refusal_kind(), RefusalKind::Internal | RefusalKind::Overloaded),
+        TrackerCallError::Refused(r) => {
+            matches!(r.refusal_kind(), RefusalKind::Internal | RefusalKind::Overloaded | RefusalKind::Unavailable)
+        }
         TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. } => true,
     }
 }
@@ -100,4 +102,35 @@ fn no_tracker() -> TrackerCallError {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dgr_proto::Refused;
+
+    fn refused(kind: RefusalKind) -> TrackerCallError {
+        TrackerCallError::Refused(Refused::new(kind, "test"))
+    }
+
+    #[test]
+    fn only_a_tracker_that_cannot_serve_now_fails_over() {
+        let now = [RefusalKind::Internal, RefusalKind::Overloaded, RefusalKind::Unavailable];
+        let everywhere = [
+            RefusalKind::BadRequest,
+            RefusalKind::BadJoinToken,
+            RefusalKind::BadSignature,
+            RefusalKind::NoRoute,
+            RefusalKind::BadApiKey,
+            RefusalKind::QuotaExceeded,
+            RefusalKind::NotConnected,
+        ];
+        for k in now {
+            assert!(fails_over(&refused(k)), "{} must fail over", k.name());
+        }
+        for k in everywhere {
+            assert!(!fails_over(&refused(k)), "{} is the same answer at every tracker", k.name());
+        }
+        assert!(fails_over(&TrackerCallError::Io { addr: "a".into(), why: "refused".into() }));
+    }
 }
