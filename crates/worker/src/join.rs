@@ -4,6 +4,11 @@
 //! tracker is re-joined with backoff capped below its heartbeat interval, so a restarted one
 //! lists this worker again within one interval; running sessions never notice (the data path
 //! does not touch a tracker). On shutdown the worker leaves them all at once.
+//!
+//! A tracker connection holds at most `IN_FLIGHT` unacknowledged usage reports, and one whose
+//! oldest waits `ACK_HEARTBEATS` heartbeats for its Ack is given up, so a tracker that hangs
+//! never keeps the reports from another. A report the tracker refuses (its ledger is down) goes
+//! back to the outbox and this connection sends no more for a heartbeat; it stays joined.
 
 use crate::{Metrics, TrackerLink};
 use bytes::Bytes;
@@ -20,6 +25,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Notify};
+use tokio::time::Instant;
 
 const CONNECT: Duration = Duration::from_secs(3);
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
@@ -27,6 +33,15 @@ const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const HEARTBEAT_DEFAULT: Duration = Duration::from_millis(1000);
 /// Usage reports waiting for a tracker; past this, the oldest are dropped (and counted).
 pub(crate) const USAGE_QUEUE: usize = 1 << 16;
+/// Usage reports one tracker connection may have sent without an Ack; while that many wait, it
+/// takes no more from the outbox.
+pub(crate) const IN_FLIGHT: usize = 256;
+/// Heartbeat intervals the oldest unacknowledged report may wait before its connection is given up.
+const ACK_HEARTBEATS: u32 = 3;
+
+/// A connection's reports sent without an Ack yet, oldest first, each with when it was sent (the
+/// tracker answers them in order).
+type Unacked = VecDeque<(Instant, WorkerUsage)>;
 
 /// What a worker needs to check route tickets: the key sets of the trackers it joined (learned
 /// at each join, kept while a tracker restarts) and its own id.
@@ -97,16 +112,22 @@ impl UsageOutbox {
         }
     }
 
-    /// Reports sent on a connection that ended before they were acknowledged, to go first.
-    fn give_back(&self, unacked: &mut VecDeque<WorkerUsage>) {
-        if unacked.is_empty() {
-            return;
-        }
+    /// Reports sent but not stored (their connection ended, or the tracker refused them), to go
+    /// first. The queue keeps its cap: past it, the oldest are dropped, counted and said.
+    fn give_back(&self, reports: impl DoubleEndedIterator<Item = WorkerUsage>) {
         let mut q = self.queue();
-        while let Some(u) = unacked.pop_back() {
+        for u in reports.rev() {
             q.push_front(u);
         }
+        let over = q.len().saturating_sub(USAGE_QUEUE);
+        q.drain(..over);
         drop(q);
+        if over > 0 {
+            for _ in 0..over {
+                self.metrics.failure(dgr_proto::ErrorKind::Overloaded);
+            }
+            eprintln!("dgr worker: the usage report queue is full ({USAGE_QUEUE}): dropped the {over} oldest reports");
+        }
         self.ready.notify_one();
     }
 }
@@ -137,15 +158,20 @@ impl Joiner {
         let mut heartbeat = HEARTBEAT_DEFAULT;
         let mut announced = false;
         loop {
-            let mut unacked = VecDeque::new();
-            let ended = self.session(&mut unacked, &on_relay, &mut announced, &mut heartbeat).await;
-            self.outbox.give_back(&mut unacked);
+            let mut unacked = Unacked::new();
+            let mut joined_at = None;
+            let ended = self.session(&mut unacked, &on_relay, &mut announced, &mut joined_at, &mut heartbeat).await;
+            self.outbox.give_back(unacked.into_iter().map(|(_, u)| u));
             match ended {
                 Ended::Left => return,
                 Ended::Retry(why) => {
                     if announced {
                         eprintln!("dgr worker: lost the tracker at {}: {why}; re-joining", self.tracker);
                         announced = false;
+                    }
+                    // Only after a session that lasted: one that takes the join and fails at once
+                    // is not re-joined in a tight loop.
+                    if joined_at.is_some_and(|t: Instant| t.elapsed() >= heartbeat) {
                         backoff = BACKOFF_MIN;
                     }
                 }
@@ -161,9 +187,10 @@ impl Joiner {
 
     async fn session(
         &mut self,
-        unacked: &mut VecDeque<WorkerUsage>,
+        unacked: &mut Unacked,
         on_relay: &(impl Fn(TcpStream) + Send + Sync),
         announced: &mut bool,
+        joined_at: &mut Option<Instant>,
         heartbeat: &mut Duration,
     ) -> Ended {
         let mut client = match TrackerClient::connect(&self.tracker, CONNECT).await {
@@ -191,6 +218,7 @@ impl Joiner {
             Err(e) => return Ended::Retry(e.to_string()),
         };
         self.gate.learn(&self.tracker, keys);
+        *joined_at = Some(Instant::now());
         if !*announced {
             eprintln!("dgr worker: joined the tracker at {} as {}", self.tracker, self.gate.worker_id);
             *announced = true;
@@ -200,16 +228,22 @@ impl Joiner {
         let mut tick = tokio::time::interval(*heartbeat);
         let mut last = (self.metrics.steps.load(Relaxed), self.metrics.step_micros.load(Relaxed));
         let outbox = self.outbox.clone();
+        // No report is taken before this (a refused one waits a heartbeat before it is retried).
+        let mut resume = Instant::now();
         loop {
+            let (at, ob) = (resume, &outbox);
             tokio::select! {
                 _ = tick.tick() => {
+                    if unacked.front().is_some_and(|(sent, _)| sent.elapsed() > ACK_HEARTBEATS * *heartbeat) {
+                        return Ended::Retry(format!("no Ack for a usage report within {ACK_HEARTBEATS} heartbeats"));
+                    }
                     let load = self.load(&mut last);
                     if conn.send(send(TrackerBody::Heartbeat(Heartbeat { load: Some(load) }))).await.is_err() {
                         return Ended::Retry("connection lost".into());
                     }
                 }
-                u = outbox.next() => {
-                    unacked.push_back(u.clone());
+                u = async move { tokio::time::sleep_until(at).await; ob.next().await }, if unacked.len() < IN_FLIGHT => {
+                    unacked.push_back((Instant::now(), u.clone()));
                     if conn.send(send(TrackerBody::WorkerUsage(u))).await.is_err() {
                         return Ended::Retry("connection lost".into());
                     }
@@ -234,7 +268,18 @@ impl Joiner {
                                 Err(e) => eprintln!("dgr worker: relay dial-back to {} failed: {e}", self.tracker),
                             }
                         }
-                        Some(TrackerBody::Refused(r)) => return Ended::Retry(r.message),
+                        // The tracker could not store the oldest report: another tracker may
+                        // take it now, this one a heartbeat later; the connection stays.
+                        Some(TrackerBody::Refused(r)) => {
+                            let Some((_, u)) = unacked.pop_front() else {
+                                return Ended::Retry(r.message);
+                            };
+                            if resume <= Instant::now() {
+                                eprintln!("dgr worker: the tracker at {} refused a usage report: {}; retrying", self.tracker, r.message);
+                            }
+                            self.outbox.give_back(std::iter::once(u));
+                            resume = Instant::now() + *heartbeat;
+                        }
                         _ => return Ended::Retry("unexpected frame from the tracker".into()),
                     }
                 }
@@ -291,3 +336,6 @@ pub fn load_or_create_identity(path: &std::path::Path) -> std::io::Result<dgr_pr
         Err(e) => Err(e),
     }
 }
+
+#[cfg(test)]
+mod tests;
