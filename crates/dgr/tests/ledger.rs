@@ -8,6 +8,8 @@
 
 mod common;
 
+#[cfg(feature = "postgres-tests")]
+use common::swarm::postgres_ledger;
 use common::swarm::{Gateway, Tracker, Worker};
 use common::{serial, Proc};
 use serde_json::{json, Value};
@@ -162,13 +164,4 @@ fn key_row(t: &Tracker, key: &str) -> (u64, u64) {
     rows.fold((0, 0), |(n, tokens), r| {
         (n + r["requests"].as_u64().unwrap(), tokens + r["prompt_tokens"].as_u64().unwrap() + r["completion_tokens"].as_u64().unwrap())
     })
-}
-
-/// A database of its own on the server DGR_TEST_POSTGRES names (scripts/postgres.sh): missing
-/// is a failure, never a skip.
-#[cfg(feature = "postgres-tests")]
-fn postgres_ledger(tag: &str) -> String {
-    let url = std::env::var("DGR_TEST_POSTGRES").expect("postgres-tests need DGR_TEST_POSTGRES (scripts/postgres.sh start prints it)");
-    let name = format!("{tag}_{}_{}", std::process::id(), Instant::now().elapsed().as_nanos());
-    dgr_tracker::store::fresh_postgres_database(&url, &name).expect("a fresh database on DGR_TEST_POSTGRES")
 }

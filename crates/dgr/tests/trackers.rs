@@ -1,7 +1,8 @@
 //! Several trackers, one swarm, on the real default model with real processes on loopback:
 //! trackers sharing one ledger sign with one key set and workers joined to all of them accept
 //! tickets from any (and no other key); drivers given the list (`dgr generate`, the gateway)
-//! fail over when one is SIGKILLed, under load, without losing or double-billing a request; a
+//! fail over when one is SIGKILLed, under load, without losing or double-billing a request (on
+//! a shared SQLite file and, with the `postgres-tests` feature, on PostgreSQL); a
 //! restarted tracker lists every worker again within one heartbeat interval.
 #![cfg(feature = "real-model")]
 
@@ -233,6 +234,15 @@ fn a_tracker_killed_under_32_streaming_sessions_loses_and_double_bills_nothing()
     let _g = serial();
     let a = Tracker::start("killload", &[]);
     let b = Tracker::start_in(&a.dir, "127.0.0.1:0", &[]);
+    kill_one_under_load(a, b);
+}
+
+/// The acceptance test on PostgreSQL, the ledger several trackers are meant to share.
+#[cfg(feature = "postgres-tests")]
+#[test]
+fn two_trackers_on_postgres_one_killed_under_32_streaming_sessions_lose_and_double_bill_nothing() {
+    let _g = serial();
+    let (a, b) = Tracker::pair_on_postgres("killload_pg");
     kill_one_under_load(a, b);
 }
 

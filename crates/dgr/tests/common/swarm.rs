@@ -57,6 +57,14 @@ impl Tracker {
         Tracker::start_with(&Tracker::fresh_dir(name), "127.0.0.1:0", &["--ledger", ledger], extra)
     }
 
+    /// Two trackers of one swarm on a PostgreSQL database of their own (`postgres_ledger`),
+    /// each with its join token in a fresh directory named for `name`.
+    #[cfg(feature = "postgres-tests")]
+    pub fn pair_on_postgres(name: &str) -> (Tracker, Tracker) {
+        let url = postgres_ledger(name);
+        (Tracker::start_on_ledger(&format!("{name}-a"), &url, &[]), Tracker::start_on_ledger(&format!("{name}-b"), &url, &[]))
+    }
+
     fn fresh_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("dgr-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -299,4 +307,13 @@ impl Drop for Gateway {
             eprintln!("--- gateway stderr:\n{}", self.log());
         }
     }
+}
+
+/// A database of its own on the server DGR_TEST_POSTGRES names (scripts/postgres.sh): missing
+/// is a failure, never a skip.
+#[cfg(feature = "postgres-tests")]
+pub fn postgres_ledger(tag: &str) -> String {
+    let url = std::env::var("DGR_TEST_POSTGRES").expect("postgres-tests need DGR_TEST_POSTGRES (scripts/postgres.sh start prints it)");
+    let name = format!("{tag}_{}_{}", std::process::id(), Instant::now().elapsed().as_nanos());
+    dgr_tracker::store::fresh_postgres_database(&url, &name).expect("a fresh database on DGR_TEST_POSTGRES")
 }
