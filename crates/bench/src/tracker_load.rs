@@ -12,6 +12,7 @@ use crate::swarm::LocalTracker;
 use dgr_proto::{
     Heartbeat, Load, Registration, RequestUsage, RouteRequest, SigningKey, StageUsage, TrackerBody, TrackerClient, UsageStatus,
 };
+use dgr_tracker::LedgerSpec;
 use futures::StreamExt;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -28,7 +29,8 @@ pub struct Args {
     /// Load mode: usage rows seeded into the ledger before the run (an empty ledger is measured too)
     #[arg(long, default_value_t = 1_000_000)]
     ledger_rows: u64,
-    /// Load mode: the tracker's ledger, `sqlite` (a file in a temporary directory)
+    /// Load mode: the tracker's ledger, `sqlite` (a file in a temporary directory) or a
+    /// `postgres://` URL of a server on which each run creates a database of its own
     #[arg(long, default_value = "sqlite")]
     ledger: String,
     /// Load mode: client connections, each sending one request after another
@@ -216,10 +218,23 @@ async fn client(addr: String, conn: usize, measure_from: Instant, end: Instant) 
     Ok(out)
 }
 
-/// A fresh ledger in `dir` holding the bench key and `rows` seeded usage rows billed to it.
-fn seed(dir: &Path, rows: u64) -> Result<Duration> {
+/// A fresh ledger for one run: a file in the run's directory, or a new database on the server.
+fn fresh_ledger(a: &Args, dir: &Path, tag: u64) -> Result<LedgerSpec> {
+    if a.ledger == "sqlite" {
+        return Ok(LedgerSpec::Sqlite(dir.join("tracker.db")));
+    }
+    match LedgerSpec::parse(&a.ledger) {
+        LedgerSpec::Postgres(url) => {
+            Ok(LedgerSpec::Postgres(dgr_tracker::store::fresh_postgres_database(&url, &format!("dgr_bench_{tag:016x}"))?))
+        }
+        LedgerSpec::Sqlite(_) => Err(BenchError::Usage(format!("--ledger {}: use sqlite or a postgres:// URL", a.ledger))),
+    }
+}
+
+/// Seeds `ledger` with the bench key and `rows` usage rows billed to it.
+fn seed(ledger: &LedgerSpec, rows: u64) -> Result<Duration> {
     let started = Instant::now();
-    let mut store = dgr_tracker::Store::open(&dgr_tracker::LedgerSpec::Sqlite(dir.join("tracker.db")))?;
+    let mut store = dgr_tracker::Store::open(ledger)?;
     store.add_key(KEY_NAME, KEY, QUOTA, 0)?;
     let mut rng = Rng(rows);
     let mut at = 0;
@@ -282,17 +297,21 @@ fn run_one(a: &Args, workers: usize, rows: u64) -> Result<Run> {
     getrandom::fill(&mut tag).map_err(|e| BenchError::Local(format!("randomness: {e}")))?;
     let dir = std::env::temp_dir().join(format!("dgr-bench-tracker-{}-{:016x}", std::process::id(), u64::from_le_bytes(tag)));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = run_in(a, workers, rows, &dir);
+    let result = fresh_ledger(a, &dir, u64::from_le_bytes(tag)).and_then(|ledger| run_in(a, workers, rows, &dir, &ledger));
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
-fn run_in(a: &Args, workers: usize, rows: u64, dir: &Path) -> Result<Run> {
-    let seed_took = seed(dir, rows)?;
+fn run_in(a: &Args, workers: usize, rows: u64, dir: &Path, ledger: &LedgerSpec) -> Result<Run> {
+    let seed_took = seed(ledger, rows)?;
     eprintln!("ledger: {rows} rows seeded in {:.1} s", seed_took.as_secs_f64());
     let max_conns = (workers + a.connections + 64).to_string();
     let hb = HEARTBEAT_MS.to_string();
-    let t = LocalTracker::start_in(dir, &["--max-connections", &max_conns, "--heartbeat-ms", &hb])?;
+    let mut flags = vec!["--max-connections", &max_conns, "--heartbeat-ms", &hb];
+    if let LedgerSpec::Postgres(url) = ledger {
+        flags.extend(["--ledger", url.as_str()]);
+    }
+    let t = LocalTracker::start_in(dir, &flags)?;
     let token = std::fs::read_to_string(&t.token_file).with_context(|| format!("reading {}", t.token_file.display()))?.trim().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting a runtime")?;
     rt.block_on(async {
@@ -360,9 +379,6 @@ fn histogram(v: &[u32]) -> BTreeMap<u32, u32> {
 
 pub fn run(a: Args, out: &Path) -> Result<()> {
     let workers = a.workers.ok_or_else(|| BenchError::Usage("the load mode needs --workers".into()))?;
-    if a.ledger != "sqlite" {
-        return Err(BenchError::Usage(format!("--ledger {}: this tracker keeps its ledger in SQLite only", a.ledger)));
-    }
     if workers == 0 || a.connections == 0 || a.seconds == 0 {
         return Err(BenchError::Usage("--workers, --connections and --seconds must be positive".into()));
     }

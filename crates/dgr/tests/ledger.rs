@@ -131,6 +131,8 @@ fn a_tracker_refuses_while_its_database_is_down_and_resumes_when_it_is_back() {
     assert!(head.to_ascii_lowercase().contains("retry-after:"), "{head}");
 
     proxy.restore();
+    // A worker whose reports or re-join the tracker refused meanwhile may be re-joining now.
+    t.wait_live(&[&w.id], Duration::from_secs(10), "live again once the database is back");
     let v = gen();
     assert_eq!(v["ledger"], "recorded", "served again once the database is back: {v}");
     let (status, _, v) = g.post("/v1/completions", None, &completion_body());

@@ -400,6 +400,8 @@ impl<E: Engine> Scheduler<E> {
         self.reserved += cost;
         self.sessions.insert(id, session);
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        // Published before the reply, so whoever reads /metrics after Opened counts this session.
+        self.metrics.sessions_open.store(self.sessions.len() as u64, Relaxed);
         send(&reply, Body::Opened(SessionRef { session_id: id.to_vec() }));
     }
 
