@@ -37,7 +37,7 @@ fn a_quota_that_fits_ten_serves_ten_of_64_racing_requests_on_postgres() {
 fn quota_race(t: Tracker) {
     let w = Worker::start(&t, (0, 30), "w", &[]);
     t.wait_live(&[&w.id], Duration::from_secs(10), "joined");
-    let probe = add_key(&t, "probe", 0);
+    let probe = t.add_key("probe", 0);
     let g = Gateway::start(&[&t], &["--verify-fraction", "0"]);
 
     // What one request uses (its budget: prompt + new tokens), through each door.
@@ -48,7 +48,7 @@ fn quota_race(t: Tracker) {
     let http_budget = v["usage"]["total_tokens"].as_u64().unwrap();
 
     // Through `dgr generate --tracker`: 64 processes at once.
-    let cli_key = add_key(&t, "cli", 10 * cli_budget);
+    let cli_key = t.add_key("cli", 10 * cli_budget);
     let racers: Vec<Proc> = (0..RACERS)
         .map(|_| {
             let mut cmd = common::dgr();
@@ -79,7 +79,7 @@ fn quota_race(t: Tracker) {
     assert_eq!(key_row(&t, "cli"), (10, 10 * cli_budget), "the ledger sums to the quota");
 
     // Through the gateway's HTTP API: 64 requests at once.
-    let http_key = add_key(&t, "http", 10 * http_budget);
+    let http_key = t.add_key("http", 10 * http_budget);
     let statuses: Vec<u16> = std::thread::scope(|s| {
         let racers: Vec<_> = (0..RACERS).map(|_| s.spawn(|| g.post("/v1/completions", Some(&http_key), &completion_body()))).collect();
         racers
@@ -147,16 +147,6 @@ fn a_tracker_refuses_while_its_database_is_down_and_resumes_when_it_is_back() {
 
 fn completion_body() -> Value {
     json!({ "model": Gateway::model_name(), "prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": true, "temperature": 0 })
-}
-
-fn add_key(t: &Tracker, name: &str, quota: u64) -> String {
-    let out = common::dgr()
-        .args(["key", "add", "--tracker", &t.addr, "--name", name, "--quota-tokens", &quota.to_string(), "--join-token-file"])
-        .arg(&t.token_file)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice::<Value>(&out.stdout).unwrap()["key"].as_str().unwrap().to_string()
 }
 
 /// A key's (requests, prompt + completion tokens) in `dgr usage --by key`.

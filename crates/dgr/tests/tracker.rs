@@ -286,7 +286,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
     let mut w0 = Worker::start(&t, (0, 15), "w0", &[]);
     let w1 = Worker::start(&t, (15, 30), "w1", &[]);
     t.wait_live(&[&w0.id, &w1.id], Duration::from_secs(5), "joined");
-    let alice = add_key(&t, "alice", 0);
+    let alice = t.add_key("alice", 0);
 
     let mut prompt_len = 0;
     let mut expect_prompt = 0;
@@ -386,7 +386,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
     // Quota: a route reserves its whole budget (prompt + max tokens). "small" may use the
     // prompt and 30 tokens: one request of 30 new tokens fits exactly and uses them; the next is
     // refused before any worker is touched (w1's opened-session count does not move).
-    let small = add_key(&t2, "small", prompt_len + 30);
+    let small = t2.add_key("small", prompt_len + 30);
     let w0b = Worker::start(&t2, (0, 15), "w0", &[]);
     t2.wait_live(&[&w0b.id, &w1.id], Duration::from_secs(5), "w0 back");
     let v = t2.generate(&["--prompt", PROMPT, "--max-tokens", "30", "--ignore-eos", "--api-key", &small]);
@@ -397,17 +397,6 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
     let bad = t2.generate(&["--prompt", PROMPT, "--max-tokens", "2", "--api-key", "dgr-not-a-key"]);
     assert_eq!(bad["error"]["kind"], "bad_api_key", "{bad}");
     assert_eq!(metrics(w1.addr.as_ref().unwrap()).get("dgr_worker_sessions_opened_total"), opened, "a worker was touched");
-}
-
-/// `dgr key add` on the tracker: the new key's secret.
-fn add_key(t: &Tracker, name: &str, quota: u64) -> String {
-    let out = common::dgr()
-        .args(["key", "add", "--tracker", &t.addr, "--name", name, "--quota-tokens", &quota.to_string(), "--join-token-file"])
-        .arg(&t.token_file)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice::<Value>(&out.stdout).unwrap()["key"].as_str().unwrap().to_string()
 }
 
 /// The data path never touches the tracker: a session running while the tracker is killed and

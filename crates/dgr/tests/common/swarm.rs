@@ -47,6 +47,17 @@ pub struct Tracker {
 }
 
 impl Tracker {
+    /// `dgr key add` on this tracker: the new key's secret.
+    pub fn add_key(&self, name: &str, quota: u64) -> String {
+        let out = dgr()
+            .args(["key", "add", "--tracker", &self.addr, "--name", name, "--quota-tokens", &quota.to_string(), "--join-token-file"])
+            .arg(&self.token_file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()["key"].as_str().unwrap().to_string()
+    }
+
     /// A tracker with its database and join token in a fresh directory `name` under the temp dir.
     pub fn start(name: &str, extra: &[&str]) -> Tracker {
         Tracker::start_in(&Tracker::fresh_dir(name), "127.0.0.1:0", extra)
