@@ -1,7 +1,9 @@
-use super::{median, peer, prompt, record};
+use super::{median, peer, prompt, record, spread};
+use crate::bandwidth::{self, Reader};
 use crate::error::{BenchError, Result};
 use crate::model::ModelArg;
 use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
+use dgr_gguf::Gguf;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -13,12 +15,16 @@ pub struct Args {
     /// Compute threads, for dgr and llama.cpp alike
     #[arg(long, short = 't', default_value_t = 2)]
     threads: usize,
-    /// Prompt length of the prefill test
-    #[arg(long, default_value_t = 128)]
+    /// Prompt length of the prefill test (llama-bench's pp512)
+    #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
-    /// Tokens generated in the decode test
-    #[arg(long, default_value_t = 64)]
+    /// Tokens generated in the decode test (llama-bench's tg128)
+    #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
+    /// MiB of the buffer this machine's streaming read bandwidth is measured on with the same
+    /// threads, each repetition, to set decode's rate beside (0: not measured)
+    #[arg(long, default_value_t = bandwidth::DEFAULT_MIB)]
+    bandwidth_mib: usize,
     /// Paired repetitions (dgr, then llama-bench, each time)
     #[arg(long, short = 'r', default_value_t = 5)]
     reps: usize,
@@ -57,6 +63,13 @@ fn dgr_rep(stage: &Stage, p: usize, n: usize) -> Result<(f64, f64)> {
     Ok((prefill, n as f64 / t.elapsed().as_secs_f64()))
 }
 
+/// The weight bytes one decode step reads: every tensor, but only one row of the embedding when
+/// a head of its own stands in for it.
+fn weight_bytes_per_token(g: &Gguf) -> u64 {
+    let untied = g.tensor("output.weight").is_some();
+    g.tensors().iter().filter(|t| !(untied && t.name == "token_embd.weight")).map(|t| t.n_bytes).sum()
+}
+
 pub fn run(a: Args) -> Result<()> {
     let model = a.model.path()?;
     let bench = peer::tool("llama-bench", a.llama_bench.as_deref())?;
@@ -73,14 +86,20 @@ pub fn run(a: Args) -> Result<()> {
     }
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+    let per_token = weight_bytes_per_token(&g);
+    let reader = if a.bandwidth_mib > 0 { Some(Reader::new(a.bandwidth_mib, a.threads)?) } else { None };
     let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
     dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?; // warm-up: page in the weights
     let (mut dp, mut dd, mut lp, mut ld, mut tp, mut td) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut bw = vec![];
     let (mut version, mut hf_version) = (String::new(), String::new());
     for rep in 0..a.reps {
         let (p, d) = dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?;
         let l = peer::llama_bench(&bench, &peer_model, a.threads, a.prompt_tokens, a.gen_tokens)?;
         eprintln!("rep {rep}: dgr pp {p:.1} tg {d:.1} tok/s | llama.cpp pp {:.1} tg {:.1} tok/s", l.prompt_tok_s, l.gen_tok_s);
+        if let Some(r) = &reader {
+            bw.push(r.median_gb_s(3));
+        }
         if let Some(py) = &a.transformers {
             let t = peer::transformers(py, &model, a.threads, a.prompt_tokens, a.gen_tokens)?;
             eprintln!("        transformers pp {:.1} tg {:.1} tok/s", t.prompt_tok_s, t.gen_tok_s);
@@ -94,12 +113,36 @@ pub fn run(a: Args) -> Result<()> {
         ld.push(l.gen_tok_s);
         version = l.version;
     }
-    let ratio = |a: &[f64], b: &[f64]| median(&a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>());
+    let ratios = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>();
+    let ratio = |a: &[f64], b: &[f64]| median(&ratios(a, b));
     let (rp, rd) = (ratio(&dp, &lp), ratio(&dd, &ld));
     println!("threads {}  isa {}  reps {}  engine {}", a.threads, stage.isa().name(), a.reps, stage.engine());
-    println!("{:<28} {:>12} {:>12} {:>8}", "test", "dgr tok/s", "llama tok/s", "ratio");
-    println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("prefill pp{}", a.prompt_tokens), median(&dp), median(&lp), rp);
-    println!("{:<28} {:>12.1} {:>12.1} {:>8.3}", format!("decode tg{}", a.gen_tokens), median(&dd), median(&ld), rd);
+    println!("{:<28} {:>12} {:>12} {:>8} {:>15}", "test", "dgr tok/s", "llama tok/s", "ratio", "ratio min–max");
+    let row = |test: String, d: &[f64], l: &[f64]| {
+        let (lo, hi) = spread(&ratios(d, l));
+        println!("{test:<28} {:>12.1} {:>12.1} {:>8.3} {:>15}", median(d), median(l), ratio(d, l), format!("{lo:.3}–{hi:.3}"));
+    };
+    row(format!("prefill pp{}", a.prompt_tokens), &dp, &lp);
+    row(format!("decode tg{}", a.gen_tokens), &dd, &ld);
+    let decode_gb_s: Vec<f64> = dd.iter().map(|d| d * per_token as f64 / 1e9).collect();
+    let mut bandwidth = json!({ "weight_bytes_per_token": per_token, "dgr_decode_gb_s": decode_gb_s });
+    if !bw.is_empty() {
+        let fraction = ratios(&decode_gb_s, &bw);
+        let (lo, hi) = spread(&fraction);
+        println!(
+            "decode reads {:.3} GB of weights a token: {:.1} GB/s, {:.1}% (min–max {:.1}–{:.1}%) of this machine's streaming read, {:.1} GB/s on {} threads",
+            per_token as f64 / 1e9,
+            median(&decode_gb_s),
+            100.0 * median(&fraction),
+            100.0 * lo,
+            100.0 * hi,
+            median(&bw),
+            a.threads
+        );
+        bandwidth["read_gb_s"] = json!(bw);
+        bandwidth["buffer_mib"] = json!(a.bandwidth_mib);
+        bandwidth["decode_fraction"] = json!(median(&fraction));
+    }
     let mut hf_ratios = serde_json::Value::Null;
     if a.transformers.is_some() {
         let (tp_r, td_r) = (ratio(&dp, &tp), ratio(&dd, &td));
@@ -120,6 +163,9 @@ pub fn run(a: Args) -> Result<()> {
             "isa": stage.isa().name(),
             "samples": { "dgr_prefill_tok_s": dp, "dgr_decode_tok_s": dd, "llama_prefill_tok_s": lp, "llama_decode_tok_s": ld },
             "ratios": { "prefill": rp, "decode": rd },
+            "prompt_tokens": a.prompt_tokens,
+            "gen_tokens": a.gen_tokens,
+            "bandwidth": bandwidth,
             "transformers": hf_ratios,
         }),
     )?;

@@ -3,6 +3,7 @@
 //! `--model` argument (`model`), one-process generation (`local`) and local worker and tracker
 //! processes of the dgr executable (`swarm`).
 
+mod bandwidth;
 mod batch;
 mod engine;
 mod error;
@@ -23,8 +24,12 @@ pub use model::ModelArg;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
-    /// One process: prefill of a prompt and decode of new tokens, against llama-bench.
+    /// One process: prefill of a prompt and decode of new tokens, against llama-bench, with this
+    /// machine's streaming read bandwidth measured beside decode.
     Engine(engine::Args),
+    /// This machine's streaming read bandwidth over N threads (the rate a large model's decode
+    /// is bound by).
+    Bandwidth(bandwidth::Args),
     /// One session decoding through a local multi-process route, against one-process dgr and
     /// llama.cpp RPC (ggml-rpc-server processes driven by llama-bench).
     Route(route::Args),
@@ -47,6 +52,7 @@ pub enum Command {
 pub fn run(c: Command) -> Result<()> {
     match c {
         Command::Engine(a) => engine::run(a),
+        Command::Bandwidth(a) => bandwidth::run(a),
         Command::Route(a) => route::run(a),
         Command::Batch(a) => batch::run(a),
         Command::Tracker(a) => tracker::run(a),
@@ -57,6 +63,11 @@ pub fn run(c: Command) -> Result<()> {
 /// A deterministic prompt of `len` token ids for sequence `seq`, distinct per sequence.
 fn prompt(vocab: u32, seq: usize, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| (i * 7919 + seq as u32 * 104_729 + 13) % vocab).collect()
+}
+
+/// The smallest and largest of samples.
+fn spread(v: &[f64]) -> (f64, f64) {
+    v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)))
 }
 
 /// The median of samples (the mean of the middle two for an even count).

@@ -1,6 +1,6 @@
 use anyhow::{bail, Context, Result};
 use clap::builder::PossibleValuesParser;
-use dgr_engine::synth::{SynthSpec, MIN_VOCAB};
+use dgr_engine::synth::{Mixture, SynthSpec, MIN_VOCAB};
 use dgr_engine::Arch;
 use dgr_gguf::GgmlType;
 use std::path::PathBuf;
@@ -31,9 +31,14 @@ pub struct Args {
     #[arg(long, default_value_t = 320)]
     vocab: usize,
     /// Type of the matrices and the embedding: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0,
-    /// q2_k, q3_k, q4_k, q5_k, q6_k (those dgr can quantize to)
+    /// q2_k, q3_k, q4_k, q5_k, q6_k (those dgr can quantize to), or q4_k_m: llama.cpp's Q4_K_M
+    /// mixture of Q4_K and Q6_K (Q5_0 and Q8_0 where rows are not whole 256-blocks)
     #[arg(long = "type", default_value = "q4_1")]
     ty: String,
+    /// A head of its own (output.weight) where the architecture's default ties it to the
+    /// embedding (qwen2, as Qwen2.5-7B has)
+    #[arg(long)]
+    untied_head: bool,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     #[arg(long, default_value_t = 2048)]
@@ -41,8 +46,13 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let Some(ty) = GgmlType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(&a.ty)) else {
-        bail!("unknown tensor type {:?}", a.ty);
+    let (ty, mixture) = if a.ty.eq_ignore_ascii_case("q4_k_m") {
+        (GgmlType::Q4_K, Mixture::Q4KM)
+    } else {
+        match GgmlType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(&a.ty)) {
+            Some(ty) => (ty, Mixture::Pure),
+            None => bail!("unknown tensor type {:?}", a.ty),
+        }
     };
     let arch: Arch = a.arch.parse()?;
     if a.heads == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
@@ -52,7 +62,8 @@ pub fn run(a: Args) -> Result<()> {
         bail!("heads ({}) must divide the hidden size ({})", a.heads, a.hidden);
     }
     let head_dim = a.head_dim.unwrap_or(a.hidden / a.heads);
-    let block = ty.block_size();
+    // The mixture picks, for each matrix, a type whose block divides its rows.
+    let block = if mixture == Mixture::Pure { ty.block_size() } else { 1 };
     for (what, n) in [("hidden", a.hidden), ("ffn", a.ffn), ("heads × head dim", a.heads * head_dim)] {
         if n == 0 || !n.is_multiple_of(block) {
             bail!("{what} ({n}) must be a positive multiple of {}'s block of {block}", ty.name());
@@ -70,12 +81,14 @@ pub fn run(a: Args) -> Result<()> {
         head_dim: a.head_dim,
         vocab: a.vocab,
         ty,
+        mixture,
+        untied_head: a.untied_head,
         seed: a.seed,
         context: a.context,
         arch,
     };
-    let bytes = spec.to_gguf()?;
-    std::fs::write(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
-    eprintln!("wrote {} ({} bytes)", a.out.display(), bytes.len());
+    spec.writer()?.write_to_path(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    let len = std::fs::metadata(&a.out).with_context(|| format!("reading {}", a.out.display()))?.len();
+    eprintln!("wrote {} ({len} bytes)", a.out.display());
     Ok(())
 }

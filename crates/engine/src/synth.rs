@@ -2,7 +2,10 @@
 //! loads too: fixtures for tests, for holding dgr against llama.cpp, and for benchmarking shapes
 //! other than the default model's. A spec and its seed always give the same bytes.
 
+mod mixture;
 mod vocab;
+
+pub use mixture::{q4_k_m_type, use_more_bits, Mixture};
 
 use crate::{Arch, EngineError};
 use dgr_gguf::{GgmlType, GgufWriter, Value};
@@ -30,6 +33,11 @@ pub struct SynthSpec {
     pub vocab: usize,
     /// Type of the matrices, the embedding included (norms and biases stay F32).
     pub ty: GgmlType,
+    /// Whether `ty` is every matrix's type or the base of a mixture.
+    pub mixture: Mixture,
+    /// A head of its own (`output.weight`) even where the architecture's small models tie it
+    /// to the embedding (Qwen2.5-7B's is its own; its 0.5B's is tied).
+    pub untied_head: bool,
     pub seed: u64,
     pub context: usize,
     pub arch: Arch,
@@ -46,6 +54,8 @@ impl Default for SynthSpec {
             head_dim: None,
             vocab: 320,
             ty: GgmlType::Q4_1,
+            mixture: Mixture::Pure,
+            untied_head: false,
             seed: 1,
             context: 512,
             arch: Arch::Llama,
@@ -119,8 +129,10 @@ struct Tensors {
 }
 
 impl Tensors {
-    /// `rows` rows of `k` weights, scaled so each output has about unit variance.
-    fn matrix(&mut self, name: &str, k: usize, rows: usize, ty: GgmlType) -> Result<(), EngineError> {
+    /// `rows` rows of `k` weights, scaled so each output has about unit variance, of the type
+    /// `ty_of` gives its name and row length.
+    fn matrix(&mut self, name: &str, k: usize, rows: usize, ty_of: &impl Fn(&str, usize) -> GgmlType) -> Result<(), EngineError> {
+        let ty = ty_of(name, k);
         let scale = 2.0 / (k as f32).sqrt();
         let mut data = Vec::new();
         let mut row = vec![0f32; k];
@@ -144,7 +156,21 @@ impl Tensors {
 
 impl SynthSpec {
     pub fn to_gguf(&self) -> Result<Vec<u8>, EngineError> {
+        Ok(self.writer()?.to_bytes())
+    }
+
+    /// The model ready to write: `write_to_path` streams a large one to disk.
+    pub fn writer(&self) -> Result<GgufWriter, EngineError> {
         let fam = family(self.arch);
+        let tied = !(fam.untied_head || self.untied_head);
+        if self.mixture == Mixture::Q4KM && self.ty != GgmlType::Q4_K {
+            return Err(EngineError::BadConfig(format!("the Q4_K_M mixture is built on Q4_K, not {}", self.ty.name())));
+        }
+        let n_layers = self.layers;
+        let ty_of = |name: &str, row_len: usize| match self.mixture {
+            Mixture::Pure => self.ty,
+            Mixture::Q4KM => q4_k_m_type(name, row_len as u64, n_layers, tied),
+        };
         let (h, f) = (self.hidden, self.ffn);
         let hd = self.head_dim.unwrap_or(h / self.heads.max(1));
         if self.vocab < MIN_VOCAB {
@@ -175,6 +201,11 @@ impl SynthSpec {
         }
         meta(&format!("{a}.rope.freq_base"), Value::F32(fam.rope_base))?;
         meta(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(fam.rms_eps))?;
+        if self.mixture == Mixture::Q4KM {
+            // As llama.cpp's quantizer records it, so its tools name the file Q4_K - Medium.
+            meta("general.quantization_version", Value::U32(2))?;
+            meta("general.file_type", Value::U32(mixture::Q4_K_M_FILE_TYPE))?;
+        }
         let keys = match fam.tokenizer {
             Tokenizer::Bpe(pre) => vocab::bpe(self.vocab, pre),
             Tokenizer::Spm(space_prefix) => vocab::spm(self.vocab, space_prefix),
@@ -183,13 +214,13 @@ impl SynthSpec {
             meta(key, v)?;
         }
 
-        t.matrix("token_embd.weight", h, self.vocab, self.ty)?;
+        t.matrix("token_embd.weight", h, self.vocab, &ty_of)?;
         for i in 0..self.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
             t.norm(&n("attn_norm.weight"), h)?;
-            t.matrix(&n("attn_q.weight"), h, qd, self.ty)?;
-            t.matrix(&n("attn_k.weight"), h, kvd, self.ty)?;
-            t.matrix(&n("attn_v.weight"), h, kvd, self.ty)?;
+            t.matrix(&n("attn_q.weight"), h, qd, &ty_of)?;
+            t.matrix(&n("attn_k.weight"), h, kvd, &ty_of)?;
+            t.matrix(&n("attn_v.weight"), h, kvd, &ty_of)?;
             if fam.qkv_bias {
                 t.vector(&n("attn_q.bias"), qd, 0.0, 0.2)?;
                 t.vector(&n("attn_k.bias"), kvd, 0.0, 0.2)?;
@@ -199,7 +230,7 @@ impl SynthSpec {
                 t.norm(&n("attn_q_norm.weight"), hd)?;
                 t.norm(&n("attn_k_norm.weight"), hd)?;
             }
-            t.matrix(&n("attn_output.weight"), qd, h, self.ty)?;
+            t.matrix(&n("attn_output.weight"), qd, h, &ty_of)?;
             // Gemma 3 adds each block's output, normed, to the embedding scaled by √hidden; post
             // norms well above 1 (as the real ones are) keep the residual from being mostly the
             // input token, which the tied head would then repeat forever.
@@ -207,17 +238,17 @@ impl SynthSpec {
                 t.vector(&n("post_attention_norm.weight"), h, 8.0, 2.0)?;
             }
             t.norm(&n("ffn_norm.weight"), h)?;
-            t.matrix(&n("ffn_gate.weight"), h, f, self.ty)?;
-            t.matrix(&n("ffn_up.weight"), h, f, self.ty)?;
-            t.matrix(&n("ffn_down.weight"), f, h, self.ty)?;
+            t.matrix(&n("ffn_gate.weight"), h, f, &ty_of)?;
+            t.matrix(&n("ffn_up.weight"), h, f, &ty_of)?;
+            t.matrix(&n("ffn_down.weight"), f, h, &ty_of)?;
             if fam.gemma {
                 t.vector(&n("post_ffw_norm.weight"), h, 8.0, 2.0)?;
             }
         }
         t.norm("output_norm.weight", h)?;
-        if fam.untied_head {
-            t.matrix("output.weight", h, self.vocab, self.ty)?;
+        if !tied {
+            t.matrix("output.weight", h, self.vocab, &ty_of)?;
         }
-        Ok(t.w.to_bytes())
+        Ok(t.w)
     }
 }

@@ -7,6 +7,7 @@ use crate::read::{ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAGIC};
 use crate::tensor::tensor_n_bytes;
 use crate::types::GgmlType;
 use crate::value::{type_id, Value};
+use std::io::Write;
 use std::path::Path;
 
 struct PendingTensor {
@@ -68,22 +69,33 @@ impl GgufWriter {
     /// The file: header, padding to the alignment, then each tensor at an aligned offset.
     /// Nothing follows the last tensor, so every proper prefix of a file with tensors is invalid.
     pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.write(&mut out).expect("writing to memory cannot fail");
+        out
+    }
+
+    /// The same bytes as `to_bytes`, streamed to `path`: a multi-gigabyte model is not copied
+    /// in memory a second time.
+    pub fn write_to_path(&self, path: &Path) -> std::io::Result<()> {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+        self.write(&mut f)?;
+        f.flush()
+    }
+
+    fn write(&self, out: &mut impl Write) -> std::io::Result<()> {
         let align = alignment_of(&self.metadata);
         // The tensors are in memory, so their offsets cannot overflow.
         let (offsets, _) = place(self.tensors.iter().map(|t| t.data.len() as u64), align).unwrap_or_default();
         let infos: Vec<HeaderTensor> =
             self.tensors.iter().zip(&offsets).map(|(t, &offset)| HeaderTensor { name: &t.name, ty: t.ty, dims: &t.dims, offset }).collect();
-        let mut out = encode_header(self.version, &self.metadata, &infos, align);
-        let data_start = out.len();
-        for (t, offset) in self.tensors.iter().zip(&offsets) {
-            out.resize(data_start + *offset as usize, 0);
-            out.extend_from_slice(&t.data);
+        out.write_all(&encode_header(self.version, &self.metadata, &infos, align))?;
+        let mut at = 0u64;
+        for (t, &offset) in self.tensors.iter().zip(&offsets) {
+            out.write_all(&vec![0u8; (offset - at) as usize])?;
+            out.write_all(&t.data)?;
+            at = offset + t.data.len() as u64;
         }
-        out
-    }
-
-    pub fn write_to_path(&self, path: &Path) -> std::io::Result<()> {
-        std::fs::write(path, self.to_bytes())
+        Ok(())
     }
 }
 
