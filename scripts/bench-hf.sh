@@ -20,4 +20,5 @@ if [ ! -f "$model.gguf" ]; then
   "$py" scripts/ref/hf_convert.py llama-bpe --outtype bf16 --outfile "$model.gguf" "$model"
 fi
 cargo build --release --locked -p dgr
-target/release/dgr bench engine -m "$model" --peer-model "$model.gguf" --transformers "$py" -r "${1:-3}" --out benchmarks/records
+target/release/dgr bench engine -m "$model" --peer-model "$model.gguf" --transformers "$py" -r "${1:-3}" \
+  --prompt-tokens 128 --gen-tokens 64 --out benchmarks/records

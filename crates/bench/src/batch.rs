@@ -1,4 +1,4 @@
-use super::{median, peer, prompt, record};
+use super::{median, peer, prompt, record, spread};
 use crate::error::{BenchError, Context, Result};
 use crate::model::ModelArg;
 use crate::plot::{self, Chart};
@@ -187,13 +187,18 @@ pub fn run(a: Args) -> Result<()> {
     }
     let ratio = |x: &[f64], y: &[f64]| median(&x.iter().zip(y).map(|(a, b)| a / b).collect::<Vec<_>>());
     println!("aggregate decode tok/s, {}-token prompts, {} generated, {} threads per process", a.prompt_tokens, a.gen_tokens, a.threads);
-    println!("{:>3} {:>12} {:>14} {:>12} {:>14} {:>16}", "B", "dgr 1-proc", "dgr route", "llama.cpp", "1-proc/llama", "route/1-proc");
+    println!(
+        "{:>3} {:>12} {:>14} {:>12} {:>14} {:>16} {:>12} {:>15}",
+        "B", "dgr 1-proc", "dgr route", "llama.cpp", "1-proc/llama", "route/1-proc", "route/llama", "min–max"
+    );
     let mut rows = Vec::new();
     for (i, &b) in sessions.iter().enumerate() {
         let (o, s, l) = (median(&one[i]), median(&split[i]), median(&peer_s[i]));
-        let (r1, r2) = (ratio(&one[i], &peer_s[i]), ratio(&split[i], &one[i]));
-        println!("{b:>3} {o:>12.1} {s:>14.1} {l:>12.1} {r1:>14.3} {r2:>16.3}");
-        rows.push(json!({ "sessions": b, "dgr_one_process": o, "dgr_route": s, "llama": l, "one_process_vs_llama": r1, "route_vs_one_process": r2 }));
+        let (r1, r2, r3) = (ratio(&one[i], &peer_s[i]), ratio(&split[i], &one[i]), ratio(&split[i], &peer_s[i]));
+        let (lo, hi) = spread(&split[i].iter().zip(&peer_s[i]).map(|(a, b)| a / b).collect::<Vec<_>>());
+        println!("{b:>3} {o:>12.1} {s:>14.1} {l:>12.1} {r1:>14.3} {r2:>16.3} {r3:>12.3} {:>15}", format!("{lo:.3}–{hi:.3}"));
+        rows.push(json!({ "sessions": b, "dgr_one_process": o, "dgr_route": s, "llama": l, "one_process_vs_llama": r1,
+                          "route_vs_one_process": r2, "route_vs_llama": r3 }));
     }
     let series = [("dgr one process", &one), (&*format!("dgr route {}", ranges.join(" + ")), &split), ("llama.cpp batched", &peer_s)];
     let svg_path = a.out.join("batch.svg");

@@ -1,4 +1,4 @@
-use super::{median, peer, record};
+use super::{median, peer, record, spread};
 use crate::error::{Context, Result};
 use crate::local::{self, Request};
 use crate::model::ModelArg;
@@ -119,15 +119,18 @@ pub fn run(a: Args) -> Result<()> {
         version = l.version;
     }
     drop(servers);
-    let ratio = |a: &[f64], b: &[f64]| median(&a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>());
-    let (vs_one, vs_llama) = (ratio(&split, &one), ratio(&split, &llama));
+    let ratios = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>();
+    let (vs_one, vs_llama) = (median(&ratios(&split, &one)), median(&ratios(&split, &llama)));
+    let ((one_lo, one_hi), (llama_lo, llama_hi)) = (spread(&ratios(&split, &one)), spread(&ratios(&split, &llama)));
     let ranges: Vec<String> = even_split(n_layers, a.split).iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     println!("decode tg{}, threads {} per process, route {}", a.gen_tokens, a.threads, ranges.join(" + "));
     println!("{:<34} {:>10}", "contender", "tok/s");
     println!("{:<34} {:>10.1}", "dgr one process", median(&one));
     println!("{:<34} {:>10.1}", format!("dgr {}-process route", a.split), median(&split));
     println!("{:<34} {:>10.1}", format!("llama.cpp RPC, {} rpc-servers", a.split), median(&llama));
-    println!("route / one process: {vs_one:.3}   route / llama.cpp RPC: {vs_llama:.3}");
+    println!(
+        "route / one process: {vs_one:.3} (min–max {one_lo:.3}–{one_hi:.3})   route / llama.cpp RPC: {vs_llama:.3} (min–max {llama_lo:.3}–{llama_hi:.3})"
+    );
     for (i, (p50, p99)) in seam_p50.iter().zip(&seam_p99).enumerate() {
         println!("seam {i}->{}: latency p50 {:.3} ms, p99 {:.3} ms (medians over reps)", i + 1, median(p50), median(p99));
     }
