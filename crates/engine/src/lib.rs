@@ -3,23 +3,19 @@
 //! gemma3), per-sequence KV state kept apart from the weights, and one batched forward over many
 //! sequences at their own positions; the [`Engine`] trait a worker drives any engine through.
 
+mod backend;
 mod config;
-mod denormal;
 mod engine;
 mod error;
-mod kernels;
 mod kv;
-mod matrix;
-mod ops;
-mod pool;
 mod sample;
 mod stage;
 pub mod synth;
 
+pub use backend::cpu::kernels::Isa;
 pub use config::{Activation, Arch, ModelConfig, RopeStyle, SlidingWindow};
 pub use engine::{Engine, SeqState};
 pub use error::EngineError;
-pub use kernels::Isa;
 pub use kv::KvCache;
 pub use sample::{argmax, logprobs, sample, SamplingParams};
 pub use stage::{Input, LogitRows, SeqInput, SeqOutput, Stage, StageOptions, GGUF_ENGINE, TRANSFORMERS_ENGINE};

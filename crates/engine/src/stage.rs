@@ -1,13 +1,13 @@
 //! A `Stage`: the weights of one contiguous layer range, and one batched forward over many
 //! sequences, each at its own positions.
 
+use crate::backend::cpu::denormal::FlushSubnormals;
+use crate::backend::cpu::kernels::Isa;
+use crate::backend::cpu::matrix::{matmul, Matrix, Product};
+use crate::backend::cpu::ops;
+use crate::backend::cpu::pool::{Disjoint, ThreadPool};
 use crate::config::ModelConfig;
-use crate::denormal::FlushSubnormals;
-use crate::kernels::Isa;
 use crate::kv::{KvCache, Window};
-use crate::matrix::{matmul, Matrix, Product};
-use crate::ops;
-use crate::pool::{Disjoint, ThreadPool};
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
 use std::ops::Range;

@@ -1,10 +1,10 @@
 //! The small per-row operations between matrix products. Each reduces in a fixed order, so a
 //! row's result depends only on that row.
 
-use crate::config::{Activation, RopeStyle};
-use crate::kernels::Isa;
+use crate::backend::cpu::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::Level;
+use crate::backend::cpu::kernels::Level;
+use crate::config::{Activation, RopeStyle};
 use std::ops::Range;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.

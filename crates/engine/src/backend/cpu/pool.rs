@@ -212,7 +212,7 @@ fn wait(ready: impl Fn() -> bool) {
 }
 
 fn worker(s: &Shared) {
-    crate::denormal::FlushSubnormals::forever();
+    crate::backend::cpu::denormal::FlushSubnormals::forever();
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;

@@ -86,7 +86,7 @@ mod tests {
     #[test]
     fn every_thread_of_a_forward_flushes() {
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let pool = crate::pool::ThreadPool::new(3);
+        let pool = crate::backend::cpu::pool::ThreadPool::new(3);
         let _on = FlushSubnormals::on();
         let flushed = AtomicUsize::new(0);
         // Items one at a time, each taking a while, so the workers wake and take some.

@@ -1,7 +1,7 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
-use crate::kernels::{self, Columns, FastType, Isa, Line, Rows};
-use crate::pool::{Disjoint, ThreadPool};
+use crate::backend::cpu::kernels::{self, Columns, FastType, Isa, Line, Rows};
+use crate::backend::cpu::pool::{Disjoint, ThreadPool};
 use crate::EngineError;
 use dgr_gguf::{GgmlType, Gguf};
 
