@@ -23,6 +23,8 @@ dgr=target/release/dgr
 shape=(--hidden 256 --ffn 512 --heads 4 --kv-heads 2 --vocab 512 --context 256 --seed 7)
 models=(llama-q8_0 mistral-q8_0 qwen2-q8_0 qwen3-q8_0 gemma3-q8_0)
 for ty in f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k; do models+=("llama-$ty"); done
+# llama.cpp's Q4_K_M mixture (Q4_K, and Q6_K for the head and layer 2's attn_v and ffn_down at this shape).
+models+=(llama-q4_k_m qwen2-q4_k_m)
 [ $# -gt 0 ] && models=("$@")
 
 tmp=$(mktemp -d)

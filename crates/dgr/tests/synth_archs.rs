@@ -131,6 +131,8 @@ references! {
     llama_q4_k => "llama-q4_k",
     llama_q5_k => "llama-q5_k",
     llama_q6_k => "llama-q6_k",
+    llama_q4_k_m => "llama-q4_k_m",
+    qwen2_q4_k_m => "qwen2-q4_k_m",
 }
 
 #[test]
