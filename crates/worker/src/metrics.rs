@@ -21,6 +21,9 @@ pub struct Metrics {
     pub step_rows: AtomicU64,
     pub step_micros: AtomicU64,
     pub last_batch_sessions: AtomicU64,
+    /// Most rows of a long prompt (over `whole_prompt`) run in one step that also decoded: what
+    /// bounds the decoding sessions' inter-token latency while it prefills.
+    pub busy_chunk_rows_max: AtomicU64,
     pub sessions_opened: AtomicU64,
     pub sessions_closed: AtomicU64,
     /// Connections being served now (stage protocol and HTTP), at most `max_connections`.
@@ -87,6 +90,12 @@ impl Metrics {
         t.metric("dgr_worker_step_rows_total", "Rows computed over all steps.", Counter, get(&self.step_rows));
         t.metric("dgr_worker_step_seconds_total", "Time spent in forward steps.", Counter, get(&self.step_micros) as f64 / 1e6);
         t.metric("dgr_worker_batch_sessions", "Sessions in the most recent step.", Gauge, get(&self.last_batch_sessions));
+        t.metric(
+            "dgr_worker_busy_chunk_rows_max",
+            "Most rows of a long prompt run in one step that also decoded.",
+            Gauge,
+            get(&self.busy_chunk_rows_max),
+        );
         t.metric("dgr_worker_sessions_opened_total", "Sessions opened.", Counter, get(&self.sessions_opened));
         t.metric(
             "dgr_worker_sessions_closed_total",

@@ -508,10 +508,25 @@ impl<E: Engine> Scheduler<E> {
         if ready.is_empty() {
             return;
         }
-        for batch in plan(ready, self.decoding(), &self.policy) {
+        let batches = plan(ready, self.decoding(), &self.policy);
+        self.note_busy_chunk(&batches);
+        for batch in batches {
             self.run_batch(batch);
         }
         self.last_step_end = Instant::now();
+    }
+
+    /// Counts the largest chunk of a long prompt in a step that also decodes.
+    fn note_busy_chunk(&self, batches: &[Batch]) {
+        if !batches.iter().any(|b| b.key.phase == Phase::Decode) {
+            return;
+        }
+        let long =
+            |id: &SessionId| self.sessions.get(id).and_then(|s| s.pending.front()).is_some_and(|p| p.rows > self.policy.whole_prompt);
+        let prefill = batches.iter().filter(|b| b.key.phase == Phase::Prefill).flat_map(|b| &b.items);
+        if let Some(n) = prefill.filter(|(id, _)| long(id)).map(|&(_, n)| n).max() {
+            self.metrics.busy_chunk_rows_max.fetch_max(n as u64, Relaxed);
+        }
     }
 
     /// Runs `rows` of the first waiting frame of each session in `batch` as one forward, and
