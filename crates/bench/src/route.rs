@@ -1,5 +1,5 @@
 use super::{median, peer, record, spread};
-use crate::error::{Context, Result};
+use crate::error::{BenchError, Context, Result};
 use crate::local::{self, Request};
 use crate::model::ModelArg;
 use crate::swarm::{check_split, even_split, LocalSwarm};
@@ -72,7 +72,9 @@ pub fn run(a: Args) -> Result<()> {
             })
             .collect::<Result<_>>()?,
     );
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    for p in &ports {
+        wait_listening(*p)?;
+    }
     let rpc_addrs = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
 
     // The same shape for every contender: one token in, `gen_tokens` out, greedy, EOS ignored.
@@ -148,5 +150,18 @@ pub fn run(a: Args) -> Result<()> {
         }),
     )?;
     println!("record: {}", path.display());
+    Ok(())
+}
+
+/// Waits until a ggml-rpc-server accepts connections on `port`, for at most 10 s.
+fn wait_listening(port: u16) -> Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    while std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(200)).is_err() {
+        if std::time::Instant::now() > deadline {
+            return Err(BenchError::Peer(format!("ggml-rpc-server is not listening on {addr} after 10 s")));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     Ok(())
 }

@@ -250,8 +250,13 @@ fn forged_tickets_are_refused_and_others_are_unaffected() {
                 other => panic!("{reason}: accepted: {other:?}"),
             }
         }
-        // Expired: the genuine ticket, once its time is up.
-        tokio::time::sleep(Duration::from_millis(1600)).await;
+        // Expired: the genuine ticket, once the clock is past the expiry it names.
+        let expires = Ticket::decode(&signed.body[..]).unwrap().expires_unix_ms;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while unix_ms() <= expires {
+            assert!(Instant::now() < deadline, "the ticket's expiry {expires} is not reached");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let mut raw = Raw::connect(&addr0).await;
         raw.send(Body::Open(open_for(&real, 0, Some(signed)))).await;
         match raw.recv().await {
@@ -270,6 +275,10 @@ fn forged_tickets_are_refused_and_others_are_unaffected() {
     let m1 = metrics(w1.addr.as_ref().unwrap());
     assert_eq!(m1.get("dgr_worker_ticket_refusals_total{reason=\"not_named\"}"), 1.0);
     assert_same_output(&legit.join().unwrap(), &want, "the concurrent session");
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
 fn totals(rows: &Value, field: &str) -> u64 {
@@ -356,7 +365,13 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             .unwrap();
         serde_json::from_slice::<Value>(&out.stdout).unwrap()
     });
-    std::thread::sleep(Duration::from_millis(800));
+    // Killed once it decodes for this request, so some tokens were delivered.
+    let decoded = |w: &Worker| metrics(w.addr.as_ref().unwrap()).get("dgr_worker_tokens_decoded_total");
+    let (before, deadline) = (decoded(&w0), Instant::now() + Duration::from_secs(30));
+    while decoded(&w0) == before {
+        assert!(Instant::now() < deadline, "the failing request never decoded on w0");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     w0.kill();
     let failed = failing.join().unwrap();
     assert!(failed["error"].is_object(), "{failed}");
