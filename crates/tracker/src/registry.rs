@@ -365,7 +365,11 @@ impl Registry {
             }
             let Some(mut found) = self.plan_in(group, 1, &excluded, now) else { continue };
             if found.repaired {
-                found = self.plan_in(group, REPAIR_DEPTH, &excluded, now).unwrap_or(found);
+                // More replicas per cell can only help, unless the repair search ran out of
+                // nodes: keep the cheaper of the two.
+                if let Some(deeper) = self.plan_in(group, REPAIR_DEPTH, &excluded, now).filter(|d| d.cost < found.cost) {
+                    found = deeper;
+                }
             }
             if best.as_ref().is_none_or(|(_, b)| found.cost < b.cost) {
                 best = Some((group, found));
