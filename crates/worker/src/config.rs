@@ -46,6 +46,15 @@ pub struct TrackerLink {
     pub advertise: Option<String>,
 }
 
+impl TrackerLink {
+    /// Each tracker once, in the order given: `--tracker A,A` runs one join loop, not two
+    /// competing for the same registration.
+    pub fn distinct_addrs(&self) -> Vec<&str> {
+        let mut seen = std::collections::HashSet::new();
+        self.addrs.iter().map(String::as_str).filter(|a| seen.insert(*a)).collect()
+    }
+}
+
 impl WorkerConfig {
     pub fn new(model: PathBuf, layers: Range<usize>) -> WorkerConfig {
         WorkerConfig {
@@ -64,5 +73,21 @@ impl WorkerConfig {
             policy: crate::plan::Policy::default(),
             tracker: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tracker_named_twice_is_joined_once() {
+        let link = TrackerLink {
+            addrs: ["b:1", "a:1", "b:1", "c:1", "a:1"].map(String::from).to_vec(),
+            join_token: String::new(),
+            identity: dgr_proto::SigningKey::from_bytes(&[7; 32]),
+            advertise: None,
+        };
+        assert_eq!(link.distinct_addrs(), ["b:1", "a:1", "c:1"]);
     }
 }

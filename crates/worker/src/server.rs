@@ -193,9 +193,9 @@ impl Worker {
             let reg = self.registration(link.advertise.clone().unwrap_or_default());
             let outbox = UsageOutbox::new(self.metrics.clone());
             tokio::spawn(outbox.clone().fill(usage));
-            for tracker in &link.addrs {
+            for tracker in link.distinct_addrs() {
                 let joiner = Joiner {
-                    tracker: tracker.clone(),
+                    tracker: tracker.to_string(),
                     link: link.clone(),
                     reg: reg.clone(),
                     gate: gate.clone(),
