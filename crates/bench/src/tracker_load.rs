@@ -290,6 +290,8 @@ struct Run {
     route_us: Vec<u32>,
     usage_us: Vec<u32>,
     tracker_cpu_us_per_request: f64,
+    /// This process's: the clients and the heartbeating workers, on the same cores.
+    load_cpu_us_per_request: f64,
 }
 
 fn run_one(a: &Args, workers: usize, rows: u64) -> Result<Run> {
@@ -332,14 +334,14 @@ fn run_in(a: &Args, workers: usize, rows: u64, dir: &Path, ledger: &LedgerSpec) 
         let end = measure_from + Duration::from_secs(a.seconds);
         let clients: Vec<_> = (0..a.connections).map(|i| tokio::spawn(client(t.addr.clone(), i, measure_from, end))).collect();
         tokio::time::sleep_until(measure_from.into()).await;
-        let cpu_from = cpu_seconds(t.pid())?;
+        let (cpu_from, load_from) = (cpu_seconds(t.pid())?, cpu_seconds(std::process::id())?);
         let mut all = Samples::default();
         for c in clients {
             let s = c.await.map_err(|e| BenchError::Measure(format!("a client task: {e}")))??;
             all.route_us.extend(s.route_us);
             all.usage_us.extend(s.usage_us);
         }
-        let cpu = cpu_seconds(t.pid())? - cpu_from;
+        let (cpu, load) = (cpu_seconds(t.pid())? - cpu_from, cpu_seconds(std::process::id())? - load_from);
         for b in &beating {
             b.abort();
         }
@@ -353,6 +355,7 @@ fn run_in(a: &Args, workers: usize, rows: u64, dir: &Path, ledger: &LedgerSpec) 
             route_us: all.route_us,
             usage_us: all.usage_us,
             tracker_cpu_us_per_request: cpu * 1e6 / requests.max(1) as f64,
+            load_cpu_us_per_request: load * 1e6 / requests.max(1) as f64,
         })
     })
 }
@@ -393,19 +396,20 @@ pub fn run(a: Args, out: &Path) -> Result<()> {
     );
     println!("each request: RouteRequest (plan + quota check + signed ticket), then its RequestUsage (recorded in the ledger)");
     println!(
-        "{:>12} {:>10} {:>14} {:>14} {:>14} {:>14} {:>16}",
-        "ledger rows", "req/s", "route p50 ms", "route p99 ms", "usage p50 ms", "usage p99 ms", "tracker CPU/req"
+        "{:>12} {:>10} {:>14} {:>14} {:>14} {:>14} {:>16} {:>16}",
+        "ledger rows", "req/s", "route p50 ms", "route p99 ms", "usage p50 ms", "usage p99 ms", "tracker CPU/req", "load gen CPU/req"
     );
     for r in &runs {
         println!(
-            "{:>12} {:>10.0} {:>14.3} {:>14.3} {:>14.3} {:>14.3} {:>13.0} µs",
+            "{:>12} {:>10.0} {:>14.3} {:>14.3} {:>14.3} {:>14.3} {:>13.0} µs {:>13.0} µs",
             r.rows,
             r.per_s,
             quantile_ms(&r.route_us, 0.5),
             quantile_ms(&r.route_us, 0.99),
             quantile_ms(&r.usage_us, 0.5),
             quantile_ms(&r.usage_us, 0.99),
-            r.tracker_cpu_us_per_request
+            r.tracker_cpu_us_per_request,
+            r.load_cpu_us_per_request
         );
     }
     let ratio = |q: f64| quantile_ms(&runs[1].route_us, q) / quantile_ms(&runs[0].route_us, q);
@@ -420,6 +424,7 @@ pub fn run(a: Args, out: &Path) -> Result<()> {
             "route_ms": { "p50": quantile_ms(&r.route_us, 0.5), "p99": quantile_ms(&r.route_us, 0.99), "max": quantile_ms(&r.route_us, 1.0) },
             "usage_ms": { "p50": quantile_ms(&r.usage_us, 0.5), "p99": quantile_ms(&r.usage_us, 0.99), "max": quantile_ms(&r.usage_us, 1.0) },
             "tracker_cpu_us_per_request": r.tracker_cpu_us_per_request,
+            "load_generator_cpu_us_per_request": r.load_cpu_us_per_request,
             "route_us_histogram": histogram(&r.route_us),
             "usage_us_histogram": histogram(&r.usage_us),
         })
