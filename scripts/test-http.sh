@@ -24,10 +24,16 @@ apt_install() {
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >&2
 }
 
-# Pinned: the official client and pytest, and what they resolve to.
+# Pinned: the official client, pytest, a JSON-schema validator (structured output), and what
+# they resolve to.
 requirements='
 openai==3.57.0
 pytest==9.2.0
+jsonschema==4.26.0
+attrs==26.1.0
+jsonschema-specifications==2025.9.1
+referencing==0.37.0
+rpds-py==2026.9.1
 annotated-types==0.8.0
 anyio==4.16.0
 h11==0.16.0

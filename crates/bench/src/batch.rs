@@ -86,6 +86,7 @@ fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: 
             seam_dtype: SeamDtype::F32,
             ticket: None,
             hash_rows: false,
+            constraint: None,
         })
         .collect();
     let opts = DriveOptions { step_timeout: Duration::from_secs(60), ..DriveOptions::default() };

@@ -95,6 +95,7 @@ pub fn run(a: Args) -> Result<()> {
         seam_dtype: SeamDtype::F32,
         ticket: None,
         hash_rows: false,
+        constraint: None,
     };
     let routed = || rt.block_on(dgr_driver::generate(&route, &greq, &DriveOptions::default(), |_| Flow::Continue));
     local::generate(&stage, |_| false, &req, |_| {})?; // warm-up

@@ -68,6 +68,7 @@ pub fn run(a: Args) -> Result<()> {
         seam_dtype: SeamDtype::F32,
         ticket,
         hash_rows: false,
+        constraint: None,
     };
     let sample = |c: Completion, route_ms: f64| Sample {
         decode_tok_s: c.timings.decode_tok_per_s,

@@ -86,6 +86,7 @@ pub fn generate(
             seam_dtype,
             ticket: None,
             hash_rows: false,
+            constraint: None,
         };
         let on_token = |t: &dgr_proto::TokenOut| {
             on_token(t.token);

@@ -96,6 +96,7 @@ impl Spec {
             seam_dtype: self.seam_dtype,
             ticket: None,
             hash_rows: false,
+            constraint: None,
         }
     }
 }

@@ -53,6 +53,7 @@ fn run_with_fault(
             seam_dtype: SeamDtype::F32,
             ticket: None,
             hash_rows: false,
+            constraint: None,
         };
         let mut streamed = Vec::new();
         let on_token = |tok: &dgr_proto::TokenOut| {

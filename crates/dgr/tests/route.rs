@@ -292,6 +292,7 @@ fn gen_request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         seam_dtype: SeamDtype::F32,
         ticket: None,
         hash_rows: false,
+        constraint: None,
     }
 }
 

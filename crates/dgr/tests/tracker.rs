@@ -329,6 +329,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             seam_dtype: dgr_proto::SeamDtype::F32,
             ticket: Some(ticket),
             hash_rows: false,
+            constraint: None,
         };
         let mut n = 0;
         let result = dgr_driver::generate(&route, &req, &DriveOptions::default(), |_| {

@@ -19,6 +19,7 @@ fn request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         seam_dtype: SeamDtype::F32,
         ticket: None,
         hash_rows: false,
+        constraint: None,
     }
 }
 

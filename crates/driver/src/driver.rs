@@ -3,7 +3,7 @@
 
 use crate::links::{Event, Link, Links};
 use crate::report::{quantile, Completion, FinishReason, SeamReport, StageReport, UsageReport};
-use crate::{DriveError, FailKind, Route};
+use crate::{DriveError, FailKind, Route, SharedConstraint};
 use dgr_proto::{
     Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Ping, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut, STAGE_UNKNOWN,
 };
@@ -21,6 +21,8 @@ pub struct GenRequest {
     pub ticket: Option<(SignedTicket, [u8; 16])>,
     /// Have every stage report a hash of each step's last output row (for spot checks).
     pub hash_rows: bool,
+    /// A grammar the tokens must follow: its mask goes to the last stage with every step.
+    pub constraint: Option<SharedConstraint>,
 }
 
 #[derive(Clone, Debug)]
@@ -282,7 +284,16 @@ async fn drive(
     let mut input = req.prompt_tokens.clone();
     let mut decode_start = start;
     loop {
-        let f = Forward { session_id: s.id.to_vec(), position, tokens: input.clone(), sample: true, ..Default::default() };
+        let allowed = match constrain(req, |c| c.allowed())? {
+            Some(Some(mask)) => mask,
+            None => Vec::new(),
+            // The grammar is complete: the generation ends here.
+            Some(None) => {
+                out.finish_reason = FinishReason::Stop;
+                break;
+            }
+        };
+        let f = Forward { session_id: s.id.to_vec(), position, tokens: input.clone(), sample: true, allowed, ..Default::default() };
         s.send(0, Body::Forward(f)).await?;
         let t = match s.next(opts.step_timeout, opts).await? {
             (_, Body::Token(t)) if t.session_id == s.id => t,
@@ -293,6 +304,7 @@ async fn drive(
             out.timings.first_token(start, req.prompt_tokens.len());
             decode_start = Instant::now();
         }
+        constrain(req, |c| c.advance(t.token))?;
         out.tokens.push(t.token);
         *generated = out.tokens.len();
         out.logprobs.push(t.logprob);
@@ -317,6 +329,13 @@ async fn drive(
     out.timings.decoded(decode_start, out.tokens.len().saturating_sub(1));
     report(s.route, &traces, &mut out);
     Ok(out)
+}
+
+/// Calls the request's constraint, if it has one; its refusal is the request's fault.
+fn constrain<T>(req: &GenRequest, f: impl FnOnce(&mut dyn crate::Constraint) -> Result<T, String>) -> Result<Option<T>, DriveError> {
+    let Some(c) = &req.constraint else { return Ok(None) };
+    let mut c = c.lock().unwrap_or_else(|p| p.into_inner());
+    f(&mut *c).map(Some).map_err(|e| DriveError::new(FailKind::BadRequest, None, None, format!("the grammar: {e}")))
 }
 
 /// Per seam bytes and latency, per stage queue wait and compute, from the steps' traces. A step

@@ -7,6 +7,7 @@
 mod named;
 
 mod conn;
+mod constraint;
 mod driver;
 mod error;
 mod links;
@@ -17,6 +18,7 @@ mod route;
 pub mod tracker;
 mod trackers;
 
+pub use constraint::{Constraint, SharedConstraint};
 pub use driver::{generate, generate_on, DriveOptions, Flow, GenRequest};
 pub use error::{DriveError, FailKind};
 pub use links::Links;

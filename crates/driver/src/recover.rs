@@ -86,6 +86,7 @@ where
             seam_dtype: req.seam_dtype,
             ticket: ticket.take(),
             hash_rows: req.hash_rows,
+            constraint: req.constraint.clone(),
         };
         let result = generate_on(links, &route, &sub, opts, |t| {
             let now = Instant::now();

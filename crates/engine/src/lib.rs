@@ -17,5 +17,5 @@ pub use config::{Activation, Arch, ModelConfig, RopeStyle, SlidingWindow};
 pub use engine::{Engine, SeqState};
 pub use error::EngineError;
 pub use kv::KvCache;
-pub use sample::{argmax, logprobs, sample, SamplingParams};
+pub use sample::{argmax, logprobs, mask_logits, sample, MaskError, SamplingParams};
 pub use stage::{Input, LogitRows, SeqInput, SeqOutput, Stage, StageOptions, GGUF_ENGINE, TRANSFORMERS_ENGINE};

@@ -80,6 +80,39 @@ pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
     cand[probs.len() - 1].0
 }
 
+/// Why a mask of allowed tokens cannot constrain a row.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MaskError {
+    #[error("the allowed-token mask is {got} bytes; this vocabulary of {vocab} takes at most {max}")]
+    TooLong { got: usize, vocab: usize, max: usize },
+    #[error("the allowed-token mask allows no token of the vocabulary")]
+    Empty,
+}
+
+/// Keeps only the tokens `allowed` has a bit for (bit `i % 8` of byte `i / 8`; ids past the
+/// mask are excluded), setting the others' logits to −∞ — a grammar's constraint, applied before
+/// sampling and log-probabilities so both see the constrained distribution. An empty mask allows
+/// every token.
+pub fn mask_logits(logits: &mut [f32], allowed: &[u8]) -> Result<(), MaskError> {
+    if allowed.is_empty() {
+        return Ok(());
+    }
+    let max = logits.len().div_ceil(8);
+    if allowed.len() > max {
+        return Err(MaskError::TooLong { got: allowed.len(), vocab: logits.len(), max });
+    }
+    let is_allowed = |i: usize| allowed.get(i / 8).is_some_and(|b| b >> (i % 8) & 1 == 1);
+    if !(0..logits.len()).any(is_allowed) {
+        return Err(MaskError::Empty);
+    }
+    for (i, l) in logits.iter_mut().enumerate() {
+        if !is_allowed(i) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    Ok(())
+}
+
 /// Natural-log softmax over the whole row, computed in f64: (logprob of `token`, top `k` as
 /// (id, logprob), most likely first, ties by lower id).
 pub fn logprobs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
@@ -126,6 +159,23 @@ mod tests {
         let logits = [0.1f32, 2.0, 0.5];
         let p = SamplingParams { temperature: 1.5, top_k: 1, top_p: 1.0, seed: 7 };
         assert!((0..20).all(|pos| sample(&logits, &p, pos) == 1));
+    }
+
+    #[test]
+    fn a_mask_keeps_only_its_tokens() {
+        let mut logits = [5.0f32, 1.0, 3.0, 4.0, 0.5, 0.0, 0.0, 0.0, 9.0];
+        // Tokens 2 and 4 of nine (token 8, the best, is past the one-byte mask).
+        mask_logits(&mut logits, &[0b0001_0100]).unwrap();
+        assert_eq!(sample(&logits, &SamplingParams::default(), 0), 2);
+        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 3 };
+        assert!((0..50).map(|pos| sample(&logits, &p, pos)).all(|t| t == 2 || t == 4));
+        let (lp, top) = logprobs(&logits, 2, 3);
+        assert!((top[0].1.exp() + top[1].1.exp() - 1.0).abs() < 1e-6 && lp == top[0].1, "{top:?}");
+        assert_eq!(mask_logits(&mut [0.0; 9], &[0, 0]), Err(MaskError::Empty));
+        assert_eq!(mask_logits(&mut [0.0; 9], &[1, 1, 1]), Err(MaskError::TooLong { got: 3, vocab: 9, max: 2 }));
+        let mut all = [1.0f32, 2.0];
+        mask_logits(&mut all, &[]).unwrap();
+        assert_eq!(all, [1.0, 2.0]);
     }
 
     #[test]

@@ -133,6 +133,10 @@ fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Resul
     let body = ReqBody::parse(bytes)?;
     let params = body.params(chat)?;
     let model = gw.model(&body.model)?;
+    let constraint = match crate::structured::requested(body.response_format.as_ref(), body.grammar.as_deref())? {
+        Some((grammar, param)) => Some(model.grammars.compile(grammar, param)?),
+        None => None,
+    };
     let tok = &model.tokenizer;
     let prompt = if chat {
         if body.prompt.is_some() {
@@ -229,6 +233,7 @@ fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Resul
         stops: params.stops.clone(),
         ignore_eos: params.ignore_eos,
         api_key,
+        constraint,
     };
     Ok((job, params))
 }

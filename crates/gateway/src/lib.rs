@@ -10,6 +10,7 @@ mod metrics;
 mod openai;
 mod respond;
 mod service;
+mod structured;
 mod text;
 mod verify;
 

@@ -81,6 +81,10 @@ pub struct Body {
     pub best_of: Option<u32>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub suffix: Option<String>,
+    /// `text`, `json_object` or `json_schema` (see `structured`).
+    pub response_format: Option<Value>,
+    /// A Lark grammar the completion must follow (llguidance's dialect).
+    pub grammar: Option<String>,
 }
 
 /// Most alternatives per token a request may ask for (OpenAI's own limit).

@@ -4,11 +4,13 @@
 use crate::admission::Admission;
 use crate::api_error::ApiError;
 use crate::metrics::HttpMetrics;
+use crate::structured::Grammars;
 use crate::text::TextOut;
 use crate::verify;
 use axum::http::StatusCode;
 use dgr_driver::{
-    generate_recovering, tracker, DriveError, DriveOptions, FinishReason, Flow, GenRequest, Links, Ticketed, Trackers, UsageReporter,
+    generate_recovering, tracker, DriveError, DriveOptions, FinishReason, Flow, GenRequest, Links, SharedConstraint, Ticketed, Trackers,
+    UsageReporter,
 };
 use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError};
 use dgr_tokenizer::Tokenizer;
@@ -80,6 +82,8 @@ pub struct ServedModel {
     pub model_id: String,
     pub tokenizer: Tokenizer,
     pub context: usize,
+    /// Its grammar compiler, over its vocabulary.
+    pub grammars: Grammars,
 }
 
 pub struct Gateway {
@@ -105,6 +109,8 @@ pub struct Job {
     pub stops: Vec<String>,
     pub ignore_eos: bool,
     pub api_key: String,
+    /// The grammar the tokens must follow.
+    pub constraint: Option<SharedConstraint>,
 }
 
 /// What a running generation sends its response.
@@ -143,7 +149,8 @@ impl Gateway {
             let context = g.get_u64(&format!("{arch}.context_length")).unwrap_or(2048).clamp(1, 1 << 24) as usize;
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model_id.clone());
             let name = name.strip_suffix(".gguf").map(String::from).unwrap_or(name);
-            models.push(Arc::new(ServedModel { name, model_id, tokenizer, context }));
+            let grammars = Grammars::new(&tokenizer);
+            models.push(Arc::new(ServedModel { name, model_id, tokenizer, context, grammars }));
         }
         Ok(Gateway {
             admission: Admission::new(cfg.max_running, cfg.queue, cfg.queue_timeout),
@@ -255,6 +262,7 @@ impl Gateway {
             seam_dtype: SeamDtype::F32,
             ticket: None,
             hash_rows: check,
+            constraint: job.constraint.clone(),
         };
         let mut traces: Vec<Vec<dgr_proto::Hop>> = Vec::new();
         let mut text = TextOut::new(job.stops.clone());

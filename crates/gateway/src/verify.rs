@@ -60,6 +60,7 @@ impl Gateway {
             seam_dtype: SeamDtype::F32,
             ticket: Some(ticket),
             hash_rows: true,
+            constraint: None,
         };
         let mut trace = Vec::new();
         generate_on(&self.links, &route, &req, &DriveOptions::default(), |t| {

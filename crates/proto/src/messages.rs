@@ -263,6 +263,10 @@ pub struct Forward {
     pub sample: bool,
     #[prost(message, repeated, tag = "8")]
     pub trace: Vec<Hop>,
+    /// With `sample`: the tokens the last stage may choose among, bit `i % 8` of byte `i / 8`
+    /// for token `i` (ids past the mask excluded); empty: any token.
+    #[prost(bytes = "vec", tag = "9")]
+    pub allowed: Vec<u8>,
 }
 
 #[derive(Clone, Copy, PartialEq, prost::Message)]

@@ -16,6 +16,8 @@ pub(crate) struct HfTokenizer {
     byte_level: bool,
     /// Added tokens (special or not) by id: rendered as their text.
     added: HashMap<u32, String>,
+    /// The added tokens marked special (control tokens, not text).
+    pub special: HashSet<u32>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub eog: HashSet<u32>,
@@ -77,7 +79,9 @@ impl HfTokenizer {
             let d = &json["decoder"];
             d["type"] == "ByteLevel" || d["decoders"].as_array().is_some_and(|ds| ds.iter().any(|d| d["type"] == "ByteLevel"))
         };
-        let added = inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content)).collect();
+        let decoder = inner.get_added_tokens_decoder();
+        let special = decoder.iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        let added = decoder.into_iter().map(|(id, t)| (id, t.content)).collect();
         let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let id = |name: &str| token_text(config.get(name)).and_then(|t| inner.token_to_id(t));
         let (bos, eos) = (id("bos_token"), id("eos_token"));
@@ -95,7 +99,7 @@ impl HfTokenizer {
                 _ => {}
             }
         }
-        Ok(HfTokenizer { inner, byte_level, added, bos, eos, eog, chat_template })
+        Ok(HfTokenizer { inner, byte_level, added, special, bos, eos, eog, chat_template })
     }
 
     /// Tokenizes as Transformers' `tokenizer(text)` does: with the post-processor's special

@@ -193,6 +193,15 @@ impl Tokenizer {
         }
     }
 
+    /// Whether `id` is a control token (BOS, end of turn, unknown, unused and the like) rather
+    /// than text: a grammar never produces one as text.
+    pub fn is_control(&self, id: u32) -> bool {
+        match &self.backend {
+            Backend::Gguf(vocab) => vocab.is_control(id),
+            Backend::Hf(t) => t.special.contains(&id),
+        }
+    }
+
     /// Renders the model's chat template over `messages`, with `bos_token`
     /// and `eos_token` set to those tokens' texts.
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {

@@ -262,6 +262,11 @@ impl Vocab {
         self.tokens[id as usize].attr
     }
 
+    /// Whether `id` is a control, unknown or unused token rather than text.
+    pub(crate) fn is_control(&self, id: u32) -> bool {
+        self.tokens.get(id as usize).is_some_and(|t| t.attr & (attr::CONTROL | attr::UNKNOWN | attr::UNUSED) != 0)
+    }
+
     pub(crate) fn score(&self, id: u32) -> f32 {
         self.tokens[id as usize].score
     }

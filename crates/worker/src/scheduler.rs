@@ -629,6 +629,8 @@ impl<E: Engine> Scheduler<E> {
                 last_row_hash,
                 last_row_position: chunk_start + n as u64 - 1,
             };
+            // The grammar's mask travels with the chunk that samples.
+            let allowed = if wants[i] { std::mem::take(&mut p.f.allowed) } else { Vec::new() };
             let delivered = match &s.next {
                 Some((_, next)) => {
                     let bytes = dgr_proto::encode_rows(&out.hidden, s.dtype);
@@ -642,10 +644,15 @@ impl<E: Engine> Scheduler<E> {
                         n_rows: n as u32,
                         sample: wants[i],
                         trace,
+                        allowed,
                     };
                     send(next, Body::Forward(f))
                 }
                 None if wants[i] => {
+                    if let Err(e) = dgr_engine::mask_logits(&mut out.logits, &allowed) {
+                        self.end(s, Some((ErrorKind::BadInput, e.to_string())));
+                        continue;
+                    }
                     let position = s.kv.positions() as u64;
                     let token = dgr_engine::sample(&out.logits, &s.sampling, position);
                     let (logprob, top) = dgr_engine::logprobs(&out.logits, token, s.top_logprobs);
@@ -937,6 +944,39 @@ mod tests {
         assert_eq!(refused(open(&mut s, 1, 0..6, 1, None).0), ErrorKind::BadFrame, "an id already open");
         s.handle(Cmd::Close { id: vec![1; 16] });
         assert!(matches!(open(&mut s, 3, 0..6, 8, None).0, Body::Opened(_)), "a freed reservation is reusable");
+    }
+
+    #[test]
+    fn the_last_stage_samples_only_what_the_mask_allows() {
+        let mut s = scheduler(0..6, 64);
+        let prompt = |id: u8, allowed: Vec<u8>| Forward {
+            session_id: vec![id; 16],
+            tokens: vec![5, 6, 7],
+            sample: true,
+            allowed,
+            ..Default::default()
+        };
+        let (_, mut free) = open(&mut s, 1, 0..6, 8, None);
+        forward(&mut s, prompt(1, Vec::new()));
+        let best = token(&mut free).token;
+        // Only the token after the unconstrained choice is allowed.
+        let other = (best + 1) as usize;
+        let mut mask = vec![0u8; other / 8 + 1];
+        mask[other / 8] = 1 << (other % 8);
+        let (_, mut masked) = open(&mut s, 2, 0..6, 8, None);
+        forward(&mut s, prompt(2, mask.clone()));
+        let t = token(&mut masked);
+        assert_eq!((t.token, t.logprob), (other as u32, 0.0));
+        // A split route carries the mask to its last stage.
+        let (hop, mut hop_inbox) = channel(8);
+        let (_, _front) = open(&mut s, 3, 0..3, 8, Some(&hop));
+        forward(&mut s, prompt(3, mask.clone()));
+        let Body::Forward(rows) = hop_inbox.try_recv().unwrap().body.unwrap() else { panic!("expected rows") };
+        assert_eq!(rows.allowed, mask);
+        // A mask that allows nothing fails the session.
+        let (_, mut none) = open(&mut s, 4, 0..6, 8, None);
+        forward(&mut s, prompt(4, vec![0; 2]));
+        assert_eq!(refused(none.try_recv().unwrap().body.unwrap()), ErrorKind::BadInput);
     }
 
     #[test]
