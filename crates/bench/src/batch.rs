@@ -38,8 +38,9 @@ pub struct Args {
     /// stages compute different ones at the same time
     #[arg(long, default_value_t = 2)]
     micro_batches: usize,
-    /// Measure through these running workers instead of starting a local route
-    #[arg(long)]
+    /// Measure through these running workers instead of starting a local route (comma-separated,
+    /// each host:port, [v6]:port, or dgr://, tcp://, http:// before either)
+    #[arg(long, value_parser = |s: &str| dgr_proto::parse_addrs(s).map(|v| v.join(",")))]
     route: Option<String>,
     /// Repetitions (each measures every contender at every session count)
     #[arg(long, short = 'r', default_value_t = 3)]

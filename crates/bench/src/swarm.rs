@@ -132,14 +132,14 @@ impl LocalTracker {
         let mut seed = [0u8; 8];
         getrandom::fill(&mut seed).map_err(|e| BenchError::Local(format!("randomness: {e}")))?;
         let dir = std::env::temp_dir().join(format!("dgr-tracker-{}-{:016x}", std::process::id(), u64::from_le_bytes(seed)));
-        let mut t = LocalTracker::start_in(&dir, extra)?;
+        let mut t = LocalTracker::start_in(&dir, "127.0.0.1:0", extra)?;
         t.temporary = true;
         Ok(t)
     }
 
-    /// A tracker whose database and join token live in `dir` (kept). The tracker itself creates
-    /// them there, as its state directory, before it says where it listens.
-    pub fn start_in(dir: &std::path::Path, extra: &[&str]) -> Result<LocalTracker> {
+    /// A tracker on `listen` whose database and join token live in `dir` (kept). The tracker
+    /// itself creates them there, as its state directory, before it says where it listens.
+    pub fn start_in(dir: &std::path::Path, listen: &str, extra: &[&str]) -> Result<LocalTracker> {
         let exe = std::env::current_exe().context("locating the dgr executable")?;
         let dir = dir.to_path_buf();
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -147,7 +147,7 @@ impl LocalTracker {
         die_with_parent(&mut cmd);
         let mut child = cmd
             .env("DGR_STATE_DIR", &dir)
-            .args(["tracker", "--listen", "127.0.0.1:0"])
+            .args(["tracker", "--listen", listen])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

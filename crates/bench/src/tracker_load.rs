@@ -313,7 +313,7 @@ fn run_in(a: &Args, workers: usize, rows: u64, dir: &Path, ledger: &LedgerSpec) 
     if let LedgerSpec::Postgres(url) = ledger {
         flags.extend(["--ledger", url.as_str()]);
     }
-    let t = LocalTracker::start_in(dir, &flags)?;
+    let t = LocalTracker::start_in(dir, "127.0.0.1:0", &flags)?;
     let token = std::fs::read_to_string(&t.token_file).with_context(|| format!("reading {}", t.token_file.display()))?.trim().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting a runtime")?;
     rt.block_on(async {

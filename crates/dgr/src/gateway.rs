@@ -10,12 +10,12 @@ use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The tracker's address (host:port), or the swarm's trackers, comma-separated: routes and
+    /// The tracker's address (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated: routes and
     /// usage reports go to the one that answered last, and to the next when it cannot answer
-    #[arg(long, env = "DGR_TRACKER")]
+    #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     pub tracker: String,
-    /// Address to serve HTTP on
-    #[arg(long, default_value = "127.0.0.1:8000")]
+    /// Address to serve HTTP on (host:port, [v6]:port, or dgr://, tcp://, http:// before either)
+    #[arg(long, default_value = "127.0.0.1:8000", value_parser = crate::addr::one)]
     pub listen: String,
     /// GGUF files whose tokenizers and chat templates the gateway uses, one per served model;
     /// a model is named by its file stem [default: the cached default model]

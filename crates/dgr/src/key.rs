@@ -14,8 +14,8 @@ pub enum Command {
 
 #[derive(clap::Args)]
 pub struct AddArgs {
-    /// The tracker's address, or the swarm's trackers, comma-separated (the first that answers)
-    #[arg(long, env = "DGR_TRACKER")]
+    /// The tracker's address (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated (the first that answers)
+    #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     tracker: String,
     /// The key's name in the ledger
     #[arg(long)]

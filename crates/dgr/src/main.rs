@@ -1,5 +1,6 @@
 //! `dgr`: the command line over dgr's crates. Each subcommand lives in its own module.
 
+mod addr;
 mod fetch;
 mod gateway;
 mod generate;

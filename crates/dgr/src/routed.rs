@@ -10,15 +10,16 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct RouteArgs {
-    /// Generate through these ticketless workers (their --listen addresses, in layer order, comma-separated)
-    #[arg(long, conflicts_with_all = ["split", "tracker"])]
+    /// Generate through these ticketless workers (their --listen addresses, in layer order,
+    /// comma-separated; each (host:port, [v6]:port, or dgr://, tcp://, http:// before either))
+    #[arg(long, conflicts_with_all = ["split", "tracker"], value_parser = crate::addr::list)]
     pub route: Option<String>,
     /// Start N local workers with even layer ranges, generate through them, then stop them
     #[arg(long, conflicts_with = "tracker")]
     pub split: Option<usize>,
-    /// Ask this tracker (host:port; or the swarm's trackers, comma-separated: the next when one
-    /// cannot answer) for a route and its signed ticket, and report the request's usage to the ledger
-    #[arg(long)]
+    /// Ask this tracker (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated (the next when one
+    /// cannot answer), for a route and its signed ticket, and report the request's usage to the ledger
+    #[arg(long, value_parser = crate::addr::list)]
     pub tracker: Option<String>,
     /// The API key the tracker bills (needed once the tracker has keys)
     #[arg(long, env = "DGR_API_KEY", default_value = "", hide_env_values = true)]

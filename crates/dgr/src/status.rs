@@ -7,8 +7,8 @@ use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct SwarmArgs {
-    /// The tracker's address, or the swarm's trackers, comma-separated (the first that answers)
-    #[arg(long, env = "DGR_TRACKER")]
+    /// The tracker's address (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated (the first that answers)
+    #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     tracker: String,
     /// text or json
     #[arg(long, default_value = "text")]
@@ -17,8 +17,8 @@ pub struct SwarmArgs {
 
 #[derive(clap::Args)]
 pub struct UsageArgs {
-    /// The tracker's address, or the swarm's trackers, comma-separated (the first that answers)
-    #[arg(long, env = "DGR_TRACKER")]
+    /// The tracker's address (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated (the first that answers)
+    #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     tracker: String,
     /// Group by API key (prompt and completion tokens per model) or by worker (layer-tokens computed)
     #[arg(long, default_value = "key")]

@@ -8,11 +8,12 @@ use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Address to serve on (workers, clients, the relay, and GET /metrics, /health); port 0 picks a free port
-    #[arg(long, default_value = "127.0.0.1:7400")]
+    /// Address to serve on (workers, clients, the relay, and GET /metrics, /health) (host:port, [v6]:port, or dgr://, tcp://, http:// before either);
+    /// port 0 picks a free port
+    #[arg(long, default_value = "127.0.0.1:7400", value_parser = crate::addr::one)]
     listen: String,
     /// The address clients reach this tracker on, used in relayed workers' addresses [default: the bound address]
-    #[arg(long)]
+    #[arg(long, value_parser = crate::addr::one)]
     advertise: Option<String>,
     /// Where what survives a restart lives (the ledger, API keys and their running totals,
     /// reservations, worker identities, the signing keys): `postgres://user@host:port/db` for a

@@ -20,9 +20,14 @@ pub struct Args {
     /// Replicas of the route (each a full set of workers)
     #[arg(long, default_value_t = 1)]
     replicas: usize,
-    /// Address the gateway serves HTTP on
-    #[arg(long, default_value = "127.0.0.1:8000")]
+    /// Address the gateway serves HTTP on (host:port, [v6]:port, or dgr://, tcp://, http:// before either)
+    #[arg(long, default_value = "127.0.0.1:8000", value_parser = crate::addr::one)]
     listen: String,
+    /// Address the swarm's tracker serves on (host:port, [v6]:port, or dgr://, tcp://, http://
+    /// before either); a worker on another host joins through it, so give a reachable one
+    /// (e.g. 0.0.0.0:7400) to grow the swarm beyond this host
+    #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::addr::one)]
+    tracker_listen: String,
     #[command(flatten)]
     keys: KeysArgs,
     #[command(flatten)]
@@ -49,7 +54,7 @@ pub fn run(a: Args) -> Result<()> {
     let micro_batches = a.workers.max(1);
     let started = Instant::now();
     eprint!("dgr up: tracker … ");
-    let tracker = LocalTracker::start_in(&crate::state::state_dir().join("up"), &["--heartbeat-ms", "1000"])?;
+    let tracker = LocalTracker::start_in(&crate::state::state_dir().join("up"), &a.tracker_listen, &["--heartbeat-ms", "1000"])?;
     eprintln!("{}", tracker.addr);
     let mut flags = tracker.join_flags();
     flags.extend(["--micro-batches".to_string(), micro_batches.to_string()]);
@@ -101,6 +106,14 @@ pub fn run(a: Args) -> Result<()> {
             "  try:         curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} \
              -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"
         );
+        eprintln!("  join token:  {}", tracker.token_file.display());
+        eprintln!("  add a worker from another host (copy the join token file and the model there first):");
+        eprintln!("    {}", add_worker_command(&tracker, &model, n_layers));
+        if tracker.addr.starts_with("127.") || tracker.addr.starts_with("[::1]") || tracker.addr.starts_with("localhost:") {
+            eprintln!(
+                "    (the tracker listens on loopback only: restart with --tracker-listen 0.0.0.0:7400 to take workers from other hosts)"
+            );
+        }
         eprintln!("  Ctrl-C stops everything.");
         dgr_gateway::serve(gw.clone(), listener, shutdown).await?;
         Ok(())
@@ -109,4 +122,20 @@ pub fn run(a: Args) -> Result<()> {
     drop(swarms);
     drop(tracker);
     result
+}
+
+/// The command that adds a whole replica of the model (every layer) on another host to this
+/// swarm; any layer range would do, the tracker composes routes from whatever joins.
+fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path, n_layers: usize) -> String {
+    let port = tracker.addr.rsplit_once(':').map_or("7400", |(_, p)| p);
+    let addr = if tracker.addr.starts_with("0.0.0.0:") || tracker.addr.starts_with("[::]:") {
+        format!("THIS_HOST:{port}")
+    } else {
+        tracker.addr.clone()
+    };
+    format!(
+        "dgr worker --tracker {addr} --join-token-file {} --model {} --layers 0..{n_layers} --listen 0.0.0.0:7401 --advertise THAT_HOST:7401",
+        tracker.token_file.display(),
+        model.display()
+    )
 }

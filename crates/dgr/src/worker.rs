@@ -12,8 +12,8 @@ pub struct Args {
     /// The layer range to serve, A..B (layers A to B-1; the first stage starts at 0, the last ends at the model's layer count)
     #[arg(long)]
     layers: String,
-    /// Address to serve the stage protocol (and GET /metrics) on; port 0 picks a free port
-    #[arg(long, default_value = "127.0.0.1:0")]
+    /// Address to serve the stage protocol (and GET /metrics) on (host:port, [v6]:port, or dgr://, tcp://, http:// before either); port 0 picks a free port
+    #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::addr::one)]
     listen: String,
     /// Most sessions open at once
     #[arg(long, default_value_t = 64)]
@@ -57,16 +57,20 @@ pub struct Args {
     /// Milliseconds a step may wait for more decoding sessions to arrive and join its batch
     #[arg(long, default_value_t = 2.0)]
     batch_wait_ms: f64,
-    /// Join these trackers (host:port, comma-separated: the trackers of one swarm): register and
-    /// heartbeat with each, report usage, and serve only sessions with a route ticket signed by
-    /// their key set. Without it the worker runs ticketless, for local use.
-    #[arg(long, env = "DGR_TRACKER", value_delimiter = ',')]
+    /// Join these trackers (each (host:port, [v6]:port, or dgr://, tcp://, http:// before either); comma-separated: the trackers of one swarm):
+    /// register and heartbeat with each, report usage, and serve only sessions with a route
+    /// ticket signed by their key set. Without it the worker runs ticketless, for local use.
+    #[arg(long, env = "DGR_TRACKER", value_delimiter = ',', value_parser = crate::addr::one)]
     tracker: Vec<String>,
+    /// Seconds to keep trying to join before giving up with a non-zero exit, when no tracker
+    /// has been joined yet (each failed attempt is logged with its reason)
+    #[arg(long, default_value_t = 60.0, requires = "tracker")]
+    join_timeout: f64,
     /// File holding the tracker's join token (needed with --tracker)
     #[arg(long, requires = "tracker")]
     join_token_file: Option<std::path::PathBuf>,
     /// The address routes should dial this worker on [default: the bound --listen address]
-    #[arg(long, requires = "tracker", conflicts_with = "relay")]
+    #[arg(long, requires = "tracker", conflicts_with = "relay", value_parser = crate::addr::one)]
     advertise: Option<String>,
     /// Open no listening port: keep a connection to the tracker and take sessions through its relay
     #[arg(long, requires = "tracker")]
@@ -156,6 +160,7 @@ pub fn run(a: Args) -> Result<()> {
                 join_token: crate::state::read_secret(token_file)?,
                 identity,
                 advertise,
+                join_timeout: positive(a.join_timeout, "join-timeout")?,
             });
         }
         let worker = Worker::open(cfg)?;

@@ -34,7 +34,10 @@ impl TrackerClient {
     pub async fn connect(addr: &str, timeout: Duration) -> Result<TrackerClient, TrackerCallError> {
         let io = |why: String| TrackerCallError::Io { addr: addr.into(), why };
         let s = tokio::time::timeout(timeout, TcpStream::connect(addr)).await.map_err(|_| io("connect timed out".into()))?;
-        let s = s.map_err(|e| io(e.to_string()))?;
+        let s = s.map_err(|e| match e.kind() {
+            std::io::ErrorKind::ConnectionRefused => io("connection refused: nothing listens there (check the address and port)".into()),
+            _ => io(e.to_string()),
+        })?;
         let _ = s.set_nodelay(true);
         let mut c =
             TrackerClient { addr: addr.into(), framed: Framed::new(s, codec(TRACKER_MAX_FRAME)), timeout, challenge: Challenge::default() };

@@ -5,6 +5,7 @@
 //! (tokio-util's length-delimited codec) with a size cap. Nothing in a frame is trusted: the
 //! `check_*` functions validate what a receiver is about to use.
 
+mod addr;
 mod check;
 mod client;
 mod codec;
@@ -14,6 +15,7 @@ mod seam;
 mod ticket;
 mod tracker;
 
+pub use addr::{parse_addr, parse_addrs, AddrError, SCHEMES};
 pub use check::{check_forward, check_open, session_id, ProtoError, SessionId};
 pub use client::{TrackerCallError, TrackerClient, TRACKER_MAX_FRAME};
 pub use codec::{codec, DEFAULT_MAX_FRAME};

@@ -44,6 +44,8 @@ pub struct TrackerLink {
     pub identity: dgr_proto::SigningKey,
     /// The address clients dial; None: relayed (no listening port, reached through the tracker).
     pub advertise: Option<String>,
+    /// How long the worker keeps trying before it gives up on ever joining (`serve` fails).
+    pub join_timeout: std::time::Duration,
 }
 
 impl TrackerLink {

@@ -3,7 +3,10 @@
 //! tracker is joined, until one acknowledges it), and dial back for relayed sessions. A lost
 //! tracker is re-joined with backoff capped below its heartbeat interval, so a restarted one
 //! lists this worker again within one interval; running sessions never notice (the data path
-//! does not touch a tracker). On shutdown the worker leaves them all at once.
+//! does not touch a tracker). On shutdown the worker leaves them all at once. Every failed
+//! attempt is said with its reason (refused connection, bad join token, bad key, version), so a
+//! wrong address or token is visible at once; `serve` gives up after the join timeout when no
+//! tracker was ever joined.
 //!
 //! A tracker connection holds at most `IN_FLIGHT` unacknowledged usage reports, and one whose
 //! oldest waits `ACK_HEARTBEATS` heartbeats for its Ack is given up, so a tracker that hangs
@@ -29,6 +32,8 @@ use tokio::time::Instant;
 
 const CONNECT: Duration = Duration::from_secs(3);
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
+/// The longest wait between attempts while no tracker has been joined yet.
+const UNJOINED_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// A tracker's heartbeat interval until it says (the tracker's default).
 const HEARTBEAT_DEFAULT: Duration = Duration::from_millis(1000);
 /// Usage reports waiting for a tracker; past this, the oldest are dropped (and counted).
@@ -142,6 +147,8 @@ pub(crate) struct Joiner {
     pub outbox: Arc<UsageOutbox>,
     /// Becomes true on shutdown: leave the tracker now.
     pub leave: watch::Receiver<bool>,
+    /// Set true at this worker's first join to any of its trackers.
+    pub joined: Arc<watch::Sender<bool>>,
 }
 
 enum Ended {
@@ -157,7 +164,9 @@ impl Joiner {
         let mut backoff = BACKOFF_MIN;
         let mut heartbeat = HEARTBEAT_DEFAULT;
         let mut announced = false;
+        let mut attempt = 0u64;
         loop {
+            attempt += 1;
             let mut unacked = Unacked::new();
             let mut joined_at = None;
             let ended = self.session(&mut unacked, &on_relay, &mut announced, &mut joined_at, &mut heartbeat).await;
@@ -168,6 +177,13 @@ impl Joiner {
                     if announced {
                         eprintln!("dgr worker: lost the tracker at {}: {why}; re-joining", self.tracker);
                         announced = false;
+                        attempt = 0;
+                    } else if joined_at.is_none() {
+                        eprintln!(
+                            "dgr worker: could not join the tracker at {} (attempt {attempt}): {why}; retrying in {} ms",
+                            self.tracker,
+                            backoff.as_millis()
+                        );
                     }
                     // Only after a session that lasted: one that takes the join and fails at once
                     // is not re-joined in a tight loop.
@@ -180,8 +196,10 @@ impl Joiner {
                 _ = tokio::time::sleep(backoff) => {}
                 _ = self.leave.changed() => return,
             }
-            // Below half an interval: a restarted tracker hears from this worker within one.
-            backoff = (backoff * 2).min(heartbeat / 2);
+            // Below half an interval: a restarted tracker hears from this worker within one. A
+            // tracker never joined yet is tried once a second at most, each failure said.
+            let cap = if *self.joined.borrow() { heartbeat / 2 } else { UNJOINED_BACKOFF_MAX };
+            backoff = (backoff * 2).min(cap);
         }
     }
 
@@ -195,6 +213,7 @@ impl Joiner {
     ) -> Ended {
         let mut client = match TrackerClient::connect(&self.tracker, CONNECT).await {
             Ok(c) => c,
+            Err(TrackerCallError::Refused(r)) => return Ended::Retry(refusal(&r)),
             Err(e) => return Ended::Retry(e.to_string()),
         };
         let Some(keys) = key_set(&client.challenge.keys) else {
@@ -209,16 +228,12 @@ impl Joiner {
         *heartbeat = match client.call(TrackerBody::Join(join)).await {
             Ok(TrackerBody::Joined(j)) => Duration::from_millis(j.heartbeat_ms.clamp(50, 60_000) as u64),
             Ok(_) => return Ended::Retry("unexpected answer to a join".into()),
-            Err(TrackerCallError::Refused(r)) => {
-                if r.refusal_kind() == RefusalKind::BadJoinToken {
-                    eprintln!("dgr worker: the tracker at {} refused the join token; check --join-token-file", self.tracker);
-                }
-                return Ended::Retry(r.message);
-            }
+            Err(TrackerCallError::Refused(r)) => return Ended::Retry(refusal(&r)),
             Err(e) => return Ended::Retry(e.to_string()),
         };
         self.gate.learn(&self.tracker, keys);
         *joined_at = Some(Instant::now());
+        self.joined.send_replace(true);
         if !*announced {
             eprintln!("dgr worker: joined the tracker at {} as {}", self.tracker, self.gate.worker_id);
             *announced = true;
@@ -299,6 +314,16 @@ impl Joiner {
             kv_used_tokens: m.kv_tokens_used.load(Relaxed),
             recent_step_us: recent,
         }
+    }
+}
+
+/// Why the tracker refused a join, in the words an operator fixes it with.
+fn refusal(r: &dgr_proto::Refused) -> String {
+    match r.refusal_kind() {
+        RefusalKind::BadJoinToken => format!("bad join token: {} (check --join-token-file)", r.message),
+        RefusalKind::BadSignature => format!("bad key: {} (check --key-file)", r.message),
+        RefusalKind::BadRequest if r.message.contains("protocol version") => format!("version: {}", r.message),
+        k => format!("refused ({}): {}", k.name(), r.message),
     }
 }
 

@@ -5,7 +5,7 @@
 use crate::join::{Joiner, TicketGate, UsageOutbox};
 use crate::scheduler::{Cmd, ConnId, ConnUse, Outbox, Scheduler};
 use crate::share::Holdings;
-use crate::{Metrics, WorkerConfig};
+use crate::{Metrics, TrackerLink, WorkerConfig};
 use bytes::Bytes;
 use dgr_engine::{Stage, StageOptions};
 use dgr_gguf::{Gguf, ModelIdentity};
@@ -48,6 +48,8 @@ pub enum WorkerError {
     Io(#[from] std::io::Error),
     #[error("the slice holds layers {}..{}, not all of {}..{}", .holds.start, .holds.end, .asked.start, .asked.end)]
     SliceRange { holds: std::ops::Range<u32>, asked: std::ops::Range<usize> },
+    #[error("joined none of the trackers at {trackers} within {} s (every attempt's reason is logged above)", .after.as_secs_f64())]
+    JoinTimeout { trackers: String, after: Duration },
 }
 
 /// A worker ready to serve: its stage is open and its scheduler is waiting.
@@ -189,6 +191,8 @@ impl Worker {
             holdings: self.holdings.clone(),
         });
         let (leave, leave_rx) = tokio::sync::watch::channel(false);
+        let (joined, joined_rx) = tokio::sync::watch::channel(false);
+        let joined = Arc::new(joined);
         if let (Some(link), Some(gate), Some(usage)) = (self.cfg.tracker.clone(), self.gate.clone(), self.usage.take()) {
             let reg = self.registration(link.advertise.clone().unwrap_or_default());
             let outbox = UsageOutbox::new(self.metrics.clone());
@@ -202,6 +206,7 @@ impl Worker {
                     metrics: self.metrics.clone(),
                     outbox: outbox.clone(),
                     leave: leave_rx.clone(),
+                    joined: joined.clone(),
                 };
                 let relay_shared = shared.clone();
                 tokio::spawn(joiner.run(move |stream| admit(stream, &relay_shared)));
@@ -210,7 +215,8 @@ impl Worker {
         // The scheduler returns once a drain completes; waiting for it runs on a blocking thread.
         let handle = self.scheduler;
         let stopped = tokio::task::spawn_blocking(move || handle.join());
-        tokio::pin!(shutdown, stopped);
+        let join_deadline = first_join(self.cfg.tracker.as_ref(), joined_rx);
+        tokio::pin!(shutdown, stopped, join_deadline);
         let mut draining = false;
         loop {
             tokio::select! {
@@ -223,6 +229,10 @@ impl Worker {
                     let _ = self.cmds.send(Cmd::Drain { deadline: Instant::now() + self.cfg.drain_timeout });
                 }
                 _ = &mut stopped => break,
+                err = &mut join_deadline, if !draining => {
+                    let _ = leave.send(true);
+                    return Err(err);
+                }
                 accepted = accept(listener.as_ref()) => {
                     if let Ok((stream, _)) = accepted {
                         admit(stream, &shared);
@@ -252,6 +262,17 @@ impl Worker {
             version: i.version.clone(),
         }
     }
+}
+
+/// Completes, with the error `serve` fails with, once the join timeout passes without a first
+/// join to any tracker; never for a ticketless worker or one that joined.
+async fn first_join(link: Option<&TrackerLink>, mut joined: tokio::sync::watch::Receiver<bool>) -> WorkerError {
+    if let Some(link) = link {
+        if tokio::time::timeout(link.join_timeout, joined.wait_for(|j| *j)).await.is_err() {
+            return WorkerError::JoinTimeout { trackers: link.addrs.join(", "), after: link.join_timeout };
+        }
+    }
+    std::future::pending().await
 }
 
 /// Serves a new connection, unless `max_connections` are open already: then it is closed at

@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Spawns `cmd`, returns the child, its first stdout line as JSON, and its stderr as it grows.
-fn spawn_ready(mut cmd: std::process::Command, what: &str) -> (Child, Value, Arc<Mutex<Vec<u8>>>) {
+pub fn spawn_ready(mut cmd: std::process::Command, what: &str) -> (Child, Value, Arc<Mutex<Vec<u8>>>) {
     let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning dgr");
     let stdout = child.stdout.take().unwrap();
     let mut stderr = child.stderr.take().unwrap();

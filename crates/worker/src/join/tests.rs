@@ -28,12 +28,19 @@ fn joiner(tracker: &str, outbox: &Arc<UsageOutbox>, leave: &watch::Receiver<bool
     let identity = dgr_proto::SigningKey::from_bytes(&[3; 32]);
     Joiner {
         tracker: tracker.into(),
-        link: TrackerLink { addrs: vec![tracker.into()], join_token: "token".into(), identity, advertise: None },
+        link: TrackerLink {
+            addrs: vec![tracker.into()],
+            join_token: "token".into(),
+            identity,
+            advertise: None,
+            join_timeout: Duration::from_secs(60),
+        },
         reg: Registration::default(),
         gate: Arc::new(TicketGate::new("w".into())),
         metrics: Arc::new(Metrics::default()),
         outbox: outbox.clone(),
         leave: leave.clone(),
+        joined: Arc::new(watch::channel(false).0),
     }
 }
 
