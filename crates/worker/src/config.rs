@@ -89,6 +89,7 @@ mod tests {
             join_token: String::new(),
             identity: dgr_proto::SigningKey::from_bytes(&[7; 32]),
             advertise: None,
+            join_timeout: std::time::Duration::from_secs(60),
         };
         assert_eq!(link.distinct_addrs(), ["b:1", "a:1", "c:1"]);
     }
