@@ -1,10 +1,10 @@
 use super::{median, peer, prompt, record, spread};
 use crate::error::{BenchError, Context, Result};
-use crate::model::ModelArg;
+use crate::model::{ModelArg, NumericsArg};
 use crate::plot::{self, Chart};
 use crate::swarm::{balanced_split, check_split, LocalSwarm};
 use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
-use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
+use dgr_engine::{open_engine, Input, LogitRows, SeqInput, Stage};
 use dgr_proto::{Sampling, SeamDtype};
 use plotters::chart::SeriesLabelPosition;
 use serde_json::json;
@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 pub struct Args {
     #[command(flatten)]
     model: ModelArg,
+    #[command(flatten)]
+    numerics: NumericsArg,
     /// Compute threads of each process
     #[arg(long, short = 't', default_value_t = 2)]
     threads: usize,
@@ -154,7 +156,7 @@ pub fn run(a: Args) -> Result<()> {
     let bin = peer::tool("llama-batched-bench", a.llama_batched_bench.as_deref())?;
     let g = a.model.open()?;
     let cfg = dgr_engine::ModelConfig::from_gguf(&g)?;
-    let stage = Stage::open(g, 0..cfg.n_layers, StageOptions { threads: a.threads, isa: None })?;
+    let stage = open_engine(g, 0..cfg.n_layers, a.numerics.spec(a.threads))?;
     let swarm;
     let addrs = match &a.route {
         Some(r) => r.split(',').map(|s| s.trim().to_string()).collect(),
@@ -162,7 +164,12 @@ pub fn run(a: Args) -> Result<()> {
             check_split(cfg.n_layers, a.split)?;
             let ranges = balanced_split(stage.gguf(), cfg.n_layers, a.split);
             let threads = a.worker_threads.unwrap_or(a.threads / a.split).max(1);
-            swarm = LocalSwarm::start(&model, &ranges, threads, &["--micro-batches".into(), a.micro_batches.to_string()])?;
+            swarm = LocalSwarm::start(
+                &model,
+                &ranges,
+                threads,
+                &[&a.numerics.worker_flags()?[..], &["--micro-batches".into(), a.micro_batches.to_string()]].concat(),
+            )?;
             swarm.addrs.clone()
         }
     };

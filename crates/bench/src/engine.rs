@@ -1,8 +1,8 @@
 use super::{median, peer, prompt, record, spread};
 use crate::bandwidth::{self, Reader};
 use crate::error::{BenchError, Result};
-use crate::model::ModelArg;
-use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
+use crate::model::{ModelArg, NumericsArg};
+use dgr_engine::{open_engine, Input, LogitRows, SeqInput, Stage};
 use dgr_gguf::Gguf;
 use serde_json::json;
 use std::path::PathBuf;
@@ -12,6 +12,8 @@ use std::time::Instant;
 pub struct Args {
     #[command(flatten)]
     model: ModelArg,
+    #[command(flatten)]
+    numerics: NumericsArg,
     /// Compute threads, for dgr and llama.cpp alike
     #[arg(long, short = 't', default_value_t = 2)]
     threads: usize,
@@ -88,7 +90,7 @@ pub fn run(a: Args) -> Result<()> {
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let per_token = weight_bytes_per_token(&g);
     let reader = if a.bandwidth_mib > 0 { Some(Reader::new(a.bandwidth_mib, a.threads)?) } else { None };
-    let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
+    let stage = open_engine(g, 0..n_layers, a.numerics.spec(a.threads))?;
     dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?; // warm-up: page in the weights
     let (mut dp, mut dd, mut lp, mut ld, mut tp, mut td) = (vec![], vec![], vec![], vec![], vec![], vec![]);
     let mut bw = vec![];
@@ -157,7 +159,7 @@ pub fn run(a: Args) -> Result<()> {
         &model,
         json!({
             "split": format!("one process, layers 0..{n_layers}"),
-            "engine": stage.engine(),
+            "engine": stage.engine().to_string(),
             "peer": { "tool": "llama-bench", "version": version, "model": record::model_field(&peer_model)? },
             "threads": a.threads,
             "isa": stage.isa().name(),

@@ -20,7 +20,7 @@ mod tracker;
 mod tracker_load;
 
 pub use error::{BenchError, Result};
-pub use model::ModelArg;
+pub use model::{ModelArg, NumericsArg};
 
 #[derive(clap::Subcommand)]
 pub enum Command {

@@ -2,6 +2,7 @@
 //! computes takes, the benchmarks' and the binary's alike.
 
 use crate::error::{BenchError, Result};
+use dgr_engine::{EngineSpec, Numerics};
 use dgr_gguf::Gguf;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,5 +43,33 @@ impl ModelArg {
     pub fn tokenizer(&self, g: &Gguf) -> Result<dgr_tokenizer::Tokenizer> {
         let p = self.path()?;
         dgr_tokenizer::Tokenizer::for_model(&p, g).map_err(|source| BenchError::Tokenizer { path: p.display().to_string(), source })
+    }
+}
+
+/// `--numerics` on every command that computes: how activations meet the weights.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct NumericsArg {
+    /// exact: f32 activations, within ~1e-6 of the float64 computation; fast: integer
+    /// activations (refused at start where the engine has no fast kernels)
+    #[arg(long, default_value = "exact", value_parser = numerics())]
+    pub numerics: Numerics,
+}
+
+fn numerics() -> impl clap::builder::TypedValueParser<Value = Numerics> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Numerics::ALL.iter().map(|n| n.name())).try_map(|s| s.parse::<Numerics>())
+}
+
+impl NumericsArg {
+    /// The engine spec for `threads` threads in these numerics.
+    pub fn spec(&self, threads: usize) -> EngineSpec {
+        EngineSpec { numerics: self.numerics, ..EngineSpec::threads(threads) }
+    }
+
+    /// The flags that start a `dgr worker` in these numerics, refused here first (before any
+    /// worker starts) if the CPU backend cannot compute in them.
+    pub fn worker_flags(&self) -> std::result::Result<[String; 2], dgr_engine::EngineError> {
+        dgr_engine::check_numerics(dgr_engine::BackendKind::Cpu, self.numerics)?;
+        Ok(["--numerics".into(), self.numerics.name().into()])
     }
 }

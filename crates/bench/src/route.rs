@@ -1,10 +1,10 @@
 use super::{median, peer, record, spread};
 use crate::error::{BenchError, Context, Result};
 use crate::local::{self, Request};
-use crate::model::ModelArg;
+use crate::model::{ModelArg, NumericsArg};
 use crate::swarm::{check_split, even_split, LocalSwarm};
 use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
-use dgr_engine::{SamplingParams, Stage, StageOptions};
+use dgr_engine::{open_engine, SamplingParams};
 use dgr_proto::{Sampling, SeamDtype};
 use serde_json::json;
 use std::path::PathBuf;
@@ -14,6 +14,8 @@ use std::process::{Child, Command, Stdio};
 pub struct Args {
     #[command(flatten)]
     model: ModelArg,
+    #[command(flatten)]
+    numerics: NumericsArg,
     /// Compute threads of each process (each worker, the one process, each rpc-server)
     #[arg(long, short = 't', default_value_t = 2)]
     threads: usize,
@@ -55,9 +57,9 @@ pub fn run(a: Args) -> Result<()> {
     let rpc = peer::tool("ggml-rpc-server", a.rpc_server.as_deref())?;
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
-    let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads, isa: None })?;
+    let stage = open_engine(g, 0..n_layers, a.numerics.spec(a.threads))?;
     check_split(n_layers, a.split)?;
-    let swarm = LocalSwarm::start(&model, &even_split(n_layers, a.split), a.threads, &[])?;
+    let swarm = LocalSwarm::start(&model, &even_split(n_layers, a.split), a.threads, &a.numerics.worker_flags()?)?;
     let ports: Vec<u16> = (0..a.split as u16).map(|i| 50100 + i).collect();
     let servers = RpcServers(
         ports

@@ -44,7 +44,7 @@ pub struct Args {
 const CALL: Duration = Duration::from_secs(10);
 const WARMUP: Duration = Duration::from_secs(2);
 const HEARTBEAT_MS: u64 = 1000;
-const ENGINE: &str = "gguf-cpu-f32";
+const ENGINE: &str = "gguf-cpu-exact";
 const KEY: &str = "dgr-bench-tracker-load-key";
 const KEY_NAME: &str = "bench";
 /// Far above what a run bills, so no request is refused, yet checked on every route.

@@ -1,8 +1,8 @@
-use crate::model::{ModelArg, ThreadsArg};
+use crate::model::{ModelArg, NumericsArg, ThreadsArg};
 use crate::routed;
 use anyhow::{bail, Result};
 use dgr_bench::local::{self, Request};
-use dgr_engine::{SamplingParams, Stage, StageOptions};
+use dgr_engine::{open_engine, BackendKind, EngineId, SamplingParams};
 use dgr_tokenizer::ChatMessage;
 use std::io::Write;
 
@@ -12,6 +12,8 @@ pub struct Args {
     model: ModelArg,
     #[command(flatten)]
     threads: ThreadsArg,
+    #[command(flatten)]
+    numerics: NumericsArg,
     /// The prompt (tokenized as llama.cpp tokenizes a completion prompt)
     #[arg(long, short = 'p')]
     prompt: String,
@@ -85,7 +87,8 @@ pub fn run(a: Args) -> Result<()> {
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let (out, extra) = if a.route.route.is_some() || a.route.split.is_some() || a.route.tracker.is_some() {
         let is_eog = |t: u32| tok.is_eog(t);
-        match routed::generate(&a.route, &a.model.path()?, n_layers, a.threads.get(), &req, &is_eog, &mut print)? {
+        let engine = EngineId { format: dgr_engine::Format::of(&g), backend: BackendKind::Cpu, numerics: a.numerics.numerics };
+        match routed::generate(&a.route, &a.model.path()?, n_layers, (a.threads.get(), engine), &req, &is_eog, &mut print)? {
             Ok(v) => v,
             Err(e) => {
                 println!("{}", serde_json::json!({ "error": e }));
@@ -94,7 +97,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     } else {
         crate::die_on_broken_pipe();
-        let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads.get(), isa: None })?;
+        let stage = open_engine(g, 0..n_layers, a.numerics.spec(a.threads.get()))?;
         let out = local::generate(&stage, |t| tok.is_eog(t), &req, &mut print)?;
         (out, serde_json::json!({ "threads": stage.threads(), "isa": stage.isa().name() }))
     };

@@ -1,4 +1,5 @@
 use anyhow::{Context, Result};
+use dgr_engine::{BackendKind, EngineId, Format};
 use dgr_gguf::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -21,12 +22,17 @@ fn show(v: &Value) -> String {
 
 pub fn run(a: Args) -> Result<()> {
     let (g, id) = dgr_hf::describe(&a.file).with_context(|| format!("reading and hashing {}", a.file.display()))?;
+    let format = Format::of(&g);
+    let engines: Vec<String> = dgr_engine::available_numerics(BackendKind::Cpu)
+        .iter()
+        .map(|&numerics| EngineId { format, backend: BackendKind::Cpu, numerics }.to_string())
+        .collect();
     if g.is_assembled() {
-        let engine = dgr_engine::TRANSFORMERS_ENGINE;
-        println!("checkpoint: {} (Transformers layout, engine {engine}; names and metadata below in GGUF's terms)", a.file.display());
+        println!("checkpoint: {} (Transformers layout; names and metadata below in GGUF's terms)", a.file.display());
     } else {
         println!("file: {} (GGUF v{}, alignment {})", a.file.display(), g.version(), g.alignment());
     }
+    println!("engines: {} (the first is the default)", engines.join(", "));
     match g.slice() {
         Some(s) => println!(
             "slice: layers {}..{} of model {} ({} of its {} tensors here, every one verified)",

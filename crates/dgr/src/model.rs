@@ -1,6 +1,6 @@
 //! The arguments that say what a command computes on and with how many threads.
 
-pub use dgr_bench::ModelArg;
+pub use dgr_bench::{ModelArg, NumericsArg};
 
 /// `--threads N` on every command that computes.
 #[derive(clap::Args, Clone, Copy, Debug)]

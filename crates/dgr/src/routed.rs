@@ -3,7 +3,9 @@
 use anyhow::{bail, Context, Result};
 use dgr_bench::local::Request;
 use dgr_bench::swarm::LocalSwarm;
+use dgr_bench::NumericsArg;
 use dgr_driver::{generate_recovering, tracker, Completion, DriveError, DriveOptions, FailKind, Flow, GenRequest, Route};
+use dgr_engine::EngineId;
 use dgr_proto::{Sampling, SeamDtype};
 use std::path::Path;
 use std::time::Duration;
@@ -38,7 +40,7 @@ pub fn generate(
     a: &RouteArgs,
     model: &Path,
     n_layers: usize,
-    threads: usize,
+    (threads, engine): (usize, EngineId),
     req: &Request,
     is_eog: &dyn Fn(u32) -> bool,
     on_token: &mut dyn FnMut(u32),
@@ -51,7 +53,12 @@ pub fn generate(
         (Some(r), _) => r.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
         (None, Some(n)) => {
             dgr_bench::swarm::check_split(n_layers, n)?;
-            swarm = LocalSwarm::start(model, &dgr_bench::swarm::even_split(n_layers, n), threads, &[])?;
+            swarm = LocalSwarm::start(
+                model,
+                &dgr_bench::swarm::even_split(n_layers, n),
+                threads,
+                &NumericsArg { numerics: engine.numerics }.worker_flags()?,
+            )?;
             swarm.addrs.clone()
         }
         (None, None) if a.tracker.is_some() => Vec::new(),
@@ -65,13 +72,17 @@ pub fn generate(
         let (route, ticket, request_id) = match &a.tracker {
             Some(t) => {
                 let request_id = tracker::new_request_id();
-                let (route, ticket) = tracker::route(t, &model_id, budget, &a.api_key, &request_id, &[]).await?;
+                let (route, ticket) = tracker::route(t, &model_id, &engine.to_string(), budget, &a.api_key, &request_id, &[]).await?;
                 (route, Some(ticket), request_id)
             }
             None => (Route::discover(&addrs, opts.connect_timeout).await?, None, String::new()),
         };
         if route.model_id() != model_id {
             let msg = format!("the route serves model {} but --model is {model_id}", route.model_id());
+            return Err(DriveError::new(FailKind::Route, Some(0), Some(&route.stages[0].addr), msg));
+        }
+        if route.stages[0].info.engine != engine.to_string() {
+            let msg = format!("the route computes with engine {} but this run asks for {engine}", route.stages[0].info.engine);
             return Err(DriveError::new(FailKind::Route, Some(0), Some(&route.stages[0].addr), msg));
         }
         let g = GenRequest {
@@ -99,11 +110,11 @@ pub fn generate(
         };
         // Through a tracker a failed stage is replaced and the session replayed; a ticketless
         // route has no one to ask.
-        let replan = |exclude: Vec<String>, budget: u64| {
+        let replan = |exclude: Vec<String>, budget: u64, engine: String| {
             let (tracker, model_id, key, request_id) = (a.tracker.clone(), model_id.clone(), a.api_key.clone(), request_id.clone());
             async move {
                 let t = tracker.ok_or_else(|| DriveError::new(FailKind::Route, None, None, "no tracker"))?;
-                tracker::route(&t, &model_id, budget, &key, &request_id, &exclude).await.map(|(r, t)| (r, Some(t)))
+                tracker::route(&t, &model_id, &engine, budget, &key, &request_id, &exclude).await.map(|(r, t)| (r, Some(t)))
             }
         };
         let replays = if a.tracker.is_some() { 3 } else { 0 };

@@ -1,6 +1,6 @@
-use crate::model::{ModelArg, ThreadsArg};
+use crate::model::{ModelArg, NumericsArg, ThreadsArg};
 use anyhow::{bail, Context, Result};
-use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
+use dgr_engine::{open_engine, Input, LogitRows, SeqInput, Stage};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -8,6 +8,8 @@ pub struct Args {
     model: ModelArg,
     #[command(flatten)]
     threads: ThreadsArg,
+    #[command(flatten)]
+    numerics: NumericsArg,
     /// The prompt (tokenized as for a completion)
     #[arg(long, short = 'p')]
     prompt: String,
@@ -42,7 +44,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("the prompt is empty");
     }
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
-    let stage = Stage::open(g, 0..n_layers, StageOptions { threads: a.threads.get(), isa: None })?;
+    let stage = open_engine(g, 0..n_layers, a.numerics.spec(a.threads.get()))?;
     let vocab = stage.config().vocab;
     if let Some(t) = continuation.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {t} in --continuation is outside the vocabulary of {vocab}");

@@ -29,6 +29,8 @@ pub struct Args {
     #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::addr::one)]
     tracker_listen: String,
     #[command(flatten)]
+    numerics: dgr_bench::NumericsArg,
+    #[command(flatten)]
     keys: KeysArgs,
     #[command(flatten)]
     limits: LimitArgs,
@@ -38,6 +40,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.workers == 0 || a.replicas == 0 {
         bail!("--workers and --replicas must be at least 1");
     }
+    let numerics = a.numerics.worker_flags()?;
     let model = match &a.model {
         Some(m) => m.clone(),
         None => crate::fetch::default_model()?,
@@ -57,6 +60,7 @@ pub fn run(a: Args) -> Result<()> {
     let tracker = LocalTracker::start_in(&crate::state::state_dir().join("up"), &a.tracker_listen, &["--heartbeat-ms", "1000"])?;
     eprintln!("{}", tracker.addr);
     let mut flags = tracker.join_flags();
+    flags.extend(numerics);
     flags.extend(["--micro-batches".to_string(), micro_batches.to_string()]);
     let mut swarms = Vec::new();
     for r in 0..a.replicas {

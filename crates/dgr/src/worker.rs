@@ -1,4 +1,4 @@
-use crate::model::{ModelArg, ThreadsArg};
+use crate::model::{ModelArg, NumericsArg, ThreadsArg};
 use anyhow::{bail, Context, Result};
 use dgr_worker::{Worker, WorkerConfig};
 use std::time::Duration;
@@ -9,6 +9,8 @@ pub struct Args {
     model: ModelArg,
     #[command(flatten)]
     threads: ThreadsArg,
+    #[command(flatten)]
+    numerics: NumericsArg,
     /// The layer range to serve, A..B (layers A to B-1; the first stage starts at 0, the last ends at the model's layer count)
     #[arg(long)]
     layers: String,
@@ -119,6 +121,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let mut cfg = WorkerConfig::new(model, layers);
     cfg.threads = a.threads.get();
+    cfg.numerics = a.numerics.numerics;
     cfg.max_sessions = a.max_sessions.max(1);
     cfg.kv_budget_tokens = a.kv_tokens.max(1);
     cfg.idle_timeout = secs(a.idle_timeout, "idle-timeout")?;

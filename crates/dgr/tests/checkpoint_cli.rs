@@ -64,5 +64,5 @@ fn tokenize_and_inspect_read_a_checkpoint() {
     assert_eq!(out["tokens"], p["ids"]);
     let shown = run(&["inspect", dir]);
     let id = dgr_hf::identity(Path::new(dir)).unwrap().id;
-    assert!(shown.contains("transformers-cpu-f32") && shown.contains(&id), "{shown}");
+    assert!(shown.contains("transformers-cpu-exact") && shown.contains(&id), "{shown}");
 }

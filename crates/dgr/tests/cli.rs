@@ -339,6 +339,7 @@ fn inspect_describes_the_model() {
     assert!(out.status.success(), "inspect: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("architecture: llama"), "no llama architecture in:\n{text}");
+    assert!(text.contains("engines: gguf-cpu-exact"), "no engine in:\n{text}");
     assert!(text.contains("layers 30"), "not 30 layers:\n{text}");
     for ty in ["Q4_1", "Q8_0", "F32"] {
         assert!(text.lines().any(|l| l.split_whitespace().next() == Some(ty)), "tensor type {ty} not listed:\n{text}");
@@ -424,4 +425,26 @@ fn a_missing_default_model_points_at_the_fetch_script() {
     let err = expect_clean_failure(cmd);
     assert!(err.contains("scripts/fetch-model.sh"), "the message does not mention scripts/fetch-model.sh: {err}");
     assert!(Path::new(&dir.0).read_dir().unwrap().next().is_none(), "dgr wrote into the empty model dir");
+}
+
+/// A mode the engine has no kernels for is refused at start, naming the modes there are; an
+/// unknown one is refused by the argument parser with the list.
+#[test]
+fn numerics_the_engine_cannot_run_are_refused_at_start_with_the_modes_available() {
+    let model = model();
+    let model = model.to_str().unwrap();
+    let worker = ["worker", "--model", model, "--layers", "0..30"];
+    let generate = ["generate", "--model", model, "-p", "hi", "-n", "1"];
+    let score = ["score", "--model", model, "--prompt", "hi", "--continuation", "1"];
+    let up = ["up", "--model", model, "--listen", "127.0.0.1:0"];
+    for args in [&worker[..], &generate[..], &score[..], &up[..]] {
+        let mut cmd = dgr();
+        cmd.args(args).args(["--numerics", "fast"]);
+        let err = expect_clean_failure(cmd);
+        assert!(err.contains("numerics fast is not available on this engine; available: exact"), "{args:?}: {err}");
+        let mut cmd = dgr();
+        cmd.args(args).args(["--numerics", "f32"]);
+        let err = expect_clean_failure(cmd);
+        assert!(err.contains("invalid value 'f32'") && err.contains("[possible values: exact, fast]"), "{args:?}: {err}");
+    }
 }

@@ -65,7 +65,7 @@ pub async fn generate_recovering<F, Fut>(
     max_replays: usize,
 ) -> Recovered
 where
-    F: FnMut(Vec<String>, u64) -> Fut,
+    F: FnMut(Vec<String>, u64, String) -> Fut,
     Fut: Future<Output = Result<Ticketed, DriveError>>,
 {
     let started = Instant::now();
@@ -74,6 +74,8 @@ where
     let (mut attempts, mut recoveries) = (Vec::new(), Vec::<Recovery>::new());
     let mut exclude: Vec<String> = Vec::new();
     let (mut route, mut ticket) = first;
+    // A replay runs on the engine the session started on: another engine computes other bits.
+    let engine = route.stages.first().map(|s| s.info.engine.clone()).unwrap_or_default();
     loop {
         let session = ticket.as_ref().map(|(_, id)| *id).unwrap_or_default();
         let mut prompt = req.prompt_tokens.clone();
@@ -127,7 +129,16 @@ where
                 // Negative until the replacement's first token: then the stall (see above).
                 let detected_ms = (Instant::now() - started).as_secs_f64() * 1e3;
                 let budget = (req.prompt_tokens.len() + req.max_tokens) as u64;
-                match replan(exclude.clone(), budget).await {
+                let replanned = replan(exclude.clone(), budget, engine.clone()).await.and_then(|(r, t)| match r.stages.first() {
+                    Some(s) if s.info.engine != engine => Err(DriveError::new(
+                        FailKind::Route,
+                        None,
+                        None,
+                        format!("the replacement route runs engine {:?}, not {engine:?}", s.info.engine),
+                    )),
+                    _ => Ok((r, t)),
+                });
+                match replanned {
                     Ok((r, t)) => {
                         recoveries.push(Recovery {
                             kind: e.kind,

@@ -26,11 +26,12 @@ pub fn new_request_id() -> String {
     hex::encode(b)
 }
 
-/// A route for `model_id` from the tracker, avoiding the workers in `exclude`, with its ticket
-/// and the session id it names.
+/// A route for `model_id` from the tracker, on `engine` (empty: any), avoiding the workers in
+/// `exclude`, with its ticket and the session id it names.
 pub async fn route(
     tracker: &str,
     model_id: &str,
+    engine: &str,
     budget_tokens: u64,
     api_key: &str,
     request_id: &str,
@@ -38,6 +39,7 @@ pub async fn route(
 ) -> Result<(Route, (SignedTicket, [u8; 16])), DriveError> {
     let ask = RouteRequest {
         model_id: model_id.into(),
+        engine: engine.into(),
         budget_tokens,
         api_key: api_key.into(),
         request_id: request_id.into(),

@@ -3,7 +3,7 @@
 //! dgr's CPU [`Stage`] without either changing. The contract each engine keeps: a sequence's
 //! output is bitwise independent of what it is batched with and of how the layers are split.
 
-use crate::{EngineError, ModelConfig, SeqInput, SeqOutput, Stage};
+use crate::{EngineError, EngineId, ModelConfig, SeqInput, SeqOutput, Stage};
 use std::ops::Range;
 
 /// A sequence's state over the layers it runs on a stage (its KV cache).
@@ -21,9 +21,9 @@ pub trait SeqState: Send {
 /// One stage's layers of a model, computed batched.
 pub trait Engine: Send + 'static {
     type State: SeqState;
-    /// The engine's name: a compatibility key field, sent in a worker's registration and
+    /// The engine's id: a compatibility key field, sent in a worker's registration and
     /// boundary schema.
-    fn name(&self) -> &'static str;
+    fn id(&self) -> EngineId;
     fn config(&self) -> &ModelConfig;
     /// The layers this stage holds.
     fn layers(&self) -> Range<usize>;
@@ -55,7 +55,7 @@ impl SeqState for crate::KvCache {
 
 impl Engine for Stage {
     type State = crate::KvCache;
-    fn name(&self) -> &'static str {
+    fn id(&self) -> EngineId {
         self.engine()
     }
     fn config(&self) -> &ModelConfig {

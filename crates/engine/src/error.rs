@@ -1,3 +1,4 @@
+use crate::Numerics;
 use dgr_gguf::GgufError;
 use std::ops::Range;
 
@@ -27,6 +28,12 @@ pub enum EngineError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("sequence would hold {needed} positions, past its capacity of {capacity}")]
     ContextFull { needed: usize, capacity: usize },
+    #[error("numerics {asked} is not available on this engine; available: {}", names(available))]
+    NumericsUnavailable { asked: Numerics, available: &'static [Numerics] },
     #[error("bad input: {0}")]
     BadInput(String),
+}
+
+fn names(n: &[Numerics]) -> String {
+    n.iter().map(|n| n.name()).collect::<Vec<_>>().join(", ")
 }

@@ -8,7 +8,7 @@ use crate::backend::cpu::ops;
 use crate::backend::cpu::pool::{Disjoint, ThreadPool};
 use crate::config::ModelConfig;
 use crate::kv::{KvCache, Window};
-use crate::EngineError;
+use crate::{BackendKind, EngineError, EngineId, EngineSpec, Format, Numerics};
 use dgr_gguf::{GgmlType, Gguf};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,24 +66,6 @@ pub struct SeqOutput {
     pub logits: Vec<f32>,
 }
 
-#[derive(Clone, Copy, Debug)]
-pub struct StageOptions {
-    pub threads: usize,
-    /// The instruction set to use; `None` picks the best this CPU has.
-    pub isa: Option<Isa>,
-}
-
-impl Default for StageOptions {
-    fn default() -> Self {
-        StageOptions { threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), isa: None }
-    }
-}
-
-/// GGUF files computed by dgr's CPU kernels: f32 activations, fixed-order reductions.
-pub const GGUF_ENGINE: &str = "gguf-cpu-f32";
-/// Transformers checkpoints (see dgr-hf) computed by the same kernels.
-pub const TRANSFORMERS_ENGINE: &str = "transformers-cpu-f32";
-
 pub struct Stage {
     gguf: Arc<Gguf>,
     cfg: ModelConfig,
@@ -92,6 +74,7 @@ pub struct Stage {
     layers: Vec<Layer>,
     head: Option<Head>,
     isa: Isa,
+    numerics: Numerics,
     pool: ThreadPool,
     id: u64,
 }
@@ -112,9 +95,8 @@ fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
 }
 
 impl Stage {
-    /// Opens layers `range` of the model: only those layers' tensors, plus the embedding when
-    /// the range starts at 0 and the final norm and head when it ends at the last layer.
-    pub fn open(gguf: Arc<Gguf>, range: Range<usize>, opts: StageOptions) -> Result<Stage, EngineError> {
+    /// Opens layers `range` of the model (see [`crate::open_engine`], which checked `spec`).
+    pub(crate) fn open(gguf: Arc<Gguf>, range: Range<usize>, spec: EngineSpec) -> Result<Stage, EngineError> {
         let cfg = ModelConfig::from_gguf(&gguf)?;
         if range.start >= range.end || range.end > cfg.n_layers {
             return Err(EngineError::BadLayerRange { start: range.start, end: range.end, n_layers: cfg.n_layers });
@@ -161,7 +143,7 @@ impl Stage {
         } else {
             None
         };
-        let isa = opts.isa.unwrap_or_else(Isa::detect);
+        let isa = spec.isa.unwrap_or_else(Isa::detect);
         Ok(Stage {
             gguf,
             cfg,
@@ -170,7 +152,8 @@ impl Stage {
             layers,
             head,
             isa,
-            pool: ThreadPool::new(opts.threads),
+            numerics: spec.numerics,
+            pool: ThreadPool::new(spec.threads),
             id: NEXT_STAGE_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -203,14 +186,10 @@ impl Stage {
         &self.gguf
     }
 
-    /// The engine computing this stage: the model's format and the CPU numerics (a
+    /// The engine computing this stage: the model's format, the backend and the numerics (a
     /// compatibility key field: sessions of different engines never share a batch or a route).
-    pub fn engine(&self) -> &'static str {
-        if self.gguf.is_assembled() {
-            TRANSFORMERS_ENGINE
-        } else {
-            GGUF_ENGINE
-        }
+    pub fn engine(&self) -> EngineId {
+        EngineId { format: Format::of(&self.gguf), backend: BackendKind::Cpu, numerics: self.numerics }
     }
 
     /// Bytes of weights this stage reads.

@@ -1,9 +1,10 @@
 //! One body, many shapes: a sequence's logits are bitwise the same however the model is split
 //! into stages, whatever it is batched with, however many threads run it and whichever
-//! instruction set the kernels use.
+//! instruction set the kernels use — on every registered engine (`registered_specs`: each
+//! backend × numerics), each against its own solo run.
 
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::{EngineError, Input, Isa, KvCache, LogitRows, SeqInput, Stage, StageOptions};
+use dgr_engine::{open_engine, EngineError, EngineSpec, Input, Isa, KvCache, LogitRows, SeqInput, Stage};
 use dgr_gguf::{GgmlType, Gguf};
 use std::ops::Range;
 use std::sync::Arc;
@@ -47,9 +48,10 @@ fn hops(cuts: &[usize]) -> impl Iterator<Item = Range<usize>> {
 /// Runs `prompts` concurrently through `shape`, prefill then `steps` greedy decode steps, and
 /// returns each sequence's logits at every step. The sequences of one route run as one batch at
 /// each hop; routes take turns on the stages they share.
-fn run(g: &Arc<Gguf>, shape: &Shape, threads: usize, isa: Isa, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<Vec<f32>>> {
-    let opts = StageOptions { threads, isa: Some(isa) };
-    let stages: Vec<Stage> = shape.held.iter().map(|r| Stage::open(g.clone(), r.clone(), opts).unwrap()).collect();
+fn run(g: &Arc<Gguf>, shape: &Shape, on: (EngineSpec, usize, Isa), prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<Vec<f32>>> {
+    let (spec, threads, isa) = on;
+    let opts = EngineSpec { threads, isa: Some(isa), ..spec };
+    let stages: Vec<Stage> = shape.held.iter().map(|r| open_engine(g.clone(), r.clone(), opts).unwrap()).collect();
     let n_routes = shape.routes.len();
     // kvs[i][j]: sequence i's KV cache for hop j of its route.
     let mut kvs: Vec<Vec<KvCache>> = (0..prompts.len())
@@ -93,8 +95,8 @@ fn bits(v: &[Vec<Vec<f32>>]) -> Vec<Vec<Vec<u32>>> {
 }
 
 /// Each sequence alone, unsplit, one thread, scalar kernels: the reference.
-fn solo(g: &Arc<Gguf>, ps: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
-    ps.iter().map(|p| run(g, &Shape::split(&[]), 1, Isa::SCALAR, std::slice::from_ref(p), 3).remove(0)).collect()
+fn solo(g: &Arc<Gguf>, spec: EngineSpec, ps: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
+    ps.iter().map(|p| run(g, &Shape::split(&[]), (spec, 1, Isa::SCALAR), std::slice::from_ref(p), 3).remove(0)).collect()
 }
 
 #[test]
@@ -118,14 +120,17 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
     for (ty, arch) in shapes {
         let g = model(ty, arch);
         let ps = prompts(300);
-        let solo = solo(&g, &ps);
-        assert!(solo.iter().all(|s| s.iter().all(|l| l.iter().all(|x| x.is_finite()))));
-        for cuts in [&[][..], &[3][..], &[2, 4][..]] {
-            for batch in [1usize, 2, 4, 8] {
-                for isa in Isa::available() {
-                    let threads = 1 + batch % 3;
-                    let got = run(&g, &Shape::split(cuts), threads, isa, &ps[..batch], 3);
-                    assert_eq!(bits(&got), bits(&solo[..batch]), "{ty:?} {arch} cuts={cuts:?} batch={batch} {isa:?} threads={threads}");
+        for spec in dgr_engine::registered_specs() {
+            let solo = solo(&g, spec, &ps);
+            assert!(solo.iter().all(|s| s.iter().all(|l| l.iter().all(|x| x.is_finite()))));
+            for cuts in [&[][..], &[3][..], &[2, 4][..]] {
+                for batch in [1usize, 2, 4, 8] {
+                    for isa in Isa::available() {
+                        let threads = 1 + batch % 3;
+                        let got = run(&g, &Shape::split(cuts), (spec, threads, isa), &ps[..batch], 3);
+                        let what = format!("{ty:?} {arch} {:?} cuts={cuts:?} batch={batch} {isa:?} threads={threads}", spec.numerics);
+                        assert_eq!(bits(&got), bits(&solo[..batch]), "{what}");
+                    }
                 }
             }
         }
@@ -135,10 +140,10 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
 #[test]
 fn bad_inputs_are_typed_errors_and_leave_state_untouched() {
     let g = model(GgmlType::Q4_1, "llama");
-    let first = Stage::open(g.clone(), 0..3, StageOptions { threads: 1, isa: None }).unwrap();
-    let second = Stage::open(g.clone(), 3..6, StageOptions { threads: 1, isa: None }).unwrap();
-    assert!(Stage::open(g.clone(), 4..4, StageOptions::default()).is_err());
-    assert!(Stage::open(g.clone(), 0..LAYERS + 1, StageOptions::default()).is_err());
+    let first = open_engine(g.clone(), 0..3, EngineSpec::threads(1)).unwrap();
+    let second = open_engine(g.clone(), 3..6, EngineSpec::threads(1)).unwrap();
+    assert!(open_engine(g.clone(), 4..4, EngineSpec::default()).is_err());
+    assert!(open_engine(g.clone(), 0..LAYERS + 1, EngineSpec::default()).is_err());
     let mut kv = first.new_kv(4);
     let mut other = second.new_kv(4);
     let bad = |stage: &Stage, kv: &mut dgr_engine::KvCache, input: Input| {
@@ -160,7 +165,7 @@ fn bad_inputs_are_typed_errors_and_leave_state_untouched() {
 fn a_last_stage_step_whose_rows_need_no_logits_computes_them_all_the_same() {
     // A scheduler runs a prompt's early chunks with no logits asked for, on the last stage too.
     let g = model(GgmlType::Q4_1, "llama");
-    let whole = Stage::open(g, 0..LAYERS, StageOptions { threads: 2, isa: None }).unwrap();
+    let whole = open_engine(g, 0..LAYERS, EngineSpec::threads(2)).unwrap();
     let (mut a, mut b) = (whole.new_kv(8), whole.new_kv(8));
     let last = |stage: &Stage, kv: &mut dgr_engine::KvCache, toks: &[u32]| {
         stage.forward(&mut [SeqInput { kv, input: Input::Tokens(toks), logits: LogitRows::Last }]).unwrap().remove(0).logits
@@ -183,15 +188,18 @@ fn overlapping_stages_compose_through_sub_ranges() {
     for (ty, arch) in [(GgmlType::Q8_0, "qwen2"), (GgmlType::Q4_K, "llama"), (GgmlType::F16, "llama")] {
         let g = model(ty, arch);
         let ps = prompts(300);
-        let solo = solo(&g, &ps[..4]);
-        for shape in &shapes {
-            // Batch 1 along each route alone, then batch 4 with the routes mixed.
-            let each = shape.routes.iter().map(|r| (Shape { routes: vec![r.clone()], ..shape.clone() }, 1));
-            for (shape, batch) in each.chain([(shape.clone(), 4)]) {
-                for isa in Isa::available() {
-                    let got = run(&g, &shape, 2, isa, &ps[..batch], 3);
-                    let routes = &shape.routes;
-                    assert_eq!(bits(&got), bits(&solo[..batch]), "{ty:?} {arch} held={:?} routes={routes:?} {isa:?}", shape.held);
+        for spec in dgr_engine::registered_specs() {
+            let solo = solo(&g, spec, &ps[..4]);
+            for shape in &shapes {
+                // Batch 1 along each route alone, then batch 4 with the routes mixed.
+                let each = shape.routes.iter().map(|r| (Shape { routes: vec![r.clone()], ..shape.clone() }, 1));
+                for (shape, batch) in each.chain([(shape.clone(), 4)]) {
+                    for isa in Isa::available() {
+                        let got = run(&g, &shape, (spec, 2, isa), &ps[..batch], 3);
+                        let (routes, numerics) = (&shape.routes, spec.numerics);
+                        let what = format!("{ty:?} {arch} {numerics:?} held={:?} routes={routes:?} {isa:?}", shape.held);
+                        assert_eq!(bits(&got), bits(&solo[..batch]), "{what}");
+                    }
                 }
             }
         }
@@ -201,8 +209,8 @@ fn overlapping_stages_compose_through_sub_ranges() {
 #[test]
 fn sub_ranges_outside_the_stage_or_mixed_in_one_forward_are_typed_errors() {
     let g = model(GgmlType::Q4_1, "llama");
-    let opts = StageOptions { threads: 1, isa: None };
-    let (front, back) = (Stage::open(g.clone(), 0..4, opts).unwrap(), Stage::open(g.clone(), 2..6, opts).unwrap());
+    let opts = EngineSpec::threads(1);
+    let (front, back) = (open_engine(g.clone(), 0..4, opts).unwrap(), open_engine(g.clone(), 2..6, opts).unwrap());
     for (stage, sub) in [(&front, 0..5), (&front, 3..3), (&front, 4..6), (&back, 1..3), (&back, 0..6)] {
         assert!(matches!(stage.new_kv_for(4, sub), Err(EngineError::BadSubRange { .. })));
     }

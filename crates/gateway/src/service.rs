@@ -307,9 +307,10 @@ impl Gateway {
             Flow::Continue
         };
         // A failed stage is replaced by a route that avoids it; the session's tokens replay.
-        let replan = |exclude: Vec<String>, budget: u64| {
+        let replan = |exclude: Vec<String>, budget: u64, engine: String| {
             let ask = RouteRequest {
                 model_id: job.model.model_id.clone(),
+                engine,
                 budget_tokens: budget,
                 api_key: job.api_key.clone(),
                 request_id: request_id.clone(),

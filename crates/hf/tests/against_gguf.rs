@@ -7,7 +7,7 @@ mod common;
 
 use common::{write_checkpoint, TempDir};
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::{Arch, Input, LogitRows, ModelConfig, SeqInput, Stage, StageOptions};
+use dgr_engine::{open_engine, Arch, EngineSpec, Input, LogitRows, ModelConfig, SeqInput, Stage};
 use dgr_gguf::{GgmlType, Gguf};
 use dgr_hf::Checkpoint;
 use std::sync::Arc;
@@ -17,8 +17,8 @@ const LAYERS: usize = 6;
 /// Logits of `prompt` and then 4 greedy steps through stages over `cuts`.
 fn run(g: &Arc<Gguf>, cuts: &[usize], prompt: &[u32]) -> Vec<Vec<f32>> {
     let bounds: Vec<usize> = [0].into_iter().chain(cuts.iter().copied()).chain([LAYERS]).collect();
-    let opts = StageOptions { threads: 2, isa: None };
-    let stages: Vec<Stage> = bounds.windows(2).map(|b| Stage::open(g.clone(), b[0]..b[1], opts).unwrap()).collect();
+    let opts = EngineSpec::threads(2);
+    let stages: Vec<Stage> = bounds.windows(2).map(|b| open_engine(g.clone(), b[0]..b[1], opts).unwrap()).collect();
     let mut kvs: Vec<_> = stages.iter().map(|s| s.new_kv(64)).collect();
     let mut tokens = prompt.to_vec();
     let mut out = Vec::new();
@@ -74,7 +74,7 @@ fn half_precision_checkpoints_and_shards_compute_as_their_gguf() {
 /// Last-row logits of each prompt, its prefill batched with the others `b` at a time, then 3
 /// greedy steps batched the same way.
 fn batched(g: &Arc<Gguf>, prompts: &[Vec<u32>], b: usize) -> Vec<Vec<Vec<f32>>> {
-    let stage = Stage::open(g.clone(), 0..LAYERS, StageOptions { threads: 2, isa: None }).unwrap();
+    let stage = open_engine(g.clone(), 0..LAYERS, EngineSpec::threads(2)).unwrap();
     let mut out = vec![Vec::new(); prompts.len()];
     for (c, chunk) in prompts.chunks(b).enumerate() {
         let mut kvs: Vec<_> = chunk.iter().map(|_| stage.new_kv(64)).collect();

@@ -10,7 +10,7 @@
 //! - the same checkpoints converted by llama.cpp's convert_hf_to_gguf.py, run by dgr's GGUF
 //!   engine, give the same tokens, and in F32 the same logits bit for bit.
 
-use dgr_engine::{Input, LogitRows, SeqInput, Stage, StageOptions};
+use dgr_engine::{open_engine, EngineSpec, Input, LogitRows, SeqInput};
 use dgr_gguf::Gguf;
 use dgr_tokenizer::Tokenizer;
 use serde_json::Value;
@@ -39,7 +39,7 @@ fn references() -> Vec<(String, Value)> {
 /// Logits (one row per position) of `tokens` through the whole model, one forward.
 fn all_logits(g: &Arc<Gguf>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let n = dgr_engine::ModelConfig::from_gguf(g).unwrap().n_layers;
-    let stage = Stage::open(g.clone(), 0..n, StageOptions { threads: 2, isa: None }).unwrap();
+    let stage = open_engine(g.clone(), 0..n, EngineSpec::threads(2)).unwrap();
     let mut kv = stage.new_kv(tokens.len());
     let out = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(tokens), logits: LogitRows::All }]).unwrap();
     let vocab = stage.config().vocab;

@@ -1,6 +1,7 @@
 //! Which sessions may share a forward. Within one worker most of the key is the same for every
 //! session, but it is still the whole key that decides, as a type, not a convention.
 
+use dgr_engine::EngineId;
 use dgr_proto::SeamDtype;
 use std::sync::Arc;
 
@@ -21,7 +22,7 @@ pub struct KvLayout {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CompatKey {
     /// The compute engine and its numerics.
-    pub engine: &'static str,
+    pub engine: EngineId,
     /// The recipe: model identity and layer range.
     pub model_id: Arc<str>,
     pub layers: (u32, u32),

@@ -8,6 +8,8 @@ pub struct WorkerConfig {
     pub model: PathBuf,
     pub layers: Range<usize>,
     pub threads: usize,
+    /// The numerics the stage computes in (part of its engine id).
+    pub numerics: dgr_engine::Numerics,
     /// Most sessions open at once.
     pub max_sessions: usize,
     /// KV positions held across all sessions; a session reserves its `max_positions` at open.
@@ -63,6 +65,7 @@ impl WorkerConfig {
             model,
             layers,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            numerics: dgr_engine::Numerics::Exact,
             max_sessions: 64,
             kv_budget_tokens: 1 << 16,
             idle_timeout: Duration::from_secs(120),

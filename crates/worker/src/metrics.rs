@@ -4,7 +4,7 @@ use crate::compat::Phase;
 use dgr_proto::{ErrorKind, SeamDtype, TicketError};
 use dgr_telemetry::prom::{Kind::*, Text};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 #[derive(Default)]
 pub struct Metrics {
@@ -38,6 +38,8 @@ pub struct Metrics {
     pub nonfinite_frames: AtomicU64,
     /// 1 once the scheduler has begun a drain (SIGTERM): from then on it refuses new sessions.
     pub draining: AtomicU64,
+    /// The engine id the stage computes with, set once it is open (the `dgr_worker_info` label).
+    pub engine: OnceLock<String>,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
     tickets_refused: Mutex<Vec<(TicketError, u64)>>,
     batches: Mutex<Vec<BatchCount>>,
@@ -80,6 +82,9 @@ impl Metrics {
         let get = |a: &AtomicU64| a.load(Relaxed);
         t.metric("dgr_worker_rss_bytes", "Resident set size of the worker process.", Gauge, rss_bytes());
         t.metric("dgr_worker_weight_bytes", "Bytes of the weights this stage reads.", Gauge, get(&self.weight_bytes));
+        if let Some(engine) = self.engine.get() {
+            t.family("dgr_worker_info", "What this worker computes with (always 1).", Gauge).sample(&[("engine", engine)], 1);
+        }
         t.metric("dgr_worker_sessions_open", "Sessions holding state on this worker.", Gauge, get(&self.sessions_open));
         t.metric("dgr_worker_kv_bytes_used", "KV cache bytes held by open sessions.", Gauge, get(&self.kv_bytes_used));
         t.metric("dgr_worker_kv_bytes_capacity", "KV cache bytes this worker may hold.", Gauge, get(&self.kv_bytes_capacity));

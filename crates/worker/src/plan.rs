@@ -109,11 +109,14 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
 mod tests {
     use super::*;
     use crate::compat::KV_LAYOUT;
+    use dgr_engine::{BackendKind, EngineId, Format, Numerics};
     use dgr_proto::SeamDtype;
     use std::time::Duration;
 
+    const GGUF_EXACT: EngineId = EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact };
+
     fn key(phase: Phase, seam_dtype: SeamDtype) -> CompatKey {
-        CompatKey { engine: dgr_engine::GGUF_ENGINE, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype, kv: KV_LAYOUT }
+        CompatKey { engine: GGUF_EXACT, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype, kv: KV_LAYOUT }
     }
 
     fn ready(i: u8, phase: Phase, dtype: SeamDtype, rows: usize, age_ms: u64) -> Ready {
@@ -141,12 +144,16 @@ mod tests {
 
     #[test]
     fn sessions_of_two_engines_never_share_a_batch() {
-        let mut r = vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 3), ready(2, Phase::Decode, SeamDtype::F32, 1, 2)];
-        r[1].key.engine = dgr_engine::TRANSFORMERS_ENGINE;
-        r.push(ready(3, Phase::Decode, SeamDtype::F32, 1, 1));
-        let b = plan(r, 3, &Policy::default());
-        let ids: Vec<Vec<u8>> = b.iter().map(|b| b.items.iter().map(|(id, _)| id[0]).collect()).collect();
-        assert_eq!(ids, vec![vec![1, 3], vec![2]]);
+        let other_format = EngineId { format: Format::Transformers, ..GGUF_EXACT };
+        let other_numerics = EngineId { numerics: Numerics::Fast, ..GGUF_EXACT };
+        for other in [other_format, other_numerics] {
+            let mut r = vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 3), ready(2, Phase::Decode, SeamDtype::F32, 1, 2)];
+            r[1].key.engine = other;
+            r.push(ready(3, Phase::Decode, SeamDtype::F32, 1, 1));
+            let b = plan(r, 3, &Policy::default());
+            let ids: Vec<Vec<u8>> = b.iter().map(|b| b.items.iter().map(|(id, _)| id[0]).collect()).collect();
+            assert_eq!(ids, vec![vec![1, 3], vec![2]], "{other}");
+        }
     }
 
     #[test]

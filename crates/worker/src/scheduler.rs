@@ -458,7 +458,7 @@ impl<E: Engine> Scheduler<E> {
 
     fn key(&self, s: &Session<E::State>, phase: Phase) -> CompatKey {
         CompatKey {
-            engine: self.stage.name(),
+            engine: self.stage.id(),
             model_id: self.model_id.clone(),
             layers: (s.kv.layers().start as u32, s.kv.layers().end as u32),
             phase,
@@ -711,7 +711,7 @@ impl<E: Engine> Scheduler<E> {
 mod tests {
     use super::*;
     use dgr_engine::synth::SynthSpec;
-    use dgr_engine::StageOptions;
+    use dgr_engine::{open_engine, EngineSpec};
     use std::ops::Range;
     use tokio::sync::mpsc::{channel, Receiver as Inbox};
 
@@ -720,7 +720,7 @@ mod tests {
     fn scheduler(held: Range<usize>, budget: usize) -> Scheduler {
         let spec = SynthSpec { layers: 6, ..SynthSpec::default() };
         let gguf = Arc::new(dgr_gguf::Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap());
-        let stage = Stage::open(gguf, held.clone(), StageOptions { threads: 1, isa: None }).unwrap();
+        let stage = open_engine(gguf, held.clone(), EngineSpec::threads(1)).unwrap();
         let schema = BoundarySchema {
             protocol_version: dgr_proto::PROTOCOL_VERSION,
             model_id: "m".into(),
@@ -728,7 +728,7 @@ mod tests {
             layer_end: held.end as u32,
             hidden: stage.config().hidden as u32,
             seam_dtype: SeamDtype::F32 as i32,
-            engine: stage.engine().into(),
+            engine: stage.engine().to_string(),
         };
         let mut cfg = WorkerConfig::new("m.gguf".into(), held);
         cfg.kv_budget_tokens = budget;

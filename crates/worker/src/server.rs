@@ -7,7 +7,7 @@ use crate::scheduler::{Cmd, ConnId, ConnUse, Outbox, Scheduler};
 use crate::share::Holdings;
 use crate::{Metrics, TrackerLink, WorkerConfig};
 use bytes::Bytes;
-use dgr_engine::{Stage, StageOptions};
+use dgr_engine::{open_engine, EngineSpec, Stage};
 use dgr_gguf::{Gguf, ModelIdentity};
 use dgr_proto::{
     Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, OpenSession, Ping, Registration, Role, SeamDtype, StageInfo, TicketError,
@@ -116,7 +116,7 @@ impl Worker {
             }
             _ => None,
         };
-        let stage = Stage::open(gguf, cfg.layers.clone(), StageOptions { threads: cfg.threads, isa: None })?;
+        let stage = open_engine(gguf, cfg.layers.clone(), EngineSpec { numerics: cfg.numerics, ..EngineSpec::threads(cfg.threads) })?;
         let c = stage.config();
         let info = StageInfo {
             model_id: model_id.clone(),
@@ -127,7 +127,7 @@ impl Worker {
             vocab: c.vocab as u32,
             max_positions: c.context as u64,
             version: env!("CARGO_PKG_VERSION").into(),
-            engine: stage.engine().into(),
+            engine: stage.engine().to_string(),
         };
         let schema = BoundarySchema {
             protocol_version: PROTOCOL_VERSION,
@@ -140,6 +140,7 @@ impl Worker {
         };
         let step_us_per_layer = measure_step(&stage)?;
         let metrics = Arc::new(Metrics::default());
+        let _ = metrics.engine.set(info.engine.clone());
         let (cmds, rx) = sync_channel(COMMANDS);
         let (usage_tx, usage) = match cfg.tracker {
             Some(_) => {

@@ -6,3 +6,7 @@ pub(crate) mod kernels;
 pub(crate) mod matrix;
 pub(crate) mod ops;
 pub(crate) mod pool;
+
+/// The numerics these kernels compute. Fast (integer activations) goes here once its kernels
+/// do, with the branch on the stage's numerics in `matrix::matmul`.
+pub(crate) const NUMERICS: &[crate::Numerics] = &[crate::Numerics::Exact];
