@@ -1,7 +1,6 @@
 //! A `Stage`: the weights of one contiguous layer range, and one batched forward over many
 //! sequences, each at its own positions.
 
-use crate::backend::cpu::denormal::FlushSubnormals;
 use crate::backend::cpu::kernels::Isa;
 use crate::backend::cpu::matrix::{matmul, Matrix, Product};
 use crate::backend::cpu::ops;
@@ -278,7 +277,6 @@ impl Stage {
     /// a batch must run the same layers. Each sequence's result is bitwise what it would be
     /// alone: every operation is per row or per sequence, and every reduction has a fixed order.
     pub fn forward(&self, batch: &mut [SeqInput]) -> Result<Vec<SeqOutput>, EngineError> {
-        let _flush = FlushSubnormals::on();
         let Some(sub) = batch.first().map(|s| s.kv.layers.clone()) else { return Ok(Vec::new()) };
         let mut rows_of = Vec::with_capacity(batch.len());
         for s in batch.iter() {

@@ -55,11 +55,20 @@ pub struct Gguf {
 
 impl Gguf {
     /// Maps `path` read-only and validates it.
+    ///
+    /// # The file must not change while it is mapped
+    ///
+    /// This and every other map of a model file (a slice's runs, a checkpoint's shards) assume
+    /// that no process writes to or truncates the file while the `Gguf` lives: a write would
+    /// change bytes behind a `&[u8]` (undefined behaviour), a truncation faults the reader
+    /// (SIGBUS). dgr itself never does either: it writes every model file, slice and fetched
+    /// tensor to a temporary file and renames it into place, which leaves an open map on the
+    /// old file. This is the one thing the safe API takes on trust from its environment (as
+    /// ARCHITECTURE.md says); keep model files out of reach of other writers.
     pub fn open(path: &Path) -> Result<Gguf, GgufError> {
         let io = |source| GgufError::Io { path: path.to_owned(), source };
         let file = File::open(path).map_err(io)?;
-        // SAFETY: the mapping is read-only; as with any mmap, another process truncating or
-        // rewriting the file while it is mapped is outside what this crate can guard against.
+        // SAFETY: read-only, and the file does not change while mapped (see above).
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
         Self::whole(Bytes::Mapped(map))
     }

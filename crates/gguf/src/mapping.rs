@@ -38,8 +38,8 @@ impl Held {
 pub(crate) fn map_range(file: &File, start: u64, end: u64) -> std::io::Result<(Mmap, usize)> {
     let from = start - start % MAP_ALIGN;
     let len = usize::try_from(end - from).map_err(std::io::Error::other)?;
-    // SAFETY: the mapping is read-only; as with any mmap, another process truncating or
-    // rewriting the file while it is mapped is outside what this crate can guard against.
+    // SAFETY: read-only, and the file does not change while mapped: the invariant stated on
+    // `Gguf::open`, which every map of a model file relies on.
     let map = unsafe { MmapOptions::new().offset(from).len(len).map(file) }?;
     Ok((map, (start - from) as usize))
 }

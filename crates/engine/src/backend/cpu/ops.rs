@@ -108,13 +108,33 @@ unsafe fn activate_avx2(act: Activation, g: &mut [f32], u: &[f32]) {
 #[inline(always)]
 fn activate_body(act: Activation, g: &mut [f32], u: &[f32]) {
     match act {
-        Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = *a * sigmoid(*a) * b),
+        Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = flush(*a * sigmoid(*a) * b)),
         // GELU's tanh form (ggml's `gelu`): 0.5 x (1 + tanh(y)) = x sigmoid(2y).
         Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| {
             const SQRT_2_OVER_PI: f32 = 0.797_884_6;
             let x = *a;
-            *a = x * sigmoid(2.0 * SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)) * b
+            *a = flush(x * sigmoid(2.0 * SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)) * b)
         }),
+    }
+}
+
+/// Magnitudes below this are taken as zero where they leave for a matrix product (an FFN
+/// activation, an attention weight). An activation of a large negative gate underflows, and a
+/// multiply-add whose operand or product is subnormal takes a microcode assist on x86 (about a
+/// hundred times one that is not): flushed here, every such product has a normal operand times a
+/// weight that keeps it normal (any weight above 2^-62). No global floating-point mode is set
+/// (Rust assumes the default one, so changing MXCSR would be undefined behaviour). A term this
+/// small, times a weight below 1, is under half the f32 step of any sum above 2^-40: it moves
+/// none of them.
+const TINY: f32 = 1.0 / 18_446_744_073_709_551_616.0; // 2^-64
+
+/// `x`, or zero when it is below [`TINY`] in magnitude: a select, so it vectorizes.
+#[inline(always)]
+fn flush(x: f32) -> f32 {
+    if x.abs() < TINY {
+        0.0
+    } else {
+        x
     }
 }
 
@@ -233,7 +253,7 @@ fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offs
     let s = &*s;
     for o0 in (0..out.len()).step_by(BLOCK) {
         let len = BLOCK.min(out.len() - o0);
-        sums(&mut out[o0..o0 + len], s.iter().enumerate().map(|(j, &p)| (p * inv, &v[j * stride + offset + o0..][..len])));
+        sums(&mut out[o0..o0 + len], s.iter().enumerate().map(|(j, &p)| (flush(p * inv), &v[j * stride + offset + o0..][..len])));
     }
 }
 
@@ -402,6 +422,18 @@ mod tests {
                 activate(isa, act, &mut got, &u);
                 assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{act:?} on {isa:?}");
             }
+        }
+    }
+
+    #[test]
+    fn underflowing_activations_leave_as_zero_never_subnormal() {
+        let xs: Vec<f32> = (0..=40_000).map(|i| -(i as f32) * 5e-3).collect();
+        let u = vec![1e-3; xs.len()];
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            let mut g = xs.clone();
+            activate(Isa::SCALAR, act, &mut g, &u);
+            assert!(g.iter().all(|y| *y == 0.0 || y.abs() >= TINY), "{act:?}");
+            assert!(g.contains(&0.0) && g.iter().any(|y| y.abs() < 1e-10 && *y != 0.0), "{act:?}: the range crosses TINY");
         }
     }
 

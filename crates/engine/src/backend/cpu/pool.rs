@@ -212,7 +212,6 @@ fn wait(ready: impl Fn() -> bool) {
 }
 
 fn worker(s: &Shared) {
-    crate::backend::cpu::denormal::FlushSubnormals::forever();
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;
