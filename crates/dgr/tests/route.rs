@@ -221,19 +221,22 @@ fn a_route_reproduces_the_whole_model_bitwise_on_every_reference_prompt() {
 fn a_32_token_greedy_decode_over_a_route_equals_the_unsplit_model() {
     let _serial = serial();
     let p = prompt("once");
-    let args = ["--prompt", &p.text, "--max-tokens", "32", "--ignore-eos"];
-    let mut a = args.to_vec();
-    a.extend(["--threads", "1"]);
-    let whole = generate_json(&a);
-    assert_eq!(whole["tokens"].as_array().unwrap().len(), 32);
-    for cuts in SPLITS {
-        let w = Workers::start(cuts, &[]);
-        let route = w.route();
+    for numerics in common::numerics() {
+        let args = ["--prompt", &p.text, "--max-tokens", "32", "--ignore-eos", "--numerics", numerics];
         let mut a = args.to_vec();
-        a.extend(["--route", &route]);
-        let got = generate_json(&a);
-        assert_same_generation(&got, &whole, &format!("32 greedy tokens over {}", layers_of(cuts)));
-        println!("{}: 32 greedy tokens identical to the unsplit model: {:?}", layers_of(cuts), got["text"]);
+        a.extend(["--threads", "1"]);
+        let whole = generate_json(&a);
+        assert_eq!(whole["tokens"].as_array().unwrap().len(), 32);
+        for cuts in SPLITS {
+            // generate --route checks that the route's engine is the one --numerics names.
+            let w = Workers::start(cuts, &["--numerics", numerics]);
+            let route = w.route();
+            let mut a = args.to_vec();
+            a.extend(["--route", &route]);
+            let got = generate_json(&a);
+            assert_same_generation(&got, &whole, &format!("{numerics}: 32 greedy tokens over {}", layers_of(cuts)));
+            println!("{numerics} {}: 32 greedy tokens identical to the unsplit model: {:?}", layers_of(cuts), got["text"]);
+        }
     }
 }
 

@@ -64,6 +64,15 @@ pub fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The `--numerics` of every engine this build registers (`dgr_engine::registered_specs`): the
+/// suites that hold the engine's contract (a route equals the whole model, a batch equals its
+/// solo runs) run once per entry, so registering a new one tests it.
+pub fn numerics() -> Vec<&'static str> {
+    let mut n: Vec<&'static str> = dgr_engine::registered_specs().iter().map(|s| s.numerics.name()).collect();
+    n.dedup();
+    n
+}
+
 pub fn layers_of(cuts: &[usize]) -> String {
     cuts.windows(2).map(|w| format!("[{},{})", w[0], w[1])).collect::<Vec<_>>().join("+")
 }
