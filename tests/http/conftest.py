@@ -244,18 +244,21 @@ class NoWorkerTouched:
         return False
 
 
-def start_swarm(workdir: Path) -> Swarm:
+def start_swarm(
+    workdir: Path, model: Path | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS, log_name: str = "dgr-up.log"
+) -> Swarm:
+    """`dgr up` on the default model, or on `model`."""
     assert DGR.is_file(), f"{DGR} is missing: build it with `cargo build --release -p dgr`"
     state = workdir / "state"
     keys = workdir / "api-keys"
     keys.write_text("".join(f"{name} {key} {quota}\n" for name, (key, quota) in KEYS.items()))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = ARTIFACTS / "dgr-up.log"
+    log = ARTIFACTS / log_name
     env = dict(os.environ, DGR_STATE_DIR=str(state))
     cmd = [
         str(DGR), "up", "--workers", "2", "--listen", "127.0.0.1:0", "--api-keys", str(keys),
-        "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
-        "--max-body-bytes", str(MAX_BODY_BYTES),
+        "--max-prompt-tokens", str(max_prompt_tokens), "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
+        "--max-body-bytes", str(MAX_BODY_BYTES), *(["--model", str(model)] if model else []),
     ]  # fmt: skip
     # Its own process group, as a shell job is: Ctrl-C then reaches dgr up and what it started.
     proc = subprocess.Popen(

@@ -43,6 +43,10 @@ pub struct Args {
     seed: u64,
     #[arg(long, default_value_t = 2048)]
     context: usize,
+    /// A Jinja chat template to write as tokenizer.chat_template (e.g. a Qwen template, to test
+    /// tool calls in that family's format)
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -87,7 +91,12 @@ pub fn run(a: Args) -> Result<()> {
         context: a.context,
         arch,
     };
-    spec.writer()?.write_to_path(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    let mut w = spec.writer()?;
+    if let Some(path) = &a.chat_template {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        w.add_metadata("tokenizer.chat_template", dgr_gguf::Value::String(text))?;
+    }
+    w.write_to_path(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
     let len = std::fs::metadata(&a.out).with_context(|| format!("reading {}", a.out.display()))?.len();
     eprintln!("wrote {} ({len} bytes)", a.out.display());
     Ok(())

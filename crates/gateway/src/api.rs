@@ -131,13 +131,26 @@ async fn serve(gw: Arc<Gateway>, req: Request, chat: bool) -> Response {
 /// model, the prompt and the limits.
 fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Result<(Job, Params), ApiError> {
     let body = ReqBody::parse(bytes)?;
-    let params = body.params(chat)?;
+    let mut params = body.params(chat)?;
     let model = gw.model(&body.model)?;
-    let constraint = match crate::structured::requested(body.response_format.as_ref(), body.grammar.as_deref())? {
-        Some((grammar, param)) => Some(model.grammars.compile(grammar, param)?),
+    let tok = &model.tokenizer;
+    if !chat && (body.tools.is_some() || body.tool_choice.is_some()) {
+        return Err(ApiError::bad_request("tools are for chat completions").param("tools"));
+    }
+    params.tools = crate::tools::requested(body.tools.as_ref(), body.tool_choice.as_ref(), tok.chat_template().unwrap_or(""))?;
+    let asked = crate::structured::requested(body.response_format.as_ref(), body.grammar.as_deref())?;
+    let call_grammar = match &params.tools {
+        Some(t) => t.grammar()?,
         None => None,
     };
-    let tok = &model.tokenizer;
+    let constraint = match (asked, call_grammar) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request("a required or named tool call cannot also take a response_format").param("tool_choice"))
+        }
+        (Some((grammar, param)), None) => Some(model.grammars.compile(grammar, param)?),
+        (None, Some(grammar)) => Some(model.grammars.compile(grammar, "tools")?),
+        (None, None) => None,
+    };
     let prompt = if chat {
         if body.prompt.is_some() {
             return Err(ApiError::bad_request("chat completions take messages, not a prompt").param("prompt"));
@@ -146,17 +159,27 @@ fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Resul
         if messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty").param("messages"));
         }
-        let mut chat_messages = Vec::with_capacity(messages.len());
-        for m in messages {
-            if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
-                return Err(ApiError::bad_request(format!("message role {:?} is not supported", m.role)).param("messages"));
+        let with_tools = params.tools.is_some() || messages.iter().any(|m| m.role == "tool" || m.tool_calls.is_some());
+        let text = if with_tools {
+            let turns = crate::tools::turns(messages)?;
+            let turns = match &params.tools {
+                Some(t) => t.messages(turns),
+                None => turns,
+            };
+            let tools = params.tools.as_ref().and_then(|t| t.template_tools());
+            tok.apply_chat_template_with_tools(&serde_json::Value::Array(turns), tools, true)
+        } else {
+            let mut chat_messages = Vec::with_capacity(messages.len());
+            for m in messages {
+                if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
+                    return Err(ApiError::bad_request(format!("message role {:?} is not supported", m.role)).param("messages"));
+                }
+                let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+                chat_messages.push(ChatMessage::new(role, m.text()?));
             }
-            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
-            chat_messages.push(ChatMessage::new(role, m.text()?));
-        }
-        let text = tok
-            .apply_chat_template(&chat_messages, true)
-            .map_err(|e| ApiError::bad_request(format!("the chat template failed: {e}")).param("messages"))?;
+            tok.apply_chat_template(&chat_messages, true)
+        };
+        let text = text.map_err(|e| ApiError::bad_request(format!("the chat template failed: {e}")).param("messages"))?;
         tok.encode_chat(&text).map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?
     } else {
         if body.messages.is_some() {

@@ -12,6 +12,7 @@ mod respond;
 mod service;
 mod structured;
 mod text;
+mod tools;
 mod verify;
 
 pub use dashboard::swarm_json;

@@ -42,6 +42,12 @@ pub struct Message {
     /// A participant's name: accepted, and not part of what the model sees.
     #[serde(default, rename = "name")]
     _name: Option<serde::de::IgnoredAny>,
+    /// An assistant turn's calls (`tools`).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` turn's answer to this call.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -85,6 +91,12 @@ pub struct Body {
     pub response_format: Option<Value>,
     /// A Lark grammar the completion must follow (llguidance's dialect).
     pub grammar: Option<String>,
+    /// Functions the model may call (chat), and whether and which it must (see `tools`).
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    /// Accepted; a constrained call (`required`, a named function) is one call.
+    #[serde(rename = "parallel_tool_calls")]
+    _parallel_tool_calls: Option<bool>,
 }
 
 /// Most alternatives per token a request may ask for (OpenAI's own limit).
@@ -106,6 +118,8 @@ pub struct Params {
     /// Streams always end with a usage chunk, asked for (stream_options.include_usage) or not.
     pub stream: bool,
     pub ignore_eos: bool,
+    /// The request's tools, read against the model's template (chat only).
+    pub tools: Option<crate::tools::Tools>,
 }
 
 fn bad(param: &str, msg: impl Into<String>) -> ApiError {
@@ -195,6 +209,7 @@ impl Body {
             logprobs,
             stream,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            tools: None,
         })
     }
 }
@@ -250,8 +265,8 @@ mod tests {
             let e = parse(json).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{json}: {e:?}");
         }
-        let e = parse(r#"{"model":"m","prompt":"x","tools":[]}"#).unwrap_err();
-        assert!(e.message.contains("tools"), "{e:?}");
+        let e = parse(r#"{"model":"m","prompt":"x","functions":[]}"#).unwrap_err();
+        assert!(e.message.contains("functions"), "{e:?}");
         assert!(parse(r#"{"prompt":"x"}"#).is_err());
         assert!(parse("not json").is_err());
     }

@@ -3,6 +3,7 @@
 
 use crate::openai::Params;
 use crate::service::{Piece, ServedModel};
+use crate::tools;
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -118,7 +119,13 @@ pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
     };
     let logprobs = lp.render(0);
     let choice = if shape.chat {
-        json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": logprobs, "finish_reason": finish(reason) })
+        let (content, calls) = split_calls(&shape, text);
+        let (message, reason) = if calls.is_empty() {
+            (json!({ "role": "assistant", "content": content }), finish(reason))
+        } else {
+            (json!({ "role": "assistant", "content": content, "tool_calls": tools::tool_calls_json(&calls, false) }), "tool_calls")
+        };
+        json!({ "index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason })
     } else {
         json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish(reason) })
     };
@@ -132,6 +139,19 @@ pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
         "usage": usage(shape.prompt_tokens, completion),
     }))
     .into_response()
+}
+
+/// The answer's tool calls and the text beside them, when the request has tools to call.
+fn split_calls(shape: &Shape, text: String) -> (Option<String>, Vec<tools::Call>) {
+    match shape.params.tools.as_ref().filter(|t| t.parses()) {
+        Some(t) => t.parse(&text),
+        None => (Some(text), Vec::new()),
+    }
+}
+
+/// Whether a stream holds its text back until the end, to send it as calls if it is any.
+fn holds_for_calls(shape: &Shape) -> bool {
+    shape.chat && shape.params.tools.as_ref().is_some_and(|t| t.parses())
 }
 
 fn event(v: &Value) -> axum::body::Bytes {
@@ -151,8 +171,10 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
         started: bool,
         text_len: usize,
         done: bool,
+        /// The text so far, while it may turn out to be tool calls.
+        held: String,
     }
-    let st = St { shape, rx, chunk, started: false, text_len: 0, done: false };
+    let st = St { shape, rx, chunk, started: false, text_len: 0, done: false, held: String::new() };
     let body = futures::stream::unfold(st, |mut st| async move {
         if st.done {
             return None;
@@ -167,6 +189,7 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
         // chunk: wait for one that does.
         while out.is_empty() && !st.done {
             match st.rx.recv().await {
+                Some(Piece::Token { text, .. }) if holds_for_calls(&st.shape) => st.held.push_str(&text),
                 Some(Piece::Token { id, text, logprob, top }) => {
                     let lp = Logprobs { shape: &st.shape, tokens: vec![(id, logprob, top)] }.render(st.text_len);
                     st.text_len += text.len();
@@ -184,7 +207,23 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
                     match end {
                         Err(e) => out.extend_from_slice(&event(&e.body())),
                         Ok(finish_reason) => {
-                            let choice = if st.shape.chat {
+                            let (text, calls) = if holds_for_calls(&st.shape) {
+                                let held = std::mem::take(&mut st.held) + &text;
+                                let (content, calls) = split_calls(&st.shape, held);
+                                (content.unwrap_or_default(), calls)
+                            } else {
+                                (text, Vec::new())
+                            };
+                            let choice = if !calls.is_empty() {
+                                if !text.is_empty() {
+                                    let c = json!({ "index": 0, "delta": { "content": text }, "logprobs": null, "finish_reason": null });
+                                    out.extend_from_slice(&event(&(st.chunk)(&st.shape, c)));
+                                }
+                                let c = json!({ "index": 0, "delta": { "tool_calls": tools::tool_calls_json(&calls, true) },
+                                    "logprobs": null, "finish_reason": null });
+                                out.extend_from_slice(&event(&(st.chunk)(&st.shape, c)));
+                                json!({ "index": 0, "delta": {}, "logprobs": null, "finish_reason": "tool_calls" })
+                            } else if st.shape.chat {
                                 json!({ "index": 0, "delta": if text.is_empty() { json!({}) } else { json!({ "content": text }) },
                                 "logprobs": null, "finish_reason": finish(finish_reason) })
                             } else {

@@ -121,13 +121,20 @@ pub fn requested(response_format: Option<&Value>, grammar: Option<&str>) -> Resu
 /// A JSON schema as a grammar of compact JSON (one space after `,` and `:`, no other
 /// whitespace, so a model cannot pad forever). `strict` refuses keywords the compiler does not
 /// enforce; otherwise they are ignored, as a loose validator would.
-pub fn json_schema(mut schema: Value, strict: bool) -> Result<TopLevelGrammar, ApiError> {
-    let Some(obj) = schema.as_object_mut() else {
+pub fn json_schema(schema: Value, strict: bool) -> Result<TopLevelGrammar, ApiError> {
+    if !schema.is_object() {
         return Err(ApiError::bad_request("the JSON schema must be an object").param("response_format"));
-    };
-    obj.entry("x-guidance")
-        .or_insert_with(|| json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": !strict }));
-    Ok(TopLevelGrammar::from_json_schema(schema))
+    }
+    Ok(TopLevelGrammar::from_json_schema(json_schema_value(schema, strict)))
+}
+
+/// An object schema with the compiler's options for compact JSON added (unless it has its own).
+pub fn json_schema_value(mut schema: Value, strict: bool) -> Value {
+    if let Some(obj) = schema.as_object_mut() {
+        obj.entry("x-guidance")
+            .or_insert_with(|| json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": !strict }));
+    }
+    schema
 }
 
 #[cfg(test)]

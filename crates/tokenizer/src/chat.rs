@@ -26,7 +26,21 @@ pub(crate) fn render(
     bos_token: &str,
     eos_token: &str,
 ) -> Result<String, TokenizerError> {
+    render_with(template, &messages, None, add_generation_prompt, bos_token, eos_token)
+}
+
+/// Renders `template` over messages of any shape (OpenAI's: `tool_calls`, `tool_call_id`) and,
+/// when given, the `tools` variable.
+pub(crate) fn render_with(
+    template: &str,
+    messages: &impl Serialize,
+    tools: Option<&serde_json::Value>,
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, TokenizerError> {
     let mut env = Environment::new();
+    env.add_filter("tojson", tojson);
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     // templates call Python string methods such as `.strip()`
@@ -35,10 +49,49 @@ pub(crate) fn render(
     let tmpl = env.template_from_str(template)?;
     Ok(tmpl.render(context! {
         messages => messages,
+        tools => tools,
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token,
         eos_token => eos_token,
     })?)
+}
+
+/// Transformers' `tojson`: Python's `json.dumps` with `ensure_ascii=False` (", " and ": "
+/// separators, nothing escaped for HTML), keys in their order.
+fn tojson(v: minijinja::Value) -> Result<String, Error> {
+    let v = serde_json::to_value(&v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = String::new();
+    python_json(&v, &mut out);
+    Ok(out)
+}
+
+fn python_json(v: &serde_json::Value, out: &mut String) {
+    use serde_json::Value;
+    match v {
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_json(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                python_json(item, out);
+            }
+            out.push('}');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
 }
 
 #[cfg(test)]
@@ -96,6 +149,22 @@ mod tests {
 '}}
 {%- endif -%}
 "#;
+
+    #[test]
+    fn tools_and_tool_calls_reach_the_template() {
+        let t = "{% for t in tools %}{{ t | tojson }}|{% endfor %}{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}\
+                 {{ m.tool_calls[0].function.arguments | tojson }}{% else %}{{ m.content }}{% endif %}|{% endfor %}";
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {"b": [1, "<x>"]}}}]);
+        let messages = serde_json::json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": {"city": "Zürich"}}}]},
+        ]);
+        // Keys come sorted (serde_json's map), which Python's json.dumps would keep in order.
+        assert_eq!(
+            render_with(t, &messages, Some(&tools), false, "", "").unwrap(),
+            "{\"function\": {\"name\": \"f\", \"parameters\": {\"b\": [1, \"<x>\"]}}, \"type\": \"function\"}|user:hi|assistant:{\"city\": \"Zürich\"}|"
+        );
+    }
 
     #[test]
     fn gemma3_template_renders_its_turns() {

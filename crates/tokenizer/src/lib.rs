@@ -206,14 +206,33 @@ impl Tokenizer {
     /// and `eos_token` set to those tokens' texts.
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
         let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
-        let text = |id: Option<u32>| -> String {
-            let Some(id) = id else { return String::new() };
-            match &self.backend {
-                Backend::Gguf(vocab) => vocab.text(id).unwrap_or("").to_owned(),
-                Backend::Hf(t) => t.text(id).unwrap_or_default(),
-            }
-        };
-        chat::render(template, messages, add_generation_prompt, &text(self.bos()), &text(self.eos()))
+        chat::render(template, messages, add_generation_prompt, &self.text_of(self.bos()), &self.text_of(self.eos()))
+    }
+
+    /// Renders the chat template over OpenAI-shaped messages (with `tool_calls` and `tool`
+    /// turns) and the request's `tools`, as Transformers' `apply_chat_template(tools=...)`.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
+        chat::render_with(template, messages, tools, add_generation_prompt, &self.text_of(self.bos()), &self.text_of(self.eos()))
+    }
+
+    /// A token's text, for the chat template's `bos_token`/`eos_token`.
+    fn text_of(&self, id: Option<u32>) -> String {
+        let Some(id) = id else { return String::new() };
+        match &self.backend {
+            Backend::Gguf(vocab) => vocab.text(id).unwrap_or("").to_owned(),
+            Backend::Hf(t) => t.text(id).unwrap_or_default(),
+        }
+    }
+
+    /// The chat template's text, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
     }
 }
 
