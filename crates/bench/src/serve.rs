@@ -9,7 +9,7 @@ use crate::error::{BenchError, Context, Result};
 use crate::plot::{self, Chart};
 use plotters::chart::SeriesLabelPosition;
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -45,6 +45,13 @@ pub struct Args {
     /// The peer's bearer token [default: --api-key]
     #[arg(long)]
     peer_api_key: Option<String>,
+    /// A JSON object whose fields are added to every request to URL (e.g. a response_format),
+    /// so a run against the same URL as --peer-url measures what those fields cost
+    #[arg(long)]
+    extra_body: Option<String>,
+    /// The same for the peer's requests
+    #[arg(long)]
+    peer_extra_body: Option<String>,
     /// Requests kept in flight at once
     #[arg(long, short = 'c', default_value_t = 8)]
     concurrency: usize,
@@ -247,7 +254,15 @@ pub fn prompt_text(id: usize, tokens: usize) -> String {
     s
 }
 
-fn request_body(model: Option<&str>, chat: bool, prompt: &str, max_tokens: usize) -> Vec<u8> {
+fn json_object(s: &str) -> std::result::Result<Map<String, Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err("not a JSON object".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn request_body(model: Option<&str>, chat: bool, prompt: &str, max_tokens: usize, extra: &Map<String, Value>) -> Vec<u8> {
     let mut b = json!({
         "stream": true,
         "stream_options": { "include_usage": true },
@@ -262,6 +277,9 @@ fn request_body(model: Option<&str>, chat: bool, prompt: &str, max_tokens: usize
     }
     if let Some(m) = model {
         b["model"] = json!(m);
+    }
+    for (k, v) in extra {
+        b[k] = v.clone();
     }
     b.to_string().into_bytes()
 }
@@ -283,15 +301,21 @@ impl Load {
         }
     }
 
-    fn spec(&self, model: Option<&str>, id: usize) -> RequestSpec {
-        let body = request_body(model, self.chat, &prompt_text(id, self.prompt_tokens), self.max_tokens);
+    fn spec(&self, model: Option<&str>, extra: &Map<String, Value>, id: usize) -> RequestSpec {
+        let body = request_body(model, self.chat, &prompt_text(id, self.prompt_tokens), self.max_tokens, extra);
         RequestSpec { path: self.path(), body, chat: self.chat, timeout: self.timeout }
     }
 }
 
 /// Sends requests `ids` to `ep`, `concurrency` at a time; returns the wall time and the
 /// samples in id order.
-async fn phase(ep: &Endpoint, load: &Load, model: Option<&str>, ids: Range<usize>, concurrency: usize) -> (f64, Vec<Sample>) {
+async fn phase(
+    ep: &Endpoint,
+    load: &Load,
+    (model, extra): (Option<&str>, &Map<String, Value>),
+    ids: Range<usize>,
+    concurrency: usize,
+) -> (f64, Vec<Sample>) {
     let (next, end) = (&Cell::new(ids.start), ids.end);
     let start = Instant::now();
     let workers = (0..concurrency.min(ids.len())).map(|_| async move {
@@ -302,7 +326,7 @@ async fn phase(ep: &Endpoint, load: &Load, model: Option<&str>, ids: Range<usize
                 return out;
             }
             next.set(id + 1);
-            out.push(client::measure(ep, &load.spec(model, id), id, start).await);
+            out.push(client::measure(ep, &load.spec(model, extra, id), id, start).await);
         }
     });
     let mut samples: Vec<Sample> = futures::future::join_all(workers).await.into_iter().flatten().collect();
@@ -332,6 +356,8 @@ struct Contender {
     models: Value,
     /// Request ids start here, so two contenders never send the same prompt.
     id_base: usize,
+    /// Fields added to each of its requests (--extra-body, --peer-extra-body).
+    extra: Map<String, Value>,
     rounds: Vec<Round>,
 }
 
@@ -344,6 +370,7 @@ impl Contender {
             model,
             models: Value::Null,
             id_base: index * ID_SPAN + run_offset(),
+            extra: Map::new(),
             rounds: Vec::new(),
         })
     }
@@ -370,7 +397,7 @@ impl Contender {
         if n == 0 {
             return Ok(());
         }
-        let (_, samples) = phase(&self.ep, load, self.model.as_deref(), self.id_base..self.id_base + n, concurrency).await;
+        let (_, samples) = phase(&self.ep, load, (self.model.as_deref(), &self.extra), self.id_base..self.id_base + n, concurrency).await;
         if let Some(e) = samples.iter().map(|s| s.error.as_ref()).collect::<Option<Vec<_>>>().and_then(|e| e.first().copied()) {
             return Err(BenchError::Endpoint(format!(
                 "every warm-up request to {} failed; the first: {}: {}",
@@ -382,7 +409,7 @@ impl Contender {
 
     async fn measure_round(&mut self, load: &Load, round: usize, requests: usize, warmup: usize, concurrency: usize) {
         let first = self.id_base + warmup + round * requests;
-        let (wall_s, samples) = phase(&self.ep, load, self.model.as_deref(), first..first + requests, concurrency).await;
+        let (wall_s, samples) = phase(&self.ep, load, (self.model.as_deref(), &self.extra), first..first + requests, concurrency).await;
         self.rounds.push(Round { round, wall_s, samples });
     }
 }
@@ -413,8 +440,15 @@ pub fn run(a: Args) -> Result<()> {
     }
     let load = Load { chat: a.chat, prompt_tokens: a.prompt_tokens, max_tokens: a.max_tokens, timeout: Duration::from_secs(a.timeout) };
     let mut cs = vec![Contender::new(&a.url, a.label.clone(), a.model.clone(), a.api_key.clone(), 0)?];
+    let extra = |flag: &str, v: &Option<String>| match v {
+        None => Ok(Map::new()),
+        Some(s) => json_object(s).map_err(|e| BenchError::Usage(format!("{flag}: {e}"))),
+    };
+    cs[0].extra = extra("--extra-body", &a.extra_body)?;
     if let Some(p) = &a.peer_url {
-        cs.push(Contender::new(p, a.peer_label.clone(), a.peer_model.clone(), a.peer_api_key.clone().or(a.api_key.clone()), 1)?);
+        let mut peer = Contender::new(p, a.peer_label.clone(), a.peer_model.clone(), a.peer_api_key.clone().or(a.api_key.clone()), 1)?;
+        peer.extra = extra("--peer-extra-body", &a.peer_extra_body)?;
+        cs.push(peer);
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting a runtime")?;
     rt.block_on(async {
@@ -454,6 +488,8 @@ pub fn run(a: Args) -> Result<()> {
             "label": cs[0].label,
             "peer_url": a.peer_url,
             "peer_label": cs.get(1).map(|c| &c.label),
+            "extra_body": cs[0].extra,
+            "peer_extra_body": cs.get(1).map(|c| &c.extra),
             "endpoint": load.path(),
             "concurrency": a.concurrency,
             "requests": a.requests,
@@ -462,7 +498,7 @@ pub fn run(a: Args) -> Result<()> {
             "prompt_tokens": a.prompt_tokens,
             "max_tokens": a.max_tokens,
             "timeout_s": a.timeout,
-            "example_request": serde_json::from_slice::<Value>(&load.spec(cs[0].model.as_deref(), cs[0].id_base).body).unwrap_or_default(),
+            "example_request": serde_json::from_slice::<Value>(&load.spec(cs[0].model.as_deref(), &cs[0].extra, cs[0].id_base).body).unwrap_or_default(),
             "contenders": contenders,
             "comparison": comparison,
             "plot": "the .svg of the same name beside this record",
@@ -597,11 +633,14 @@ mod tests {
         assert_eq!(a.split(' ').count(), 1 + 128 - 9);
         assert_eq!(prompt_text(10_000_123, 128).split(' ').count(), a.split(' ').count());
         assert_eq!(prompt_text(123456, 2).split(' ').count(), 2);
-        let body: Value = serde_json::from_slice(&request_body(Some("m"), true, "hi", 5)).unwrap();
+        let body: Value =
+            serde_json::from_slice(&request_body(Some("m"), true, "hi", 5, &json_object(r#"{"grammar": "g"}"#).unwrap())).unwrap();
         assert_eq!(
             (body["messages"][0]["content"].as_str(), body["max_tokens"].as_u64(), body["ignore_eos"].as_bool()),
             (Some("hi"), Some(5), Some(true))
         );
+        assert_eq!(body["grammar"], "g");
+        assert!(json_object("[1]").is_err());
     }
 
     #[test]
@@ -715,7 +754,7 @@ mod tests {
         let mut rounds = Vec::new();
         for (i, model) in ["busy", "cut"].iter().enumerate() {
             let ep = Endpoint::parse(&url, None).unwrap();
-            let (wall_s, samples) = phase(&ep, &load(), Some(model), 0..2, 2).await;
+            let (wall_s, samples) = phase(&ep, &load(), (Some(model), &Map::new()), 0..2, 2).await;
             rounds.push(Round { round: i, wall_s, samples });
         }
         let e = rounds[0].samples[0].error.as_ref().unwrap();
@@ -724,7 +763,7 @@ mod tests {
         // Nothing listens on a port just released.
         let free = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
         let ep = Endpoint::parse(&format!("http://{free}"), None).unwrap();
-        let (wall_s, samples) = phase(&ep, &load(), None, 0..1, 1).await;
+        let (wall_s, samples) = phase(&ep, &load(), (None, &Map::new()), 0..1, 1).await;
         rounds.push(Round { round: 2, wall_s, samples });
         let s = summarize(&rounds, 8);
         assert_eq!(s.errors, BTreeMap::from([("broken_stream".into(), 2), ("connect".into(), 1), ("http_503".into(), 2)]));
