@@ -113,9 +113,13 @@ struct Search<'a> {
 
 impl Search<'_> {
     /// Solves `pieces` ignoring repeats; keeps the node open if it may beat the best valid route,
-    /// and offers its route, made valid, as a new best.
+    /// and offers its route, made valid, as a new best. The shortest path ignoring repeats runs
+    /// over the node's undominated pieces (the same cost), while the node keeps all of them: a
+    /// child that cuts a worker's range may need one its parent could do without.
     fn add(&mut self, pieces: Vec<Piece>) {
-        let Some((bound, route)) = self.dp.run(self.n, self.cands, &pieces) else {
+        let layers = pieces.iter().map(|p| u64::from(p.end - p.start)).sum();
+        let kept = undominated(self.n, self.cands, &pieces, layers);
+        let Some((bound, route)) = self.dp.run(self.n, self.cands, &kept) else {
             return;
         };
         let valid = collapse(&route);
@@ -441,6 +445,33 @@ mod tests {
         }
         // The generator must exercise every path.
         assert!(routed > 5_000 && uncoverable > 1_000 && repaired > 100, "{routed} {uncoverable} {repaired}");
+    }
+
+    #[test]
+    fn pieces_dominated_at_the_root_serve_where_a_repair_needs_them() {
+        // X everywhere and Y very cheap in the middle make the shortest path X, Y, X; X beats
+        // most others outright, yet once the search cuts X's range they may be the best left.
+        // Enough candidates for the layers that every search node drops its dominated pieces.
+        let mut rng = SplitMix(13);
+        let (mut routed, mut repaired) = (0, 0);
+        for _ in 0..3_000 {
+            let n = 3;
+            let mut cands = vec![cand(0, 3, 1.0, 0.1), cand(1, 2, 0.1, 0.1)];
+            cands.extend((0..12 + rng.below(5)).map(|_| {
+                let start = rng.below(n);
+                let end = start + 1 + rng.below(n - start);
+                cand(start, end, rng.pick(&[1.0, 1.5, 2.0, 3.0]), rng.pick(&[0.1, 0.1, 1.0]))
+            }));
+            // (n + 1)² = 16 layers at least: `undominated` drops pieces.
+            assert!(cands.iter().map(|c| c.end - c.start).sum::<u32>() >= 16);
+            let route = plan(n, &cands).expect("X covers the model");
+            let want = brute(n, &cands, false).unwrap();
+            let cost = check(n, &cands, &route);
+            assert!((cost - want).abs() < 1e-9, "{cands:?}: {route:?} costs {cost}, best {want}");
+            routed += 1;
+            repaired += usize::from(brute(n, &cands, true).unwrap() < want - 1e-9);
+        }
+        assert!(repaired > 200, "{repaired} of {routed}");
     }
 
     #[test]
