@@ -13,8 +13,37 @@ const QUEUE: usize = 4096;
 /// every write is idempotent or settles by itself, so a late one does no harm).
 const ANSWER: Duration = Duration::from_secs(10);
 
-type Job = Box<dyn FnOnce(&mut Store) + Send>;
+/// Calls one store thread takes from the queue at once and runs in one transaction.
+const GROUP: usize = 64;
 
+/// A call waiting for a store thread: run (again, if its group failed), then answered.
+trait Call: Send {
+    /// Runs it; whether it succeeded.
+    fn run(&mut self, store: &mut Store) -> bool;
+    /// Answers the caller with what its last run returned.
+    fn answer(self: Box<Self>);
+}
+
+struct Pending<T, F> {
+    f: F,
+    out: Option<Result<T, StoreError>>,
+    reply: Box<dyn FnOnce(Result<T, StoreError>) + Send>,
+}
+
+impl<T: Send, F: FnMut(&mut Store) -> Result<T, StoreError> + Send> Call for Pending<T, F> {
+    fn run(&mut self, store: &mut Store) -> bool {
+        let out = (self.f)(store);
+        let ok = out.is_ok();
+        self.out = Some(out);
+        ok
+    }
+
+    fn answer(self: Box<Self>) {
+        (self.reply)(self.out.unwrap_or_else(|| Err(StoreError::Unavailable("a call was never run".into()))));
+    }
+}
+
+type Job = Box<dyn Call>;
 #[derive(Clone)]
 pub struct Ledger {
     jobs: SyncSender<Job>,
@@ -44,15 +73,16 @@ impl Ledger {
         Ok(Ledger { jobs })
     }
 
-    /// Runs `f` on a store thread and waits for it, within `ANSWER`.
+    /// Runs `f` on a store thread and waits for it, within `ANSWER`. `f` may run twice: in a
+    /// group of calls, and alone if that group's transaction failed (rolled back).
     pub async fn call<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Store) -> Result<T, StoreError> + Send + 'static,
+        f: impl FnMut(&mut Store) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.submit(Box::new(move |s| {
-            let _ = tx.send(f(s));
-        }))?;
+        self.submit(f, move |out| {
+            let _ = tx.send(out);
+        })?;
         match tokio::time::timeout(ANSWER, rx).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(StoreError::Unavailable("a store thread stopped".into())),
@@ -63,16 +93,21 @@ impl Ledger {
     /// `call` for a thread that is not async (start-up, tests, benches).
     pub fn call_blocking<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Store) -> Result<T, StoreError> + Send + 'static,
+        f: impl FnMut(&mut Store) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (tx, rx) = sync_channel(1);
-        self.submit(Box::new(move |s| {
-            let _ = tx.send(f(s));
-        }))?;
+        self.submit(f, move |out| {
+            let _ = tx.send(out);
+        })?;
         rx.recv_timeout(ANSWER).map_err(|_| StoreError::Unavailable(format!("no answer from the ledger within {ANSWER:?}")))?
     }
 
-    fn submit(&self, job: Job) -> Result<(), StoreError> {
+    fn submit<T: Send + 'static>(
+        &self,
+        f: impl FnMut(&mut Store) -> Result<T, StoreError> + Send + 'static,
+        reply: impl FnOnce(Result<T, StoreError>) + Send + 'static,
+    ) -> Result<(), StoreError> {
+        let job: Job = Box::new(Pending { f, out: None, reply: Box::new(reply) });
         self.jobs.try_send(job).map_err(|e| match e {
             TrySendError::Full(_) => StoreError::Busy(format!("{QUEUE} calls waiting")),
             TrySendError::Disconnected(_) => StoreError::Unavailable("the store threads stopped".into()),
@@ -80,11 +115,27 @@ impl Ledger {
     }
 }
 
+/// Takes what is queued (up to `GROUP` calls) and runs it in one transaction, each call under a
+/// savepoint of its own, so many requests share one commit: the database's write lock, its
+/// round trips and its log flush are paid once per group. If the group cannot commit (a lost
+/// connection, a deadlock between two trackers' groups), each call runs again alone.
 fn serve(mut store: Store, jobs: &Mutex<Receiver<Job>>) {
     loop {
-        // One thread waits in recv while holding the lock; the others wait for the lock.
-        let job = jobs.lock().unwrap_or_else(|p| p.into_inner()).recv();
-        let Ok(job) = job else { return };
-        job(&mut store);
+        let mut calls = Vec::new();
+        {
+            // One thread waits in recv while holding the lock; the others wait for the lock.
+            let rx = jobs.lock().unwrap_or_else(|p| p.into_inner());
+            let Ok(first) = rx.recv() else { return };
+            calls.push(first);
+            calls.extend(std::iter::from_fn(|| rx.try_recv().ok()).take(GROUP - 1));
+        }
+        if calls.len() == 1 || store.group(&mut calls, |c, s| c.run(s)).is_err() {
+            for c in &mut calls {
+                c.run(&mut store);
+            }
+        }
+        for c in calls {
+            c.answer();
+        }
     }
 }

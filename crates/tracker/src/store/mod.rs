@@ -131,6 +131,8 @@ pub fn key_hash(key: &str) -> String {
 
 pub struct Store {
     db: Box<dyn Db>,
+    /// Inside a group's transaction (`group`): a call's own transaction is the group's.
+    grouped: bool,
 }
 
 impl Store {
@@ -141,7 +143,7 @@ impl Store {
             LedgerSpec::Sqlite(path) => Box::new(sqlite::Sqlite::open(path)?),
             LedgerSpec::Postgres(url) => Box::new(pg::Postgres::new(url)?),
         };
-        let mut store = Store { db };
+        let mut store = Store { db, grouped: false };
         let now = crate::server::unix_ms();
         store.tx(|db| migrate::migrate(db, now))?;
         Ok(store)
@@ -149,12 +151,46 @@ impl Store {
 
     /// Runs `f` in one transaction holding the write lock from its start (so a read inside it
     /// sees what no other writer can change before the commit), rolled back if anything fails.
+    /// In a group, the group's transaction holds the lock, and the call's savepoint is rolled
+    /// back if the call fails.
     fn tx<T>(&mut self, f: impl FnOnce(&mut dyn Db) -> Result<T, StoreError>) -> Result<T, StoreError> {
-        self.db.batch(match self.db.dialect() {
+        if self.grouped {
+            return f(&mut *self.db);
+        }
+        self.db.batch(self.begin())?;
+        let done = f(&mut *self.db).and_then(|v| self.db.batch("COMMIT").map(|()| v));
+        if done.is_err() {
+            let _ = self.db.batch("ROLLBACK");
+        }
+        done
+    }
+
+    fn begin(&self) -> &'static str {
+        match self.db.dialect() {
             Dialect::Sqlite => "BEGIN IMMEDIATE",
             Dialect::Postgres => "BEGIN",
-        })?;
-        let done = f(&mut *self.db).and_then(|v| self.db.batch("COMMIT").map(|()| v));
+        }
+    }
+
+    /// Runs every call in one transaction, each under a savepoint: one that fails (`run` says
+    /// false) is rolled back alone, the others commit together. An error: nothing was kept.
+    pub(crate) fn group<C>(&mut self, calls: &mut [C], mut run: impl FnMut(&mut C, &mut Store) -> bool) -> Result<(), StoreError> {
+        self.db.batch(self.begin())?;
+        self.grouped = true;
+        let mut done = Ok(());
+        for c in calls.iter_mut() {
+            done = self.db.batch("SAVEPOINT call");
+            if done.is_err() {
+                break;
+            }
+            let ok = run(c, self);
+            done = self.db.batch(if ok { "RELEASE call" } else { "ROLLBACK TO call; RELEASE call" });
+            if done.is_err() {
+                break;
+            }
+        }
+        self.grouped = false;
+        let done = done.and_then(|()| self.db.batch("COMMIT"));
         if done.is_err() {
             let _ = self.db.batch("ROLLBACK");
         }
@@ -277,13 +313,30 @@ impl Store {
         Ok(Some(ApiKey { name, quota_tokens: r.next().unwrap_or(Value::Null).count()? }))
     }
 
+    /// Whether any key exists, and the key's record: one statement, on the hot path. Its row:
+    /// the key's, or one of NULLs when there are no keys at all; none for an unknown key.
+    fn lookup_key(&mut self, key: &str) -> Result<(bool, Option<ApiKey>), StoreError> {
+        let rows = self.db.query(
+            "SELECT name, quota_tokens FROM api_keys WHERE hash = ?1
+             UNION ALL SELECT NULL, NULL WHERE NOT EXISTS (SELECT 1 FROM api_keys)",
+            &[key_hash(key).as_str().into()],
+        )?;
+        let Some(row) = rows.into_iter().next() else { return Ok((true, None)) };
+        let mut r = row.into_iter();
+        let mut next = || r.next().unwrap_or(Value::Null);
+        match next() {
+            Value::Null => Ok((false, None)),
+            name => Ok((true, Some(ApiKey { name: name.text()?, quota_tokens: next().count()? }))),
+        }
+    }
+
     /// The key's name for the ledger: API keys are required once any exists; without any, every
     /// request is "anonymous".
     pub fn key_name(&mut self, api_key: &str) -> Result<Option<String>, StoreError> {
-        if !self.has_keys()? {
-            return Ok(Some("anonymous".into()));
+        match self.lookup_key(api_key)? {
+            (false, _) => Ok(Some("anonymous".into())),
+            (true, key) => Ok(key.map(|k| k.name)),
         }
-        Ok(self.find_key(api_key)?.map(|k| k.name))
     }
 
     /// A key's running totals: tokens billed, and tokens reserved by routes not yet settled.
@@ -298,10 +351,11 @@ impl Store {
     /// Checks the key and reserves `budget` tokens of its quota for `request_id` until its usage
     /// is recorded or `expires_ms` passes. Atomic across every tracker sharing the database.
     pub fn reserve(&mut self, api_key: &str, request_id: &str, budget: u64, expires_ms: u64) -> Result<Grant, StoreError> {
-        if !self.has_keys()? {
-            return Ok(Grant::Anonymous);
-        }
-        let Some(key) = self.find_key(api_key)? else { return Ok(Grant::UnknownKey) };
+        let key = match self.lookup_key(api_key)? {
+            (false, _) => return Ok(Grant::Anonymous),
+            (true, None) => return Ok(Grant::UnknownKey),
+            (true, Some(key)) => key,
+        };
         if key.quota_tokens == 0 {
             return Ok(Grant::Granted { key_name: key.name, new: false });
         }

@@ -20,6 +20,9 @@ impl Sqlite {
     pub(crate) fn open(path: &Path) -> Result<Sqlite, StoreError> {
         let db = Connection::open(path).map_err(sql_err)?;
         db.busy_timeout(BUSY).map_err(sql_err)?;
+        // Every statement of the ledger stays prepared (rusqlite keeps 16 by default: fewer than
+        // the ledger has, so the hot path's would be parsed again and again).
+        db.set_prepared_statement_cache_capacity(64);
         db.pragma_update(None, "journal_mode", "WAL").map_err(sql_err)?;
         // WAL with NORMAL syncs at checkpoints, not at every commit: a power loss may lose the
         // last commits but never corrupts the file.

@@ -49,6 +49,7 @@ on_both!(
     trackers_starting_together_share_one_signing_key,
     a_newer_schema_is_refused,
     bulk_loaded_rows_are_counted_once,
+    a_call_failing_in_a_group_is_rolled_back_alone,
 );
 
 fn request(id: &str, prompt: u64, completion: u64, layer_tokens: u64) -> RequestUsage {
@@ -173,6 +174,32 @@ fn concurrent_reservations_fill_the_quota_exactly(spec: LedgerSpec) {
 }
 
 use std::sync::Arc;
+
+/// Calls share one transaction: one that fails after writing keeps none of its writes (nor its
+/// reservation), the others commit, and a reservation inside the group still sees the quota.
+fn a_call_failing_in_a_group_is_rolled_back_alone(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    s.add_key("k", "key-k", 100, 0).unwrap();
+    type Call = Box<dyn FnMut(&mut Store) -> Result<(), StoreError>>;
+    let mut calls: Vec<Call> = vec![
+        Box::new(|s| s.record_request("k", &request("r1", 10, 10, 0), 0).map(drop)),
+        Box::new(|s| {
+            assert_eq!(s.reserve("key-k", "r2", 50, u64::MAX / 2)?, Grant::Granted { key_name: "k".into(), new: true });
+            s.record_request("k", &request("r2", 30, 0, 0), 0)?;
+            Err(StoreError::Sql("this call fails after writing".into()))
+        }),
+        Box::new(|s| {
+            assert_eq!(s.reserve("key-k", "r3", 70, u64::MAX / 2)?, Grant::Granted { key_name: "k".into(), new: true });
+            assert!(matches!(s.reserve("key-k", "r4", 11, u64::MAX / 2)?, Grant::OverQuota { used: 20, reserved: 70, .. }));
+            Ok(())
+        }),
+    ];
+    s.group(&mut calls, |c, s| c(s).is_ok()).unwrap();
+    assert_eq!(s.key_totals("k").unwrap(), (20, 70));
+    let ids: Vec<u64> = s.usage(false).unwrap().iter().map(|r| r.requests).collect();
+    assert_eq!(ids, [1], "only r1 is recorded");
+    assert!(s.record_request("k", &request("r2", 1, 1, 0), 0).unwrap(), "r2 was rolled back");
+}
 
 fn trackers_starting_together_share_one_signing_key(spec: LedgerSpec) {
     let threads: Vec<_> = (0..4)
