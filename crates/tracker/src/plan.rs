@@ -55,28 +55,10 @@ const MAX_EXPANSIONS: usize = 64;
 /// deterministically (of identical candidates, the lowest index serves), so the caller adds its own
 /// jitter to the costs to spread load.
 pub fn plan(n_layers: u32, candidates: &[Candidate]) -> Option<Vec<Hop>> {
-    plan_noting_repair(n_layers, candidates).map(|(route, _)| route)
-}
-
-/// As `plan`, and whether the shortest path used a worker twice and had to be repaired: then a
-/// caller that passed only some of its workers may find a cheaper route by passing more.
-pub fn plan_noting_repair(n_layers: u32, candidates: &[Candidate]) -> Option<(Vec<Hop>, bool)> {
-    let root: Vec<Piece> = (0..candidates.len() as u32)
-        .filter(|&id| candidates[id as usize].usable(n_layers))
-        .map(|id| Piece { id, start: candidates[id as usize].start, end: candidates[id as usize].end })
-        .collect();
-    // The sweep's work. Too little to cover the model is an early None that also bounds the
-    // scratch by the input's size.
-    let layers: u64 = root.iter().map(|p| u64::from(p.end - p.start)).sum();
-    if layers < u64::from(n_layers) {
-        return None;
-    }
-    // Dropping dominated candidates keeps the shortest path ignoring repeats, a lower bound on
-    // every route: if it repeats no worker, it is the answer. Otherwise search all of them.
-    let mut dp = Dp::default();
-    let (_, route) = dp.run(n_layers, candidates, &undominated(n_layers, candidates, &root, layers))?;
+    // If the lower bound repeats no worker, it is the answer. Otherwise search all of them.
+    let (root, dp, route) = lower_bound(n_layers, candidates)?;
     if repeat(&route).is_none() {
-        return Some((route, false));
+        return Some(route);
     }
     let mut search = Search { n: n_layers, cands: candidates, dp, open: Vec::new(), best: None };
     search.add(root);
@@ -90,7 +72,7 @@ pub fn plan_noting_repair(n_layers: u32, candidates: &[Candidate]) -> Option<(Ve
             break;
         }
         let Some((w, e1, s2)) = repeat(&node.route) else {
-            return Some((node.route, true));
+            return Some(node.route);
         };
         // w's one hop [s, e) of a valid route ends by s2, starts from e1, or spans [e1 − 1, s2 + 1).
         // Each child drops a (worker, layer) pair the node's path used, so the search ends.
@@ -98,7 +80,46 @@ pub fn plan_noting_repair(n_layers: u32, candidates: &[Candidate]) -> Option<(Ve
             search.add(branch(&node.pieces, w, lo, hi, force));
         }
     }
-    search.best.map(|(_, route)| (route, true))
+    search.best.map(|(_, route)| route)
+}
+
+/// What the shortest path ignoring repeats found.
+pub enum Shortest {
+    /// A route that repeats no worker: the cheapest route.
+    Route(Vec<Hop>),
+    /// A path that uses some worker twice: only `plan`'s search finds the cheapest route.
+    Repeats,
+    /// Some layer has no usable candidate.
+    Uncovered,
+}
+
+/// The shortest path ignoring repeats, without the search that repairs a repeat: a caller that
+/// passed one of several equal workers may rather pass more and `plan` with them.
+pub fn shortest(n_layers: u32, candidates: &[Candidate]) -> Shortest {
+    match lower_bound(n_layers, candidates) {
+        None => Shortest::Uncovered,
+        Some((_, _, route)) if repeat(&route).is_none() => Shortest::Route(route),
+        Some(_) => Shortest::Repeats,
+    }
+}
+
+/// The usable candidates as whole pieces, the scratch, and the shortest path ignoring repeats
+/// (a lower bound on every route).
+fn lower_bound(n_layers: u32, candidates: &[Candidate]) -> Option<(Vec<Piece>, Dp, Vec<Hop>)> {
+    let root: Vec<Piece> = (0..candidates.len() as u32)
+        .filter(|&id| candidates[id as usize].usable(n_layers))
+        .map(|id| Piece { id, start: candidates[id as usize].start, end: candidates[id as usize].end })
+        .collect();
+    // The sweep's work. Too little to cover the model is an early None that also bounds the
+    // scratch by the input's size.
+    let layers: u64 = root.iter().map(|p| u64::from(p.end - p.start)).sum();
+    if layers < u64::from(n_layers) {
+        return None;
+    }
+    // Dropping dominated candidates keeps that path.
+    let mut dp = Dp::default();
+    let (_, route) = dp.run(n_layers, candidates, &undominated(n_layers, candidates, &root, layers))?;
+    Some((root, dp, route))
 }
 
 /// Branch and bound over what each worker may serve.

@@ -9,7 +9,7 @@
 //! the others: a plan offers the planner one usable worker per cell, the first in its order,
 //! however many replicas registered that range.
 
-use crate::plan::{plan_noting_repair, Candidate};
+use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
 use dgr_proto::{Load, Registration, RouteStage, TrackerFrame};
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -20,9 +20,9 @@ use tokio::sync::mpsc;
 const HOP_MS: f64 = 0.2;
 /// How long a driver may take from getting a route to opening its session on a worker.
 const OPEN_GRACE: Duration = Duration::from_millis(250);
-/// Workers per cell offered when one worker per cell gives a route that needed repair (the
-/// cheapest path wanted one worker twice, where a second replica of its range would do): a route
-/// uses more replicas of one range than this only in contrived layouts.
+/// Workers per cell offered when the shortest path over one worker per cell uses one twice,
+/// where a second replica of its range would do: a route uses more replicas of one range than
+/// this only in contrived layouts.
 const REPAIR_DEPTH: usize = 4;
 
 pub struct LiveWorker {
@@ -126,12 +126,10 @@ pub struct Joining {
     pub control: mpsc::Sender<TrackerFrame>,
 }
 
-/// A route found in one group: its cost, each hop as (worker slot, start, end), and whether the
-/// planner had to repair it.
+/// A route found in one group: its cost, and each hop as (worker slot, start, end).
 struct Chain {
     cost: f64,
     hops: Vec<(u32, u32, u32)>,
-    repaired: bool,
 }
 
 impl LiveWorker {
@@ -363,14 +361,7 @@ impl Registry {
             if key.model_id != model_id || !(engine.is_empty() || key.engine == engine) {
                 continue;
             }
-            let Some(mut found) = self.plan_in(group, 1, &excluded, now) else { continue };
-            if found.repaired {
-                // More replicas per cell can only help, unless the repair search ran out of
-                // nodes: keep the cheaper of the two.
-                if let Some(deeper) = self.plan_in(group, REPAIR_DEPTH, &excluded, now).filter(|d| d.cost < found.cost) {
-                    found = deeper;
-                }
-            }
+            let Some(found) = self.plan_in(group, &excluded, now) else { continue };
             if best.as_ref().is_none_or(|(_, b)| found.cost < b.cost) {
                 best = Some((group, found));
             }
@@ -385,8 +376,28 @@ impl Registry {
         Some(Planned { stages, engine: key.engine.clone(), hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab })
     }
 
-    /// The cheapest route in one group offering the first `depth` usable workers of each cell.
-    fn plan_in(&mut self, group: usize, depth: usize, excluded: &HashSet<u32>, now: Instant) -> Option<Chain> {
+    /// The cheapest route in one group. One usable worker per cell first; if the shortest path
+    /// over those uses one twice, the first `REPAIR_DEPTH` of each cell and the planner's search
+    /// (a second replica of that range usually serves). Those are a superset of the first, so
+    /// the search's route is no dearer than a repair of the first would be.
+    fn plan_in(&mut self, group: usize, excluded: &HashSet<u32>, now: Instant) -> Option<Chain> {
+        let (candidates, slots) = self.offer(group, 1, excluded, now);
+        let n_layers = self.groups[group].key.n_layers;
+        let (candidates, slots, hops) = match shortest(n_layers, &candidates) {
+            Shortest::Route(hops) => (candidates, slots, hops),
+            Shortest::Uncovered => return None,
+            Shortest::Repeats => {
+                let (candidates, slots) = self.offer(group, REPAIR_DEPTH, excluded, now);
+                let hops = plan(n_layers, &candidates)?;
+                (candidates, slots, hops)
+            }
+        };
+        let cost = hops.iter().map(|h: &Hop| candidates[h.candidate].cost(h.start, h.end)).sum();
+        Some(Chain { cost, hops: hops.iter().map(|h| (slots[h.candidate], h.start, h.end)).collect() })
+    }
+
+    /// The first `depth` usable workers of each cell of the group as candidates, and their slots.
+    fn offer(&mut self, group: usize, depth: usize, excluded: &HashSet<u32>, now: Instant) -> (Vec<Candidate>, Vec<u32>) {
         let g = &self.groups[group];
         let (mut candidates, mut slots) = (Vec::new(), Vec::new());
         let mut rng = self.rng;
@@ -407,9 +418,7 @@ impl Registry {
             }
         }
         self.rng = rng;
-        let (hops, repaired) = plan_noting_repair(g.key.n_layers, &candidates)?;
-        let cost = hops.iter().map(|h| candidates[h.candidate].cost(h.start, h.end)).sum();
-        Some(Chain { cost, hops: hops.iter().map(|h| (slots[h.candidate], h.start, h.end)).collect(), repaired })
+        (candidates, slots)
     }
 
     /// Counts a route issued to the worker in `slot` in its load.

@@ -115,10 +115,9 @@ impl Ledger {
     }
 }
 
-/// Takes what is queued (up to `GROUP` calls) and runs it in one transaction, each call under a
-/// savepoint of its own, so many requests share one commit: the database's write lock, its
-/// round trips and its log flush are paid once per group. If the group cannot commit (a lost
-/// connection, a deadlock between two trackers' groups), each call runs again alone.
+/// Takes what is queued (up to `GROUP` calls) and runs it in one transaction, so many requests
+/// share one commit: the database's write lock, BEGIN and COMMIT and the log flush are paid once
+/// per group (`Store::run_grouped`: a call that fails makes each run again alone).
 fn serve(mut store: Store, jobs: &Mutex<Receiver<Job>>) {
     loop {
         let mut calls = Vec::new();
@@ -129,11 +128,7 @@ fn serve(mut store: Store, jobs: &Mutex<Receiver<Job>>) {
             calls.push(first);
             calls.extend(std::iter::from_fn(|| rx.try_recv().ok()).take(GROUP - 1));
         }
-        if calls.len() == 1 || store.group(&mut calls, |c, s| c.run(s)).is_err() {
-            for c in &mut calls {
-                c.run(&mut store);
-            }
-        }
+        store.run_grouped(&mut calls, |c, s| c.run(s));
         for c in calls {
             c.answer();
         }

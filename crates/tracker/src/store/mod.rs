@@ -131,7 +131,7 @@ pub fn key_hash(key: &str) -> String {
 
 pub struct Store {
     db: Box<dyn Db>,
-    /// Inside a group's transaction (`group`): a call's own transaction is the group's.
+    /// Inside a group's transaction (`run_grouped`): a call's own transaction is the group's.
     grouped: bool,
 }
 
@@ -151,8 +151,7 @@ impl Store {
 
     /// Runs `f` in one transaction holding the write lock from its start (so a read inside it
     /// sees what no other writer can change before the commit), rolled back if anything fails.
-    /// In a group, the group's transaction holds the lock, and the call's savepoint is rolled
-    /// back if the call fails.
+    /// In a group, the group's transaction holds the lock, and is rolled back if the call fails.
     fn tx<T>(&mut self, f: impl FnOnce(&mut dyn Db) -> Result<T, StoreError>) -> Result<T, StoreError> {
         if self.grouped {
             return f(&mut *self.db);
@@ -172,25 +171,25 @@ impl Store {
         }
     }
 
-    /// Runs every call in one transaction, each under a savepoint: one that fails (`run` says
-    /// false) is rolled back alone, the others commit together. An error: nothing was kept.
-    pub(crate) fn group<C>(&mut self, calls: &mut [C], mut run: impl FnMut(&mut C, &mut Store) -> bool) -> Result<(), StoreError> {
+    /// Runs every call in one transaction, committed once for all (`run` runs one and says
+    /// whether it succeeded). If one fails, or the commit does, the transaction is rolled back
+    /// and each call runs again alone, in its own transaction, as it would have without the
+    /// others: a failure costs a rerun, never a write of a failed call.
+    pub(crate) fn run_grouped<C>(&mut self, calls: &mut [C], mut run: impl FnMut(&mut C, &mut Store) -> bool) {
+        if calls.len() > 1 && self.group(calls, &mut run).is_ok() {
+            return;
+        }
+        for c in calls.iter_mut() {
+            run(c, self);
+        }
+    }
+
+    fn group<C>(&mut self, calls: &mut [C], run: &mut impl FnMut(&mut C, &mut Store) -> bool) -> Result<(), StoreError> {
         self.db.batch(self.begin())?;
         self.grouped = true;
-        let mut done = Ok(());
-        for c in calls.iter_mut() {
-            done = self.db.batch("SAVEPOINT call");
-            if done.is_err() {
-                break;
-            }
-            let ok = run(c, self);
-            done = self.db.batch(if ok { "RELEASE call" } else { "ROLLBACK TO call; RELEASE call" });
-            if done.is_err() {
-                break;
-            }
-        }
+        let all = calls.iter_mut().all(|c| run(c, self));
         self.grouped = false;
-        let done = done.and_then(|()| self.db.batch("COMMIT"));
+        let done = if all { self.db.batch("COMMIT") } else { Err(StoreError::Conflict("a call of the group failed".into())) };
         if done.is_err() {
             let _ = self.db.batch("ROLLBACK");
         }

@@ -172,12 +172,10 @@ impl Db for Postgres {
             let done = pg.client()?.batch_execute(&postgres_sql(sql));
             done.map_err(|e| pg.failed(e))
         });
-        let mut words = sql.split_whitespace().map(str::to_ascii_uppercase);
-        match (words.next().as_deref(), words.next().as_deref()) {
-            (Some("BEGIN"), _) => self.in_tx = done.is_ok(),
-            // ROLLBACK TO a savepoint stays in the transaction.
-            (Some("ROLLBACK"), Some("TO")) => {}
-            (Some("COMMIT" | "ROLLBACK"), _) => self.in_tx = false,
+        let verb = sql.split_whitespace().next().unwrap_or("").to_ascii_uppercase();
+        match verb.as_str() {
+            "BEGIN" => self.in_tx = done.is_ok(),
+            "COMMIT" | "ROLLBACK" => self.in_tx = false,
             _ => {}
         }
         done

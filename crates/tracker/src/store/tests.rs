@@ -175,30 +175,45 @@ fn concurrent_reservations_fill_the_quota_exactly(spec: LedgerSpec) {
 
 use std::sync::Arc;
 
-/// Calls share one transaction: one that fails after writing keeps none of its writes (nor its
-/// reservation), the others commit, and a reservation inside the group still sees the quota.
+/// Calls share one transaction and see each other's writes (the quota too); one that fails
+/// makes each run again alone, so the others still commit and the failed one writes nothing.
 fn a_call_failing_in_a_group_is_rolled_back_alone(spec: LedgerSpec) {
     let mut s = Store::open(&spec).unwrap();
     s.add_key("k", "key-k", 100, 0).unwrap();
-    type Call = Box<dyn FnMut(&mut Store) -> Result<(), StoreError>>;
-    let mut calls: Vec<Call> = vec![
-        Box::new(|s| s.record_request("k", &request("r1", 10, 10, 0), 0).map(drop)),
-        Box::new(|s| {
-            assert_eq!(s.reserve("key-k", "r2", 50, u64::MAX / 2)?, Grant::Granted { key_name: "k".into(), new: true });
-            s.record_request("k", &request("r2", 30, 0, 0), 0)?;
-            Err(StoreError::Sql("this call fails after writing".into()))
-        }),
-        Box::new(|s| {
-            assert_eq!(s.reserve("key-k", "r3", 70, u64::MAX / 2)?, Grant::Granted { key_name: "k".into(), new: true });
-            assert!(matches!(s.reserve("key-k", "r4", 11, u64::MAX / 2)?, Grant::OverQuota { used: 20, reserved: 70, .. }));
-            Ok(())
-        }),
-    ];
-    s.group(&mut calls, |c, s| c(s).is_ok()).unwrap();
-    assert_eq!(s.key_totals("k").unwrap(), (20, 70));
-    let ids: Vec<u64> = s.usage(false).unwrap().iter().map(|r| r.requests).collect();
-    assert_eq!(ids, [1], "only r1 is recorded");
-    assert!(s.record_request("k", &request("r2", 1, 1, 0), 0).unwrap(), "r2 was rolled back");
+    type Call = Box<dyn FnMut(&mut Store) -> Result<Grant, StoreError>>;
+    let group = |fail: bool| -> Vec<Call> {
+        vec![
+            Box::new(move |s| s.reserve("key-k", &format!("a{fail}"), 30, u64::MAX / 2)),
+            Box::new(move |s| {
+                if fail {
+                    // A name taken already: refused inside its own transaction.
+                    s.add_key("k", "key-other", 5, 0)?;
+                }
+                s.reserve("key-k", &format!("b{fail}"), 20, u64::MAX / 2)
+            }),
+            Box::new(move |s| s.reserve("key-k", &format!("c{fail}"), 20, u64::MAX / 2)),
+        ]
+    };
+    for fail in [false, true] {
+        let mut calls = group(fail);
+        let mut out = Vec::new();
+        s.run_grouped(&mut calls, |c, s| {
+            let r = c(s);
+            let ok = r.is_ok();
+            out.push(r);
+            ok
+        });
+        let last: Vec<String> = out[out.len() - 3..].iter().map(|r| format!("{r:?}")).collect();
+        if fail {
+            assert!(matches!(out[out.len() - 2], Err(StoreError::Conflict(_))), "{last:?}");
+            assert!(matches!(out[out.len() - 1], Ok(Grant::OverQuota { used: 0, reserved: 100, .. })), "{last:?}");
+        } else {
+            assert_eq!(out.len(), 3, "no rerun: {out:?}");
+            assert!(out.iter().all(|r| matches!(r, Ok(Grant::Granted { new: true, .. }))), "{last:?}");
+        }
+    }
+    assert_eq!(s.key_totals("k").unwrap(), (0, 100));
+    assert!(s.find_key("key-other").unwrap().is_none());
 }
 
 fn trackers_starting_together_share_one_signing_key(spec: LedgerSpec) {
