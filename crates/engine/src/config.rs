@@ -1,7 +1,9 @@
-//! Hyperparameters of a llama-family decoder, read from GGUF metadata and checked.
+//! Hyperparameters of a llama-family decoder, read from GGUF metadata and checked; what each
+//! architecture changes is in `model`.
 
+pub use crate::model::Arch;
 use crate::EngineError;
-use dgr_gguf::{Gguf, Value};
+use dgr_gguf::Gguf;
 
 /// How RoPE pairs up dimensions: adjacent pairs (llama) or the two halves (qwen2, "neox").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,46 +27,6 @@ pub struct SlidingWindow {
     /// Per layer of the model: whether it attends through the window.
     pub layers: Vec<bool>,
     pub rope_base: f32,
-}
-
-/// The architectures the engine computes, by their GGUF `general.architecture` name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Arch {
-    Llama,
-    /// Mistral's files usually say llama; the few that say mistral compute as llama does.
-    Mistral,
-    Qwen2,
-    Qwen3,
-    Gemma3,
-}
-
-impl Arch {
-    pub const ALL: [Arch; 5] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
-
-    /// The name in `general.architecture`, and the prefix of the architecture's metadata keys.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Mistral => "mistral",
-            Arch::Qwen2 => "qwen2",
-            Arch::Qwen3 => "qwen3",
-            Arch::Gemma3 => "gemma3",
-        }
-    }
-}
-
-impl std::str::FromStr for Arch {
-    type Err = EngineError;
-
-    fn from_str(s: &str) -> Result<Arch, EngineError> {
-        Arch::ALL.into_iter().find(|a| a.as_str() == s).ok_or_else(|| EngineError::UnsupportedArch(s.into()))
-    }
-}
-
-impl std::fmt::Display for Arch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -102,22 +64,11 @@ pub struct ModelConfig {
 /// Bounds that keep a hostile header from asking for absurd buffers.
 const MAX_DIM: u64 = 1 << 20;
 const MAX_LAYERS: u64 = 4096;
-const MAX_CONTEXT: u64 = 1 << 24;
-
-/// llama.cpp's defaults for gemma3's window: every sixth layer global, RoPE base 10000.
-const GEMMA3_SWA_PERIOD: u64 = 6;
-const GEMMA3_SWA_ROPE_BASE: f32 = 10000.0;
-/// llama.cpp tells gemma3-27B by its layer count; it scales attention by 1/√(hidden / heads).
-const GEMMA3_27B_LAYERS: usize = 62;
+pub(crate) const MAX_CONTEXT: u64 = 1 << 24;
 
 impl ModelConfig {
     pub fn from_gguf(g: &Gguf) -> Result<ModelConfig, EngineError> {
         let arch: Arch = g.get_str("general.architecture")?.parse()?;
-        let rope_style = match arch {
-            Arch::Llama | Arch::Mistral => RopeStyle::Adjacent,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeStyle::Halves,
-        };
-        let gemma3 = arch == Arch::Gemma3;
         let key = |k: &str| format!("{arch}.{k}");
         let dim = |k: &str, max: u64| -> Result<usize, EngineError> {
             let v = g.get_u64(&key(k))?;
@@ -188,27 +139,8 @@ impl ModelConfig {
                 })
             }
         };
-        let sliding_window = if gemma3 { sliding_window(g, arch, n_layers)? } else { None };
-        // llama.cpp's qwen3 graph insists on rotating whole heads.
-        if arch == Arch::Qwen3 && rope_dim != head_dim {
-            return Err(EngineError::BadConfig(format!("qwen3 rotates whole heads, not {rope_dim} of {head_dim}")));
-        }
-        let logit_softcap = match g.get(&key("final_logit_softcapping")) {
-            Some(_) if gemma3 => Some(g.get_f32(&key("final_logit_softcapping"))?).filter(|&c| c != 0.0),
-            _ => None,
-        };
-        if logit_softcap.is_some_and(|c| !c.is_finite()) {
-            return Err(EngineError::BadConfig("the logit softcap must be finite".into()));
-        }
-        let attn_scale = if gemma3 && n_layers == GEMMA3_27B_LAYERS {
-            if hidden % n_head != 0 {
-                return Err(EngineError::BadConfig(format!("{n_head} heads do not divide hidden size {hidden}")));
-            }
-            1.0 / ((hidden / n_head) as f32).sqrt()
-        } else {
-            1.0 / (head_dim as f32).sqrt()
-        };
-        Ok(ModelConfig {
+        // The llama forward; the architecture's module (see `model`) says what it changes.
+        let mut cfg = ModelConfig {
             n_layers,
             hidden,
             ffn,
@@ -218,19 +150,21 @@ impl ModelConfig {
             rope_dim,
             rope_base,
             rope_scale,
-            rope_style,
             rms_eps,
             vocab,
             context,
-            attn_scale,
-            qk_norm: gemma3 || arch == Arch::Qwen3,
-            post_norms: gemma3,
-            embed_scale: gemma3.then(|| (hidden as f64).sqrt()),
-            activation: if gemma3 { Activation::GeluTanh } else { Activation::Silu },
-            sliding_window,
-            logit_softcap,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            qk_norm: false,
+            post_norms: false,
+            embed_scale: None,
+            activation: Activation::Silu,
+            sliding_window: None,
+            logit_softcap: None,
+            rope_style: RopeStyle::Adjacent,
             arch,
-        })
+        };
+        crate::model::adapt(&mut cfg, g)?;
+        Ok(cfg)
     }
 
     /// Floats of one position's keys (or values) in one layer.
@@ -247,48 +181,6 @@ impl ModelConfig {
     pub fn window(&self, layer: usize) -> Option<usize> {
         self.sliding_window.as_ref().filter(|s| s.layers.get(layer) == Some(&true)).map(|s| s.window)
     }
-}
-
-/// gemma3's window as llama.cpp reads it: none when the size is absent or 0; the layers it
-/// applies to from `sliding_window_pattern`, a per-layer array or a period (all but the last
-/// layer of each period; 0: every layer); its own RoPE base.
-fn sliding_window(g: &Gguf, arch: Arch, n_layers: usize) -> Result<Option<SlidingWindow>, EngineError> {
-    let key = |k: &str| format!("{arch}.{k}");
-    let window = match g.get(&key("attention.sliding_window")) {
-        Some(_) => g.get_u64(&key("attention.sliding_window"))?,
-        None => 0,
-    };
-    if window == 0 {
-        return Ok(None);
-    }
-    if window > MAX_CONTEXT {
-        return Err(EngineError::BadConfig(format!("a sliding window of {window} exceeds {MAX_CONTEXT}")));
-    }
-    let pattern = key("attention.sliding_window_pattern");
-    let layers = match g.get(&pattern) {
-        Some(Value::Array(items)) => {
-            if items.len() != n_layers {
-                return Err(EngineError::BadConfig(format!("{pattern} has {} entries for {n_layers} layers", items.len())));
-            }
-            let on = |v: &Value| v.as_bool().or_else(|| v.as_i64().map(|i| i != 0));
-            items.iter().map(on).collect::<Option<Vec<bool>>>().ok_or_else(|| EngineError::BadConfig(format!("{pattern} is not flags")))?
-        }
-        Some(_) => period(g.get_u64(&pattern)?, n_layers),
-        None => period(GEMMA3_SWA_PERIOD, n_layers),
-    };
-    let rope_base = match g.get(&key("rope.freq_base_swa")) {
-        Some(_) => g.get_f32(&key("rope.freq_base_swa"))?,
-        None => GEMMA3_SWA_ROPE_BASE,
-    };
-    if !(rope_base.is_finite() && rope_base > 0.0) {
-        return Err(EngineError::BadConfig(format!("{} = {rope_base} must be positive", key("rope.freq_base_swa"))));
-    }
-    Ok(Some(SlidingWindow { window: window as usize, layers, rope_base }))
-}
-
-/// llama.cpp's `set_swa_pattern`: all but the last layer of every `n`; every layer for 0.
-fn period(n: u64, n_layers: usize) -> Vec<bool> {
-    (0..n_layers as u64).map(|il| n == 0 || il % n < n - 1).collect()
 }
 
 /// llama.cpp's reading of RoPE scaling: the factor (under either key name) divides positions

@@ -9,6 +9,7 @@ mod engine;
 mod error;
 mod id;
 mod kv;
+mod model;
 mod open;
 mod sample;
 mod stage;
