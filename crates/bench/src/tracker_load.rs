@@ -12,6 +12,7 @@ use crate::swarm::LocalTracker;
 use dgr_proto::{
     Heartbeat, Load, Registration, RequestUsage, RouteRequest, SigningKey, StageUsage, TrackerBody, TrackerClient, UsageStatus,
 };
+use dgr_tracker::splitmix::SplitMix64 as Rng;
 use dgr_tracker::LedgerSpec;
 use futures::StreamExt;
 use serde_json::json;
@@ -62,27 +63,6 @@ struct Model {
 
 const MODELS: [Model; 2] =
     [Model { id: "bench-model-32-layers", n_layers: 32, share: 0.6 }, Model { id: "bench-model-80-layers", n_layers: 80, share: 0.4 }];
-
-/// splitmix64: deterministic swarm layouts.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u32) -> u32 {
-        (self.next() % u64::from(n)) as u32
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// The model a worker or a request is for, by the models' shares.
 fn pick_model(rng: &mut Rng) -> &'static Model {

@@ -8,41 +8,21 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use dgr_proto::Registration;
 use dgr_tracker::plan::{plan, Candidate};
 use dgr_tracker::registry::{Joining, Registry};
+use dgr_tracker::splitmix::SplitMix64;
 use std::hint::black_box;
 
 const LAYERS: u32 = 80;
 const INSTANCES: u64 = 16;
 
-/// splitmix64: deterministic and good enough for benchmark inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u32) -> u32 {
-        (self.next() % u64::from(n)) as u32
-    }
-
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// `workers` candidates: random start, random length 5..=40 clipped to the model, per layer
 /// 0.5..2.0 ms, fixed 0.1..1.0 ms.
 fn workers(workers: usize, seed: u64) -> Vec<Candidate> {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     (0..workers)
         .map(|_| {
             let start = rng.below(LAYERS);
             let end = (start + 5 + rng.below(36)).min(LAYERS);
-            Candidate { start, end, per_layer: rng.uniform(0.5, 2.0), fixed: rng.uniform(0.1, 1.0) }
+            Candidate { start, end, per_layer: 0.5 + 1.5 * rng.unit(), fixed: 0.1 + 0.9 * rng.unit() }
         })
         .collect()
 }

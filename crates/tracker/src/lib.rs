@@ -10,6 +10,7 @@ pub mod plan;
 pub mod registry;
 mod relay;
 mod server;
+pub mod splitmix;
 pub mod store;
 
 pub use server::{Tracker, TrackerConfig, TrackerError};
