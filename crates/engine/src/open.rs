@@ -77,13 +77,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn numerics_without_kernels_are_refused_naming_the_available_ones() {
+    fn every_numerics_opens_and_a_refusal_names_the_available_ones() {
         let g = Arc::new(Gguf::from_bytes(crate::synth::SynthSpec::default().to_gguf().unwrap()).unwrap());
-        let fast = EngineSpec { numerics: Numerics::Fast, ..EngineSpec::threads(1) };
-        let e = open_engine(g.clone(), 0..1, fast).err().unwrap();
-        assert_eq!(e.to_string(), "numerics fast is not available on this engine; available: exact");
-        for spec in registered_specs() {
+        let specs = registered_specs();
+        assert_eq!(specs.iter().map(|s| s.numerics).collect::<Vec<_>>(), [Numerics::Exact, Numerics::Fast]);
+        for spec in specs {
             assert_eq!(open_engine(g.clone(), 0..1, spec).unwrap().engine().numerics, spec.numerics);
         }
+        let e = EngineError::NumericsUnavailable { asked: Numerics::Fast, available: &[Numerics::Exact] };
+        assert_eq!(e.to_string(), "numerics fast is not available on this engine; available: exact");
     }
 }

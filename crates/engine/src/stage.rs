@@ -351,6 +351,7 @@ impl Stage {
             matmul(
                 &self.pool,
                 self.isa,
+                self.numerics,
                 g,
                 &xn,
                 t_all,
@@ -377,7 +378,7 @@ impl Stage {
                 t0 += n;
             }
             self.attention(batch, li, window, &seq_of, &pos_of, &q, &mut att);
-            matmul(&self.pool, self.isa, g, &att, t_all, &mut [Product { w: &layer.wo, out: &mut o }]);
+            matmul(&self.pool, self.isa, self.numerics, g, &att, t_all, &mut [Product { w: &layer.wo, out: &mut o }]);
             self.residual(&mut x, &o, layer.post_norms.as_ref().map(|[n, _]| n.as_slice()), &mut xn);
             for t in 0..t_all {
                 ops::rms_norm(&x[t * h..(t + 1) * h], &layer.ffn_norm, cfg.rms_eps, &mut xn[t * h..(t + 1) * h]);
@@ -385,13 +386,14 @@ impl Stage {
             matmul(
                 &self.pool,
                 self.isa,
+                self.numerics,
                 g,
                 &xn,
                 t_all,
                 &mut [Product { w: &layer.gate, out: &mut gate }, Product { w: &layer.up, out: &mut up }],
             );
             self.activate(&mut gate, &up);
-            matmul(&self.pool, self.isa, g, &gate, t_all, &mut [Product { w: &layer.down, out: &mut o }]);
+            matmul(&self.pool, self.isa, self.numerics, g, &gate, t_all, &mut [Product { w: &layer.down, out: &mut o }]);
             self.residual(&mut x, &o, layer.post_norms.as_ref().map(|[_, n]| n.as_slice()), &mut xn);
         }
         for (si, s) in batch.iter_mut().enumerate() {
@@ -428,7 +430,7 @@ impl Stage {
         }
         let vocab = cfg.vocab;
         let mut logits = vec![0f32; picked.len() * vocab];
-        matmul(&self.pool, self.isa, g, &hn, picked.len(), &mut [Product { w: &head.w, out: &mut logits }]);
+        matmul(&self.pool, self.isa, self.numerics, g, &hn, picked.len(), &mut [Product { w: &head.w, out: &mut logits }]);
         if let Some(cap) = cfg.logit_softcap {
             let cap = cap as f64;
             logits.iter_mut().for_each(|l| *l = (cap * (*l as f64 / cap).tanh()) as f32);

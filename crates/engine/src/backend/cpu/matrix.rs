@@ -1,8 +1,9 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
+use crate::backend::cpu::kernels::int::{self, Activations};
 use crate::backend::cpu::kernels::{self, Columns, FastType, Isa, Line, Rows};
 use crate::backend::cpu::pool::{Disjoint, ThreadPool};
-use crate::EngineError;
+use crate::{EngineError, Numerics};
 use dgr_gguf::{GgmlType, Gguf};
 
 /// A `rows × k` weight matrix stored row-major in the GGUF file (ggml dims `[k, rows]`).
@@ -58,8 +59,9 @@ pub(crate) struct Product<'a> {
 /// Computes every product for the `n` columns of `x` (each `k` floats, contiguous, where every
 /// product has `k` columns) in one pool job over the products' rows, handed out in chunks. Each
 /// row is computed completely by one thread, so a result depends on neither the thread count nor
-/// the other columns.
-pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize, products: &mut [Product]) {
+/// the other columns. In fast numerics, block-type weights meet the columns quantized once for
+/// every product and thread (`kernels::int`); float weights stay exact.
+pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, numerics: Numerics, g: &Gguf, x: &[f32], n: usize, products: &mut [Product]) {
     // At most three products share a job (q, k, v); held in an array, not allocated per call.
     assert!(products.len() <= 3);
     // No columns, no outputs (a last stage's step whose rows need no logits).
@@ -70,9 +72,16 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize,
     for p in products.iter() {
         assert!(p.w.k == k && x.len() >= n * k && p.out.len() >= n * p.w.rows);
     }
+    let fast = |w: &Matrix| numerics == Numerics::Fast && int::has_int(w.fast);
+    let mut acts = ACTIVATIONS.take();
+    if products.iter().any(|p| fast(p.w)) {
+        acts.quantize(&(0..n).map(|c| &x[c * k..][..k]).collect::<Vec<_>>(), k);
+    }
     let mut lines = ALIGNED.take();
-    let (x, stride) = if aligned(x, n, k, &mut lines) { (Line::floats(&lines), k.next_multiple_of(16)) } else { (x, k) };
-    let cols = Columns::new(isa, (0..n).map(|c| &x[c * stride..][..k]).collect(), k);
+    let exact = products.iter().any(|p| !fast(p.w));
+    let (x, stride) = if exact && aligned(x, n, k, &mut lines) { (Line::floats(&lines), k.next_multiple_of(16)) } else { (x, k) };
+    // Columns only the exact kernels read are laid out only when one of them will.
+    let cols = Columns::new(isa, if exact { (0..n).map(|c| &x[c * stride..][..k]).collect() } else { Vec::new() }, k);
     let mut jobs: [Option<(&Matrix, Disjoint)>; 3] = [None, None, None];
     for (j, p) in jobs.iter_mut().zip(products.iter_mut()) {
         *j = Some((p.w, Disjoint::new(p.out)));
@@ -85,13 +94,21 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, g: &Gguf, x: &[f32], n: usize,
         for (w, out) in jobs.iter().flatten() {
             let (lo, hi) = (items.start.max(base), items.end.min(base + w.rows));
             if lo < hi {
-                rows(isa, g, &cols, w, out, lo - base..hi - base);
+                rows(isa, g, if fast(w) { Kind::Int(&acts) } else { Kind::Exact(&cols) }, w, out, lo - base..hi - base);
             }
             base += w.rows;
         }
     });
     drop(cols);
     ALIGNED.set(lines);
+    ACTIVATIONS.set(acts);
+}
+
+/// Which kernels a product's rows meet the columns with.
+#[derive(Clone, Copy)]
+enum Kind<'a, 'c> {
+    Exact(&'a Columns<'c>),
+    Int(&'a Activations),
 }
 
 /// Copies the `n` columns of `x` (`k` floats each) into `lines` so each starts on a cache line,
@@ -113,15 +130,22 @@ thread_local! {
     /// The buffer of the thread's last aligned copy of columns, for its next: a fresh one would
     /// be mapped and faulted in for every product.
     static ALIGNED: std::cell::Cell<Vec<Line>> = const { std::cell::Cell::new(Vec::new()) };
+    /// The thread's last quantized columns' buffers, for its next product, likewise.
+    static ACTIVATIONS: std::cell::Cell<Activations> = std::cell::Cell::new(Activations::default());
 }
 
 /// Rows `rows` of `w` for every column: the unit of work one thread does without a break.
-fn rows(isa: Isa, model: &Gguf, cols: &Columns, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
+fn rows(isa: Isa, model: &Gguf, kind: Kind, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
     let m = Rows { ty: w.fast, bytes: w.rows(model, rows.clone()), row_bytes: w.row_bytes, n_rows: rows.len() };
     // This call alone writes rows `rows` of every column of `out` (`matmul` hands each row to
     // one chunk), and `matmul`'s assert keeps them inside the buffer.
     let dst = out.at(rows.start);
     // SAFETY: the kernel writes `dst[c * w.rows + r]` for c < n and r < rows.len(): exactly the
     // outputs this call alone owns (above).
-    unsafe { kernels::gemv(isa, &m, w.k, cols, dst, w.rows) };
+    unsafe {
+        match kind {
+            Kind::Exact(cols) => kernels::gemv(isa, &m, w.k, cols, dst, w.rows),
+            Kind::Int(acts) => int::gemv(isa, &m, w.k, acts, dst, w.rows),
+        }
+    }
 }

@@ -6,6 +6,6 @@ pub(crate) mod matrix;
 pub(crate) mod ops;
 pub(crate) mod pool;
 
-/// The numerics these kernels compute. Fast (integer activations) goes here once its kernels
-/// do, with the branch on the stage's numerics in `matrix::matmul`.
-pub(crate) const NUMERICS: &[crate::Numerics] = &[crate::Numerics::Exact];
+/// The numerics these kernels compute: exact (f32 activations) and fast (integer activations
+/// for block-type weights, `kernels::int`), branched on in `matrix::matmul`.
+pub(crate) const NUMERICS: &[crate::Numerics] = &[crate::Numerics::Exact, crate::Numerics::Fast];

@@ -49,7 +49,8 @@ macro_rules! by_type {
     };
 }
 
-// After `by_type!`, which it uses.
+// After `by_type!`, which they use.
+pub(crate) mod int;
 mod panel;
 
 /// The element types the kernels read directly.

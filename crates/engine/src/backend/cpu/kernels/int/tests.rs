@@ -1,0 +1,124 @@
+use super::super::tests::{bits, random_row, Rng, TYPES};
+use super::*;
+use dgr_gguf::GgmlType;
+
+/// The block types: the ones with an integer kernel.
+fn block_types() -> impl Iterator<Item = (GgmlType, FastType)> {
+    TYPES.into_iter().map(|t| (t, FastType::of(t).unwrap())).filter(|(_, f)| has_int(*f))
+}
+
+/// Columns of `k` values with chunks of very different magnitudes (and a zero chunk), as
+/// activations have.
+fn columns(rng: &mut Rng, n: usize, k: usize) -> Vec<Vec<f32>> {
+    (0..n)
+        .map(|c| {
+            (0..k)
+                .map(|e| {
+                    let chunk = e / 32;
+                    if (c + chunk) % 11 == 5 {
+                        0.0
+                    } else {
+                        rng.f32() * [1.0, 30.0, 1e-3, 4.0][(c + chunk) % 4]
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn products(flavor: Flavor, ty: FastType, rows: &[u8], n: usize, k: usize, acts: &Activations) -> Vec<f32> {
+    let w = Rows { ty, bytes: rows, row_bytes: rows.len() / n, n_rows: n };
+    let mut out = vec![f32::NAN; acts.n * n];
+    // SAFETY: outputs `c * n + r` for c < acts.n and r < n, all inside `out`, which nothing
+    // else touches meanwhile; the flavor is one this CPU runs.
+    unsafe { gemv_with(flavor, &w, k, acts, out.as_mut_ptr(), n) };
+    out
+}
+
+#[test]
+fn codes_factors_and_offsets_are_the_dequantized_weights() {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    for (ty, fast) in block_types() {
+        let row = random_row(&mut rng, ty, 1024);
+        let mut want = vec![0f32; 1024];
+        dgr_gguf::quant::dequantize_row(ty, &row, &mut want).unwrap();
+        let (e, g) = (elems(fast), group(fast));
+        for (blk, b) in row.chunks_exact(fast.block_bytes()).enumerate() {
+            let (mut q, mut m, mut o) = ([0i16; 256], [0f32; 16], [0f32; 16]);
+            unpack(fast, b, &mut q, &mut m, &mut o);
+            for i in 0..e {
+                let got = m[i / g] as f64 * q[i] as f64 + o[i / g] as f64;
+                let w = want[blk * e + i] as f64;
+                assert!((got - w).abs() <= 1e-6 * w.abs(), "{ty:?} element {}: {got} vs {w}", blk * e + i);
+            }
+            assert!(offset(fast) || o[..e / g].iter().all(|&v| v == 0.0), "{ty:?} has offsets");
+        }
+    }
+}
+
+#[test]
+fn quantized_values_are_within_half_a_step() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let cols = columns(&mut rng, 3, 512);
+    let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
+    let mut a = Activations::default();
+    a.quantize(&xs, 512);
+    for (c, x) in cols.iter().enumerate() {
+        for (i, v) in x.iter().enumerate() {
+            let s = a.scales[c * 16 + i / 32];
+            assert!(s >= 0.0);
+            let back = s * a.codes[c * 512 + i] as f32;
+            assert!((back - v).abs() <= 0.5 * s + 2e-7 * v.abs() + 1e-30, "column {c} element {i}: {v} read back as {back}");
+        }
+    }
+    // A NaN or an infinity makes its chunk's scale NaN, so every product it meets is NaN.
+    let mut bad = cols[0].clone();
+    bad[40] = f32::INFINITY;
+    a.quantize(&[&bad], 512);
+    assert!(a.scales[1].is_nan() && a.scales[0].is_finite() && a.codes[32..64].iter().all(|&q| q == 0));
+    bad[40] = f32::NAN;
+    a.quantize(&[&bad], 512);
+    assert!(a.scales[1].is_nan());
+}
+
+#[test]
+fn every_flavor_and_every_width_gives_the_scalar_bits_close_to_exact() {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let n = 37;
+    for (ty, fast) in block_types() {
+        for k in [256usize, 512, 3584] {
+            let rows: Vec<Vec<u8>> = (0..n).map(|_| random_row(&mut rng, ty, k)).collect();
+            let cols = columns(&mut rng, 19, k);
+            let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
+            let mut acts = Activations::default();
+            acts.quantize(&xs, k);
+            let all_rows = rows.concat();
+            let want = products(Flavor::Scalar, fast, &all_rows, n, k, &acts);
+            // Each product is within its quantization's bound of the exact one: every value
+            // moves at most half its chunk's step, and the float steps add a few roundings.
+            for (r, row) in rows.iter().enumerate() {
+                let mut w = vec![0f32; k];
+                dgr_gguf::quant::dequantize_row(ty, row, &mut w).unwrap();
+                for (c, x) in xs.iter().enumerate() {
+                    let exact: f64 = w.iter().zip(x.iter()).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let mag: f64 = w.iter().zip(x.iter()).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                    let step: f64 = w.iter().enumerate().map(|(i, a)| a.abs() as f64 * acts.scales[c * k / 32 + i / 32] as f64).sum();
+                    let got = want[c * n + r] as f64;
+                    assert!((got - exact).abs() <= 0.5 * step + 1e-5 * mag + 1e-30, "{ty:?} k={k} row {r} column {c}: {got} vs {exact}");
+                }
+            }
+            for flavor in Flavor::available() {
+                for width in [1, 2, 3, 4, 7, 8, 11, 16, 19] {
+                    let mut part = Activations::default();
+                    part.quantize(&xs[..width], k);
+                    let out = products(flavor, fast, &all_rows, n, k, &part);
+                    assert_eq!(bits(&out), bits(&want[..width * n]), "{ty:?} {flavor:?} k={k} width={width}");
+                }
+                // A cut of the rows gives the same bits (threads take rows in chunks).
+                let cut = 17 * all_rows.len() / n;
+                let lo = products(flavor, fast, &all_rows[..cut], 17, k, &acts);
+                assert_eq!(bits(&lo[..17]), bits(&want[..17]), "{ty:?} {flavor:?} k={k} cut");
+            }
+        }
+    }
+}
