@@ -69,7 +69,7 @@ artifacts=target/test-artifacts
 mkdir -p "$artifacts"
 export DGR_TEST_ARTIFACTS=$PWD/$artifacts CHROMIUM=/usr/bin/chromium PYTHONDONTWRITEBYTECODE=1
 status=0
-timeout 600 "$venv/bin/python" -m pytest tests/http -q -rfE --junitxml="$artifacts/http-junit.xml" "$@" || status=$?
+timeout 1200 "$venv/bin/python" -m pytest tests/http -q -rfE --junitxml="$artifacts/http-junit.xml" "$@" || status=$?
 
 # Then a scaled-down soak (tests/soak; scripts/soak.sh runs the full one): its own swarm, hurt while
 # it serves (a worker killed and restarted, one stopped and continued, the tracker restarted, client

@@ -180,7 +180,8 @@ class Swarm:
         """An official OpenAI client with one of the suite's keys (or any key string)."""
         api_key = KEYS[key][0] if key in KEYS else key
         # No retries: a 429 must reach the test, not be waited out (Retry-After may be 60 s).
-        c = openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60, **kw)
+        kw.setdefault("timeout", 60)
+        c = openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kw)
         self.clients.append(c)
         return c
 
@@ -245,9 +246,13 @@ class NoWorkerTouched:
 
 
 def start_swarm(
-    workdir: Path, model: Path | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS, log_name: str = "dgr-up.log"
+    workdir: Path,
+    model: Path | None = None,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+    log_name: str = "dgr-up.log",
+    args: list[str] | None = None,
 ) -> Swarm:
-    """`dgr up` on the default model, or on `model`."""
+    """`dgr up` on the default model or on `model`, with the suite's keys and limits, or with `args` instead."""
     assert DGR.is_file(), f"{DGR} is missing: build it with `cargo build --release -p dgr`"
     state = workdir / "state"
     keys = workdir / "api-keys"
@@ -255,11 +260,12 @@ def start_swarm(
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log = ARTIFACTS / log_name
     env = dict(os.environ, DGR_STATE_DIR=str(state))
-    cmd = [
-        str(DGR), "up", "--workers", "2", "--listen", "127.0.0.1:0", "--api-keys", str(keys),
-        "--max-prompt-tokens", str(max_prompt_tokens), "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
-        "--max-body-bytes", str(MAX_BODY_BYTES), *(["--model", str(model)] if model else []),
-    ]  # fmt: skip
+    if args is None:
+        args = [
+            "--workers", "2", "--api-keys", str(keys), "--max-prompt-tokens", str(max_prompt_tokens),
+            "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-body-bytes", str(MAX_BODY_BYTES),
+        ]  # fmt: skip
+    cmd = [str(DGR), "up", "--listen", "127.0.0.1:0", *args, *(["--model", str(model)] if model else [])]
     # Its own process group, as a shell job is: Ctrl-C then reaches dgr up and what it started.
     proc = subprocess.Popen(
         cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(log, "wb"), start_new_session=True
@@ -285,6 +291,18 @@ def start_swarm(
     return Swarm(proc, ready["base_url"], ready["model"], ready["tracker"], state, log)
 
 
+def stop_swarm(s: Swarm):
+    for c in s.clients:
+        c.close()
+    if s.proc.poll() is None:
+        os.killpg(s.proc.pid, signal.SIGINT)
+        try:
+            s.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait()
+
+
 @pytest.fixture(scope="session")
 def swarm():
     with tempfile.TemporaryDirectory(prefix="dgr-http-") as tmp:
@@ -292,16 +310,8 @@ def swarm():
         try:
             yield s
         finally:
-            for c in s.clients:
-                c.close()
-            if s.proc.poll() is None:
-                # The shutdown test did not stop it (it failed or was deselected): stop it anyway.
-                os.killpg(s.proc.pid, signal.SIGINT)
-                try:
-                    s.proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(s.proc.pid, signal.SIGKILL)
-                    s.proc.wait()
+            # The shutdown test did not stop it (it failed or was deselected): stop it anyway.
+            stop_swarm(s)
 
 
 @pytest.fixture

@@ -46,6 +46,10 @@ pub struct Args {
     /// Largest prompt chunk in a step when no session is decoding
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// Milliseconds of compute a prompt chunk aims at: a long prompt's chunks shrink as its
+    /// attention grows, so its progress reaches the driver at least about this often
+    #[arg(long, default_value_t = 1000.0)]
+    chunk_ms: f64,
     /// Largest prompt chunk in a step that also decodes (bounds the added inter-token latency)...
     #[arg(long, default_value_t = 4)]
     busy_chunk: usize,
@@ -132,6 +136,7 @@ pub fn run(a: Args) -> Result<()> {
     cfg.policy = dgr_worker::Policy {
         step_tokens: a.step_tokens.max(1),
         prefill_chunk: a.prefill_chunk.max(1),
+        chunk_time: positive(a.chunk_ms / 1e3, "chunk-ms")?,
         busy_chunk: a.busy_chunk.max(1),
         whole_prompt: a.whole_prompt,
         micro_batches: a.micro_batches.max(1),

@@ -101,8 +101,9 @@ fn a_killed_or_stopped_worker_is_replaced_without_changing_a_token() {
         assert_eq!(rec.recoveries.len(), 1, "{what}: {:?}", rec.recoveries);
         let r = &rec.recoveries[0];
         assert_eq!((r.stage, r.at_token), (Some(stage as u32), 30), "{what}: {r:?}");
-        println!("{what}: recovered from {} after {} tokens, stall {:.0} ms", r.kind, r.at_token, r.stall_ms);
-        assert!(r.stall_ms < 2000.0 + 1000.0, "{what}: stall {:.0} ms (detection + replaying {} tokens)", r.stall_ms, prompt.len() + 30);
+        let stall = r.stall_ms.unwrap_or_else(|| panic!("{what}: the replacement delivered no token: {r:?}"));
+        println!("{what}: recovered from {} after {} tokens, stall {stall:.0} ms", r.kind, r.at_token);
+        assert!((0.0..2000.0 + 1000.0).contains(&stall), "{what}: stall {stall:.0} ms (detection + replaying {} tokens)", prompt.len() + 30);
         // The replayed session's stages computed the replay; the failed one's work counts too.
         assert_eq!(rec.attempts.len(), 2);
         for w in &workers {

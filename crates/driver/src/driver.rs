@@ -87,9 +87,11 @@ impl Session<'_> {
 
     /// The next event, turned into an error unless it is a frame this session expects. While
     /// the route is quiet for `probe_after`, every stage is pinged; one that does not answer
-    /// within `probe_wait` is reported silent (a stopped process), long before `timeout`.
+    /// within `probe_wait` is reported silent (a stopped process), long before `timeout`. The
+    /// deadline measures progress: each `Progress` of the session (a prompt chunk through the
+    /// whole route) restarts it, so a long prefill is given `timeout` per chunk, not in all.
     async fn next(&mut self, timeout: Duration, opts: &DriveOptions) -> Result<(u32, Body), DriveError> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let mut deadline = tokio::time::Instant::now() + timeout;
         let mut probe: Option<(tokio::time::Instant, Vec<bool>)> = None;
         loop {
             let wake = match &probe {
@@ -99,7 +101,8 @@ impl Session<'_> {
             let event = match tokio::time::timeout_at(wake.min(deadline), self.events.recv()).await {
                 Ok(ev) => ev,
                 Err(_) if tokio::time::Instant::now() >= deadline => {
-                    return Err(DriveError::new(FailKind::Timeout, None, None, format!("no answer from the route within {timeout:?}")))
+                    let msg = format!("the route made no progress within {timeout:?}");
+                    return Err(DriveError::new(FailKind::Timeout, None, None, msg));
                 }
                 Err(_) => match probe.take() {
                     None => {
@@ -128,6 +131,7 @@ impl Session<'_> {
                     }
                 }
                 Some(Event::Frame(_, Body::Ping(_))) => {}
+                Some(Event::Frame(_, Body::Progress(_))) => deadline = tokio::time::Instant::now() + timeout,
                 Some(Event::Frame(stage, Body::Error(e))) => {
                     let at = if e.stage == STAGE_UNKNOWN { stage } else { e.stage };
                     return Err(self.err(FailKind::Worker(e.error_kind()), at, e.message));

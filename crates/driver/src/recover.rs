@@ -27,8 +27,11 @@ pub struct Recovery {
     pub worker_id: Option<String>,
     /// Tokens already delivered when it failed (replayed as a prefill).
     pub at_token: usize,
-    /// From the failure's detection to the replacement route's first token.
-    pub stall_ms: f64,
+    /// From the failure's detection to the replacement route's first token; None while no
+    /// replacement has delivered one (it failed too, or the request ended first).
+    pub stall_ms: Option<f64>,
+    #[serde(skip)]
+    detected: Instant,
 }
 
 pub struct Recovered {
@@ -93,8 +96,8 @@ where
         let result = generate_on(links, &route, &sub, opts, |t| {
             let now = Instant::now();
             first_token.get_or_insert(now);
-            if let Some(r) = recoveries.last_mut().filter(|r| r.stall_ms < 0.0) {
-                r.stall_ms += (now - started).as_secs_f64() * 1e3;
+            if let Some(r) = recoveries.last_mut().filter(|r| r.stall_ms.is_none()) {
+                r.stall_ms = Some((now - r.detected).as_secs_f64() * 1e3);
             }
             merged.tokens.push(t.token);
             merged.logprobs.push(t.logprob);
@@ -126,8 +129,7 @@ where
                 }
                 let worker_id = e.stage.and_then(|i| route.stages.get(i as usize)).map(|s| s.worker_id.clone()).filter(|w| !w.is_empty());
                 exclude.extend(worker_id.clone());
-                // Negative until the replacement's first token: then the stall (see above).
-                let detected_ms = (Instant::now() - started).as_secs_f64() * 1e3;
+                let detected = Instant::now();
                 let budget = (req.prompt_tokens.len() + req.max_tokens) as u64;
                 let replanned = replan(exclude.clone(), budget, engine.clone()).await.and_then(|(r, t)| match r.stages.first() {
                     Some(s) if s.info.engine != engine => Err(DriveError::new(
@@ -146,7 +148,8 @@ where
                             addr: e.addr.clone(),
                             worker_id,
                             at_token: merged.tokens.len(),
-                            stall_ms: -detected_ms,
+                            stall_ms: None,
+                            detected,
                         });
                         route = r;
                         ticket = t;

@@ -324,16 +324,17 @@ impl Gateway {
         };
         let rec = generate_recovering(&self.links, first, &req, &self.cfg.drive, on_token, replan, MAX_REPLAYS).await;
         let result = rec.result;
-        for r in &rec.recoveries {
-            let stage = r.stage.map_or("?".to_string(), |s| s.to_string());
-            eprintln!(
-                "dgr gateway: request {request_id} recovered from {} at stage {stage} ({}) after {} tokens; stall {:.0} ms",
-                r.kind,
-                r.addr.as_deref().unwrap_or("?"),
-                r.at_token,
-                r.stall_ms
-            );
-            self.metrics.error(&format!("recovered_{}", r.kind));
+        for (i, r) in rec.recoveries.iter().enumerate() {
+            let stage = r.stage.map_or("unknown".to_string(), |s| s.to_string());
+            let at = format!("{} at stage {stage} ({})", r.kind, r.addr.as_deref().unwrap_or("address unknown"));
+            // "Recovered" only for the fault whose replay completed the request.
+            match r.stall_ms {
+                Some(stall) if result.is_ok() && i + 1 == rec.recoveries.len() => {
+                    eprintln!("dgr gateway: request {request_id} recovered from {at} after {} tokens; stall {stall:.0} ms", r.at_token);
+                    self.metrics.error(&format!("recovered_{}", r.kind));
+                }
+                _ => eprintln!("dgr gateway: request {request_id} replayed after {at} after {} tokens; the replay did not complete", r.at_token),
+            }
         }
         let usage = tracker::request_usage(&request_id, &job.api_key, &job.model.model_id, job.prompt.len(), &result, &rec.attempts);
         let (end, completion): (Result<FinishReason, ApiError>, usize) = match &result {

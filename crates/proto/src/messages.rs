@@ -4,7 +4,7 @@
 /// One frame on the wire.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Frame {
-    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14")]
+    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15")]
     pub body: Option<Body>,
 }
 
@@ -54,6 +54,10 @@ pub enum Body {
     /// Holder → fetcher: bytes of one tensor.
     #[prost(message, tag = "14")]
     Chunk(TensorChunk),
+    /// Last stage → driver: a chunk of a prompt has run through the whole route (no token yet),
+    /// so a long prefill that is slow but moving is not taken for a dead route.
+    #[prost(message, tag = "15")]
+    Progress(Progress),
 }
 
 /// The most bytes one `Chunk` carries.
@@ -292,6 +296,16 @@ pub struct TokenOut {
     pub top: Vec<TopEntry>,
     #[prost(message, repeated, tag = "6")]
     pub trace: Vec<Hop>,
+}
+
+/// How far a session's prompt has run through the route.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Progress {
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    /// Positions the last stage has computed (the next row's position).
+    #[prost(uint64, tag = "2")]
+    pub positions: u64,
 }
 
 /// What one stage computed for one session.

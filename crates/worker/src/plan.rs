@@ -12,8 +12,11 @@ use std::time::Instant;
 pub struct Policy {
     /// Rows one step may compute in all.
     pub step_tokens: usize,
-    /// The largest prompt chunk when no session is decoding.
+    /// The largest prompt chunk when no session is decoding ...
     pub prefill_chunk: usize,
+    /// ... and the compute time one chunk aims at: as a long prompt's attention grows, its chunks
+    /// shrink, so its progress reaches the driver (restarting the step deadline) this often.
+    pub chunk_time: std::time::Duration,
     /// The largest prompt chunk in a step that also decodes ...
     pub busy_chunk: usize,
     /// ... except that a prompt of at most this many rows runs whole: a short prompt's first
@@ -35,11 +38,23 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// The rows of a prompt chunk that fit `chunk_time` when the session's last chunk took
+    /// `row_time` a row (None before its first: `prefill_chunk` alone caps it).
+    pub fn fit(&self, row_time: Option<std::time::Duration>) -> usize {
+        match row_time {
+            Some(t) if !t.is_zero() => (self.chunk_time.as_secs_f64() / t.as_secs_f64()).max(1.0) as usize,
+            _ => usize::MAX,
+        }
+    }
+}
+
 impl Default for Policy {
     fn default() -> Self {
         Policy {
             step_tokens: 8192,
             prefill_chunk: 512,
+            chunk_time: std::time::Duration::from_secs(1),
             busy_chunk: 4,
             whole_prompt: 256,
             micro_batches: 1,
@@ -56,6 +71,8 @@ pub struct Ready {
     /// Rows of the waiting frame in all, and those not yet run.
     pub rows: usize,
     pub rows_left: usize,
+    /// The most rows of a prompt's next chunk that fit `chunk_time` at the session's last rate.
+    pub fit: usize,
     pub since: Instant,
 }
 
@@ -84,7 +101,7 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
     let busy = !take.is_empty();
     for r in prefill {
         let chunk = match (busy, r.rows <= p.whole_prompt) {
-            (false, _) => p.prefill_chunk,
+            (false, _) => p.prefill_chunk.min(r.fit),
             (true, true) => r.rows,
             (true, false) => p.busy_chunk,
         };
@@ -121,7 +138,7 @@ mod tests {
 
     fn ready(i: u8, phase: Phase, dtype: SeamDtype, rows: usize, age_ms: u64) -> Ready {
         let since = Instant::now() - Duration::from_millis(age_ms);
-        Ready { id: [i; 16], key: key(phase, dtype), rows, rows_left: rows, since }
+        Ready { id: [i; 16], key: key(phase, dtype), rows, rows_left: rows, fit: usize::MAX, since }
     }
 
     #[test]
@@ -175,6 +192,20 @@ mod tests {
         // Alone, a prompt gets the large chunk, still within the budget.
         let b = plan(vec![ready(9, Phase::Prefill, SeamDtype::F32, 1500, 1)], 0, &p);
         assert_eq!(b[0].items, vec![([9; 16], 16)]);
+    }
+
+    #[test]
+    fn a_prompt_chunk_shrinks_to_the_chunk_time_at_its_last_rate() {
+        let p = Policy { chunk_time: Duration::from_secs(1), ..Policy::default() };
+        assert_eq!(p.fit(None), usize::MAX);
+        assert_eq!(p.fit(Some(Duration::from_millis(10))), 100);
+        assert_eq!(p.fit(Some(Duration::from_secs(3))), 1, "at least one row a step");
+        let mut r = ready(9, Phase::Prefill, SeamDtype::F32, 7000, 1);
+        r.fit = p.fit(Some(Duration::from_millis(20)));
+        assert_eq!(plan(vec![r.clone()], 0, &p)[0].items, vec![([9; 16], 50)]);
+        // Beside decoding, the busy chunk caps it as before.
+        let b = plan(vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 2), r], 1, &p);
+        assert_eq!(b[1].items, vec![([9; 16], 4)]);
     }
 
     #[test]

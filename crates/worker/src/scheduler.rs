@@ -8,7 +8,7 @@ use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
     check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, ProtoError,
-    SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
+    Progress, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
 };
 use dgr_telemetry::unix_us;
 use std::collections::{HashMap, VecDeque};
@@ -133,6 +133,8 @@ struct Session<K> {
     hash_rows: bool,
     /// On the last stage: hops of prompt chunks run since the last token, sent with the next one.
     carry: Vec<Hop>,
+    /// Compute time a row of the session's last prompt chunk took (its next chunk is sized by it).
+    row_time: Option<Duration>,
     /// Past the prompt: a frame that asked for a token has run. Before, every row is prefill
     /// (however the previous stage chunked the prompt); after, every row is decode.
     decoding: bool,
@@ -395,6 +397,7 @@ impl<E: Engine> Scheduler<E> {
             request_id,
             hash_rows: open.hash_rows,
             carry: Vec::new(),
+            row_time: None,
             decoding: false,
         };
         self.reserved += cost;
@@ -502,7 +505,8 @@ impl<E: Engine> Scheduler<E> {
             .values()
             .filter_map(|s| {
                 let p = s.pending.front()?;
-                Some(Ready { id: s.id, key: self.key(s, s.phase()), rows: p.rows, rows_left: p.rows - p.done, since: p.at })
+                let fit = self.policy.fit(s.row_time);
+                Some(Ready { id: s.id, key: self.key(s, s.phase()), rows: p.rows, rows_left: p.rows - p.done, fit, since: p.at })
             })
             .collect();
         if ready.is_empty() {
@@ -607,6 +611,7 @@ impl<E: Engine> Scheduler<E> {
             let counter = if prefill { &self.metrics.tokens_prefilled } else { &self.metrics.tokens_decoded };
             counter.fetch_add(n as u64, Relaxed);
             if prefill {
+                s.row_time = Some(Duration::from_micros(compute_us) / rows.max(1) as u32);
                 s.usage.tokens_prefilled += n as u64;
             } else {
                 s.usage.tokens_decoded += n as u64;
@@ -669,10 +674,11 @@ impl<E: Engine> Scheduler<E> {
                     };
                     send(&s.reply, Body::Token(t))
                 }
+                // A prompt chunk through the whole route: the driver's step deadline restarts.
                 None => {
                     s.carry.append(&mut trace);
                     s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
-                    true
+                    send(&s.reply, Body::Progress(Progress { session_id: s.id.to_vec(), positions: s.kv.positions() as u64 }))
                 }
             };
             if finished {

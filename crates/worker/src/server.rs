@@ -523,6 +523,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             | Body::Token(_)
             | Body::Error(_)
             | Body::Usage(_)
+            | Body::Progress(_)
             | Body::Pong(_)
             | Body::Manifest(_)
             | Body::Chunk(_) => {
