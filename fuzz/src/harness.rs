@@ -201,6 +201,7 @@ pub fn stage_frame(data: &[u8]) -> bool {
         Some(Body::Opened(r) | Body::Cancel(r) | Body::Close(r)) => session_id(&r.session_id).is_ok(),
         Some(Body::Token(t)) => session_id(&t.session_id).is_ok(),
         Some(Body::Usage(u)) => session_id(&u.session_id).is_ok(),
+        Some(Body::Progress(p)) => session_id(&p.session_id).is_ok(),
         Some(Body::Error(e)) => {
             black_box((e.error_kind().name(), e.stage, &e.message));
             true

@@ -103,7 +103,11 @@ fn a_killed_or_stopped_worker_is_replaced_without_changing_a_token() {
         assert_eq!((r.stage, r.at_token), (Some(stage as u32), 30), "{what}: {r:?}");
         let stall = r.stall_ms.unwrap_or_else(|| panic!("{what}: the replacement delivered no token: {r:?}"));
         println!("{what}: recovered from {} after {} tokens, stall {stall:.0} ms", r.kind, r.at_token);
-        assert!((0.0..2000.0 + 1000.0).contains(&stall), "{what}: stall {stall:.0} ms (detection + replaying {} tokens)", prompt.len() + 30);
+        assert!(
+            (0.0..2000.0 + 1000.0).contains(&stall),
+            "{what}: stall {stall:.0} ms (detection + replaying {} tokens)",
+            prompt.len() + 30
+        );
         // The replayed session's stages computed the replay; the failed one's work counts too.
         assert_eq!(rec.attempts.len(), 2);
         for w in &workers {

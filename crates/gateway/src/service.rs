@@ -333,7 +333,10 @@ impl Gateway {
                     eprintln!("dgr gateway: request {request_id} recovered from {at} after {} tokens; stall {stall:.0} ms", r.at_token);
                     self.metrics.error(&format!("recovered_{}", r.kind));
                 }
-                _ => eprintln!("dgr gateway: request {request_id} replayed after {at} after {} tokens; the replay did not complete", r.at_token),
+                _ => eprintln!(
+                    "dgr gateway: request {request_id} replayed after {at} after {} tokens; the replay did not complete",
+                    r.at_token
+                ),
             }
         }
         let usage = tracker::request_usage(&request_id, &job.api_key, &job.model.model_id, job.prompt.len(), &result, &rec.attempts);

@@ -7,8 +7,8 @@ use crate::plan::{plan, Batch, Policy, Ready};
 use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
-    check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, ProtoError,
-    Progress, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
+    check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, Progress,
+    ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
 };
 use dgr_telemetry::unix_us;
 use std::collections::{HashMap, VecDeque};
