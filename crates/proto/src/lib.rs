@@ -29,7 +29,7 @@ pub use ticket::{
 pub use tracker::*;
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;
