@@ -7,6 +7,7 @@ mod bandwidth;
 mod batch;
 mod engine;
 mod error;
+mod links;
 pub mod local;
 mod model;
 mod peer;
@@ -36,6 +37,9 @@ pub enum Command {
     /// Aggregate decode of 1, 2, 4, 8 concurrent sessions, one process and through a route,
     /// against llama-batched-bench; writes a plot beside the record.
     Batch(batch::Args),
+    /// What link encryption costs decode: one session through a local route with encrypted
+    /// links and through the same route with --insecure-plaintext, in alternating rounds.
+    Links(links::Args),
     /// What a tracker costs per token: decode through the same 2-worker route given by --route,
     /// planned by a tracker with a signed ticket, and with its second hop relayed. With
     /// --workers N [--ledger-rows M]: the tracker under load instead: routed requests/s and route
@@ -55,6 +59,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Bandwidth(a) => bandwidth::run(a),
         Command::Route(a) => route::run(a),
         Command::Batch(a) => batch::run(a),
+        Command::Links(a) => links::run(a),
         Command::Tracker(a) => tracker::run(a),
         Command::Serve(a) => serve::run(a),
     }

@@ -25,6 +25,8 @@ pub struct Args {
     pub keys: KeysArgs,
     #[command(flatten)]
     pub limits: LimitArgs,
+    #[command(flatten)]
+    pub plaintext: crate::plaintext::PlaintextArg,
 }
 
 #[derive(clap::Args, Clone)]
@@ -143,6 +145,7 @@ pub async fn register_keys(gw: &Gateway, keys: &KeysArgs) -> Result<usize> {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    a.plaintext.apply("gateway");
     let models = if a.model.is_empty() { vec![crate::model::ModelArg { model: None }.path()?] } else { a.model.clone() };
     let mut cfg = a.limits.config(a.tracker.clone(), models)?;
     cfg.join_token = a.keys.join_token()?;

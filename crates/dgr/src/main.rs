@@ -7,6 +7,7 @@ mod generate;
 mod inspect;
 mod key;
 mod model;
+mod plaintext;
 mod routed;
 mod score;
 mod slice;

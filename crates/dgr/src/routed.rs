@@ -32,6 +32,8 @@ pub struct RouteArgs {
     /// Dtype of hidden rows between stages: f32 (lossless) or the opt-in f16, bf16
     #[arg(long, default_value = "f32")]
     pub seam_dtype: String,
+    #[command(flatten)]
+    pub plaintext: crate::plaintext::PlaintextArg,
 }
 
 /// Runs the request along the route. The outer error is a local problem (bad options, workers
@@ -48,17 +50,16 @@ pub fn generate(
     let seam_dtype = SeamDtype::parse(&a.seam_dtype).with_context(|| format!("--seam-dtype {:?}: use f32, f16 or bf16", a.seam_dtype))?;
     let step_timeout =
         Duration::try_from_secs_f64(a.step_timeout).ok().filter(|d| !d.is_zero()).context("--step-timeout must be positive")?;
+    a.plaintext.apply("generate");
+    let worker_flags: Vec<String> = if a.plaintext.insecure_plaintext { vec!["--insecure-plaintext".into()] } else { Vec::new() };
     let swarm;
     let addrs: Vec<String> = match (&a.route, a.split) {
         (Some(r), _) => r.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
         (None, Some(n)) => {
             dgr_bench::swarm::check_split(n_layers, n)?;
-            swarm = LocalSwarm::start(
-                model,
-                &dgr_bench::swarm::even_split(n_layers, n),
-                threads,
-                &NumericsArg { numerics: engine.numerics }.worker_flags()?,
-            )?;
+            let mut flags = NumericsArg { numerics: engine.numerics }.worker_flags()?.to_vec();
+            flags.extend(worker_flags);
+            swarm = LocalSwarm::start(model, &dgr_bench::swarm::even_split(n_layers, n), threads, &flags)?;
             swarm.addrs.clone()
         }
         (None, None) if a.tracker.is_some() => Vec::new(),

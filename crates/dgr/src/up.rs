@@ -34,6 +34,8 @@ pub struct Args {
     keys: KeysArgs,
     #[command(flatten)]
     limits: LimitArgs,
+    #[command(flatten)]
+    plaintext: crate::plaintext::PlaintextArg,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -62,6 +64,10 @@ pub fn run(a: Args) -> Result<()> {
     let mut flags = tracker.join_flags();
     flags.extend(numerics);
     flags.extend(["--micro-batches".to_string(), micro_batches.to_string()]);
+    a.plaintext.apply("up");
+    if a.plaintext.insecure_plaintext {
+        flags.push("--insecure-plaintext".into());
+    }
     let mut swarms = Vec::new();
     for r in 0..a.replicas {
         let desc: Vec<String> = ranges.iter().map(|x| format!("{}..{}", x.start, x.end)).collect();

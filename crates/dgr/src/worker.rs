@@ -11,6 +11,8 @@ pub struct Args {
     threads: ThreadsArg,
     #[command(flatten)]
     numerics: NumericsArg,
+    #[command(flatten)]
+    plaintext: crate::plaintext::PlaintextArg,
     /// The layer range to serve, A..B (layers A to B-1; the first stage starts at 0, the last ends at the model's layer count)
     #[arg(long)]
     layers: String,
@@ -118,6 +120,19 @@ fn positive(v: f64, name: &str) -> Result<Duration> {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    a.plaintext.apply("worker");
+    let identity = match (&a.key_file, a.tracker.is_empty()) {
+        (_, true) => None,
+        (Some(f), false) => Some(dgr_worker::load_or_create_identity(f).with_context(|| format!("identity key {}", f.display()))?),
+        (None, false) => Some(dgr_proto::new_signing_key().map_err(|e| anyhow::anyhow!("randomness: {e}"))?),
+    };
+    // The key the trackers admit is the one this worker proves on every stage link (a slice
+    // fetch's too), so drivers and previous stages can hold it to the ticket's worker id.
+    if let Some(key) = &identity {
+        if !dgr_proto::set_identity(key)? {
+            bail!("the link identity was set before the worker's own");
+        }
+    }
     let layers = parse_layers(&a.layers)?;
     let model = match (&a.model.model, &a.model_id) {
         (None, Some(id)) => fetch_slice(&a, id, &layers)?,
@@ -151,10 +166,7 @@ pub fn run(a: Args) -> Result<()> {
         let addr = bound.as_ref().map(|(_, addr)| addr.to_string());
         if !a.tracker.is_empty() {
             let token_file = a.join_token_file.as_ref().context("--tracker needs --join-token-file")?;
-            let identity = match &a.key_file {
-                Some(f) => dgr_worker::load_or_create_identity(f).with_context(|| format!("identity key {}", f.display()))?,
-                None => dgr_proto::new_signing_key().map_err(|e| anyhow::anyhow!("randomness: {e}"))?,
-            };
+            let identity = identity.clone().context("an identity with --tracker")?;
             let advertise = match (&a.advertise, &addr) {
                 (_, None) => None,
                 (Some(adv), _) => Some(adv.clone()),

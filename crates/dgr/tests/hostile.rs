@@ -9,6 +9,7 @@
 #![cfg(feature = "real-model")]
 
 mod common;
+use common::secure::{ReadTimeout, SecureConn};
 use common::*;
 
 use dgr_driver::{Completion, DriveOptions, Flow, GenRequest, Links, Route};
@@ -46,7 +47,7 @@ fn generate_on(rt: &tokio::runtime::Runtime, links: &Links, addrs: &[String], re
 // A raw protocol client (blocking, every read with a deadline)
 
 struct Raw {
-    s: TcpStream,
+    s: SecureConn,
     info: StageInfo,
 }
 
@@ -84,7 +85,7 @@ fn connect_tcp(addr: &str) -> TcpStream {
 impl Raw {
     /// Connects as a driver: Hello, and the worker's Hello with what it serves.
     fn connect(addr: &str) -> Raw {
-        let mut r = Raw { s: connect_tcp(addr), info: StageInfo::default() };
+        let mut r = Raw { s: SecureConn::connect(addr), info: StageInfo::default() };
         r.send(hello());
         match r.recv() {
             Frame { body: Some(Body::Hello(Hello { info: Some(info), .. })) } => r.info = info,
@@ -149,7 +150,7 @@ impl Raw {
 
 /// Waits up to `within` for the peer to close `s`; returns how long that took, or None if it
 /// is still open.
-fn closed_within(s: &mut TcpStream, within: Duration) -> Option<Duration> {
+fn closed_within(s: &mut impl ReadTimeout, within: Duration) -> Option<Duration> {
     let start = Instant::now();
     s.set_read_timeout(Some(within)).unwrap();
     let mut buf = [0u8; 64];
@@ -322,19 +323,20 @@ fn silent_and_idle_connections_are_closed_but_never_under_a_session() {
     let mut w = Workers::start(&[0, 15, 30], &["--handshake-timeout", "0.5", "--conn-idle-timeout", "1"]);
     let addr = w.addrs[0].clone();
 
-    // (a) Silent, a slow loris that sends part of a frame, or one that sends the first half of
-    // its Hello in time and the rest too late: closed at the handshake timeout.
+    // (a) Silent, a slow loris that sends part of a preamble, or one that sends the first half
+    // of its secure channel's opening message in time and the rest too late: closed at the
+    // handshake timeout.
     let connected = Instant::now();
     let mut silent = connect_tcp(&addr);
     let mut loris = connect_tcp(&addr);
     loris.write_all(&[0, 0]).unwrap();
     let mut split = connect_tcp(&addr);
-    let whole = frame_bytes(hello());
-    split.write_all(&whole[..6]).unwrap();
+    let whole = [b"DGR1".as_slice(), &[0, 32], &[7u8; 32]].concat();
+    split.write_all(&whole[..10]).unwrap();
     assert!(closed_within(&mut silent, Duration::from_millis(300)).is_none(), "closed before the handshake timeout");
     std::thread::sleep(Duration::from_millis(700).saturating_sub(connected.elapsed()));
-    let _ = split.write_all(&whole[6..]);
-    for (what, s) in [("a silent connection", &mut silent), ("half a length prefix", &mut loris), ("a Hello finished late", &mut split)] {
+    let _ = split.write_all(&whole[10..]);
+    for (what, s) in [("a silent connection", &mut silent), ("half a preamble", &mut loris), ("a handshake finished late", &mut split)] {
         assert!(closed_within(s, Duration::from_secs(3)).is_some(), "{what} still open 3 s after a 0.5 s handshake timeout");
         println!("(a) {what}: closed (open at 0.3 s, closed by {:?})", connected.elapsed());
     }

@@ -22,7 +22,6 @@ use dgr_proto::{
 use prost::Message;
 use serde_json::Value;
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::Output;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{mpsc, Arc};
@@ -35,7 +34,7 @@ const SPLITS: [&[usize]; 2] = [&[0, 15, 30], &[0, 10, 20, 30]];
 // A raw protocol client (blocking, every read with a deadline)
 
 struct Raw {
-    s: TcpStream,
+    s: common::secure::SecureConn,
     info: StageInfo,
 }
 
@@ -51,13 +50,9 @@ fn random_id() -> Vec<u8> {
 }
 
 impl Raw {
-    /// Connects to a worker without saying Hello.
+    /// Connects to a worker (over its secure channel) without saying Hello.
     fn connect_bare(addr: &str) -> Raw {
-        let s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(5))
-            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.set_nodelay(true).unwrap();
-        Raw { s, info: StageInfo::default() }
+        Raw { s: common::secure::SecureConn::connect(addr), info: StageInfo::default() }
     }
 
     /// Connects as a driver: Hello, and the worker's Hello with what it serves.

@@ -132,14 +132,14 @@ fn routes_over_overlapping_ranges_equal_one_process() {
     }
 }
 
-/// A raw driver connection to a worker: Hello, then frames.
+/// A raw driver connection to a worker (over its secure channel): Hello, then frames.
 struct Raw {
-    conn: tokio_util::codec::Framed<tokio::net::TcpStream, tokio_util::codec::LengthDelimitedCodec>,
+    conn: tokio_util::codec::Framed<dgr_proto::SecureStream, tokio_util::codec::LengthDelimitedCodec>,
 }
 
 impl Raw {
     async fn connect(addr: &str) -> Raw {
-        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let s = dgr_proto::dial(addr, Duration::from_secs(5)).await.unwrap();
         let mut r = Raw { conn: tokio_util::codec::Framed::new(s, codec(1 << 20)) };
         r.send(Body::Hello(Hello { protocol_version: PROTOCOL_VERSION, role: Role::Driver as i32, info: None })).await;
         assert!(matches!(r.recv().await, Body::Hello(_)));

@@ -124,7 +124,7 @@ impl Session<'_> {
             };
             match event {
                 None => return Err(DriveError::new(FailKind::ConnectionLost, None, None, "every connection closed")),
-                Some(Event::Lost(stage, why)) => return Err(self.err(FailKind::ConnectionLost, stage, why)),
+                Some(Event::Lost(stage, kind, why)) => return Err(self.err(kind, stage, why)),
                 Some(Event::Frame(stage, Body::Pong(_))) => {
                     if let Some(a) = probe.as_mut().and_then(|(_, answered)| answered.get_mut(stage as usize)) {
                         *a = true;
@@ -217,6 +217,15 @@ pub async fn generate_on(
                 Some(&route.stages[i].addr),
                 "the worker changed since the route was planned",
             ));
+        }
+        // A tracker's route names each stage by its key: the worker at that address must have
+        // proven that key in the secure channel's handshake (a plaintext link proves none).
+        let named = &route.stages[i].worker_id;
+        if let (false, Some(peer)) = (named.is_empty(), &link.peer) {
+            if peer != named {
+                let msg = format!("the worker there proved key {peer}, the route names {named}");
+                return Err(DriveError::new(FailKind::WrongPeer, Some(i as u32), Some(&route.stages[i].addr), msg));
+            }
         }
         link.subscribe(id, i as u32, tx.clone());
         linked.push(link);

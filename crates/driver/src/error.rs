@@ -50,6 +50,10 @@ pub enum FailKind {
     Worker(ErrorKind),
     /// The tracker refused the route.
     Refused(RefusalKind),
+    /// A message on a link failed its authentication tag: altered or injected in flight.
+    Integrity,
+    /// The worker at a stage's address proved a key other than the one its ticket names.
+    WrongPeer,
 }
 
 impl FailKind {
@@ -66,6 +70,8 @@ impl FailKind {
             FailKind::Internal => "internal",
             FailKind::Worker(k) => k.name(),
             FailKind::Refused(k) => k.name(),
+            FailKind::Integrity => "integrity",
+            FailKind::WrongPeer => "wrong_peer",
         }
     }
 

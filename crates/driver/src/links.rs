@@ -6,6 +6,7 @@
 
 use crate::conn::{self, Sink, Source};
 use crate::DriveError;
+use crate::FailKind;
 use bytes::Bytes;
 use dgr_proto::{Body, Frame, StageInfo};
 use futures::{SinkExt, StreamExt};
@@ -22,8 +23,8 @@ const OUTBOX: usize = 1024;
 pub(crate) enum Event {
     /// A frame for the session, from its stage `.0`.
     Frame(u32, Body),
-    /// The connection to stage `.0` broke.
-    Lost(u32, String),
+    /// The connection to stage `.0` broke: `.1` says how (an integrity failure, or lost).
+    Lost(u32, FailKind, String),
 }
 
 /// Per session on the connection: its stage index in the route, and where its events go.
@@ -40,6 +41,8 @@ struct LinkState {
 pub(crate) struct Link {
     /// What the worker said it serves in its Hello.
     pub info: StageInfo,
+    /// The worker id it proved in the secure channel's handshake (None: a plaintext link).
+    pub peer: Option<String>,
     out: mpsc::Sender<Bytes>,
     state: Arc<LinkState>,
 }
@@ -64,12 +67,12 @@ impl Links {
         if let Some(l) = self.map.lock().await.get(addr).filter(|l| !l.state.dead.load(Ordering::Acquire)) {
             return Ok(l.clone());
         }
-        let (sink, source, info) = conn::connect(addr, stage, timeout, max_frame).await?;
+        let (sink, source, info, peer) = conn::connect(addr, stage, timeout, max_frame).await?;
         let (out, rx) = mpsc::channel(OUTBOX);
         let state = Arc::new(LinkState::default());
         spawn_writer(sink, rx);
         spawn_reader(source, state.clone());
-        let link = Arc::new(Link { info, out, state });
+        let link = Arc::new(Link { info, peer, out, state });
         let mut map = self.map.lock().await;
         match map.get(addr).filter(|l| !l.state.dead.load(Ordering::Acquire)) {
             // Another session opened one meanwhile: use that; this one closes as it drops.
@@ -86,7 +89,7 @@ impl Link {
     /// Routes frames about session `id` to `tx`, tagged with `stage`.
     pub fn subscribe(&self, id: [u8; 16], stage: u32, tx: mpsc::UnboundedSender<Event>) {
         if self.state.dead.load(Ordering::Acquire) {
-            let _ = tx.send(Event::Lost(stage, "connection closed".into()));
+            let _ = tx.send(Event::Lost(stage, FailKind::ConnectionLost, "connection closed".into()));
         }
         lock(&self.state.subs).insert(id, (stage, tx));
     }
@@ -138,14 +141,17 @@ fn session_of(b: &Body) -> &[u8] {
 
 fn spawn_reader(mut source: Source, state: Arc<LinkState>) {
     tokio::spawn(async move {
-        let why = loop {
+        let (kind, why) = loop {
             let body = match source.next().await {
                 Some(Ok(b)) => match Frame::decode(b) {
                     Ok(Frame { body: Some(body) }) => body,
-                    _ => break "undecodable frame from the worker".to_string(),
+                    _ => break (FailKind::ConnectionLost, "undecodable frame from the worker".to_string()),
                 },
-                Some(Err(e)) => break e.to_string(),
-                None => break "connection closed".to_string(),
+                Some(Err(e)) if dgr_proto::SecureError::of(&e) == Some(&dgr_proto::SecureError::Integrity) => {
+                    break (FailKind::Integrity, e.to_string())
+                }
+                Some(Err(e)) => break (FailKind::ConnectionLost, e.to_string()),
+                None => break (FailKind::ConnectionLost, "connection closed".to_string()),
             };
             let subs = lock(&state.subs);
             match <[u8; 16]>::try_from(session_of(&body)) {
@@ -164,7 +170,7 @@ fn spawn_reader(mut source: Source, state: Arc<LinkState>) {
         };
         state.dead.store(true, Ordering::Release);
         for (stage, tx) in lock(&state.subs).values() {
-            let _ = tx.send(Event::Lost(*stage, why.clone()));
+            let _ = tx.send(Event::Lost(*stage, kind, why.clone()));
         }
     });
 }

@@ -40,7 +40,8 @@ pub struct Recovered {
     pub recoveries: Vec<Recovery>,
 }
 
-/// Failures a fresh route gets past: the stage is gone, silent, or will not take the session.
+/// Failures a fresh route gets past: the stage is gone, silent, will not take the session, or
+/// is not the worker the route names.
 fn recoverable(e: &DriveError) -> bool {
     e.kind.is_overloaded()
         || matches!(
@@ -49,6 +50,7 @@ fn recoverable(e: &DriveError) -> bool {
                 | FailKind::ConnectFailed
                 | FailKind::Silent
                 | FailKind::Timeout
+                | FailKind::WrongPeer
                 | FailKind::Worker(ErrorKind::NextStage | ErrorKind::ShuttingDown)
         )
 }

@@ -29,7 +29,7 @@ impl Route {
         let probes = addrs.iter().enumerate().map(|(i, a)| connect(a, i as u32, timeout, 1 << 20));
         let mut stages = Vec::new();
         for (addr, r) in addrs.iter().zip(futures::future::join_all(probes).await) {
-            let (_, _, info) = r?;
+            let (_, _, info, _) = r?;
             stages.push(StageEndpoint { addr: addr.clone(), info, worker_id: String::new() });
         }
         let route = Route { stages };

@@ -12,6 +12,7 @@ mod codec;
 mod messages;
 mod net;
 mod seam;
+mod secure;
 mod ticket;
 mod tracker;
 
@@ -23,13 +24,14 @@ pub use ed25519_dalek::{SigningKey, VerifyingKey};
 pub use messages::*;
 pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
+pub use secure::{initiate, insecure_plaintext, local_key, respond, set_identity, set_insecure_plaintext, SecureError, SecureStream};
 pub use ticket::{
     check_ticket_open, key_id, new_signing_key, sign_ticket, verify_ticket, verifying_key, worker_id, SignedTicket, Ticket, TicketError,
 };
 pub use tracker::*;
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

@@ -345,6 +345,8 @@ pub enum ErrorKind {
     Cancelled = 8,
     /// The session's route ticket is missing, forged, expired, not for this worker or too small.
     Ticket = 9,
+    /// A message on the link failed its authentication tag: altered or injected in flight.
+    Integrity = 10,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -380,6 +382,7 @@ impl ErrorKind {
             ErrorKind::ShuttingDown => "shutting_down",
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::Ticket => "ticket",
+            ErrorKind::Integrity => "integrity",
         }
     }
 }

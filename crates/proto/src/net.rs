@@ -1,6 +1,7 @@
 //! Reaching a worker: a plain address (host:port), or `relay://TRACKER/WORKER_ID` for a worker
-//! that opened no port and is reached through its tracker's relay. Either way the caller gets a
-//! socket that carries the stage protocol from its first byte.
+//! that opened no port and is reached through its tracker's relay. Either way the caller gets the
+//! secure channel (`secure`) to the worker itself, end to end through a relay, that carries the
+//! stage protocol from its first byte.
 
 use crate::{RelayConnect, RelayDial, TrackerBody, TrackerFrame};
 use prost::Message;
@@ -17,8 +18,15 @@ pub fn relay_addr(tracker: &str, worker_id: &str) -> String {
     format!("relay://{tracker}/{worker_id}")
 }
 
-/// Connects to `addr` within `timeout`.
-pub async fn dial(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
+/// Connects to `addr` and opens the secure channel to it, within `timeout`.
+pub async fn dial(addr: &str, timeout: Duration) -> std::io::Result<crate::SecureStream> {
+    let start = tokio::time::Instant::now();
+    let s = tcp(addr, timeout).await?;
+    crate::initiate(s, timeout.saturating_sub(start.elapsed())).await
+}
+
+/// The TCP connection to `addr` (through the relay, past its handshake) within `timeout`.
+async fn tcp(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
     tokio::time::timeout(timeout, async {
         match addr.strip_prefix("relay://") {
             None => connect(addr).await,

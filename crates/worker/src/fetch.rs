@@ -16,7 +16,6 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -75,7 +74,7 @@ struct Holder {
     worker_id: String,
     addr: String,
     layers: Range<u32>,
-    conn: Option<Framed<TcpStream, LengthDelimitedCodec>>,
+    conn: Option<Framed<dgr_proto::SecureStream, LengthDelimitedCodec>>,
     lied: bool,
 }
 
@@ -280,7 +279,7 @@ impl FetchSpec {
     }
 }
 
-async fn connect(addr: &str) -> Result<Framed<TcpStream, LengthDelimitedCodec>, String> {
+async fn connect(addr: &str) -> Result<Framed<dgr_proto::SecureStream, LengthDelimitedCodec>, String> {
     let stream = dgr_proto::dial(addr, TIMEOUT).await.map_err(|e| e.to_string())?;
     let mut conn = Framed::new(stream, dgr_proto::codec(dgr_proto::DEFAULT_MAX_FRAME));
     let hello = Hello { protocol_version: PROTOCOL_VERSION, role: Role::Driver as i32, info: None };

@@ -82,11 +82,14 @@ struct Shared {
 
 /// A next-stage connection being dialled and greeted: every open to that address awaits the
 /// same one, and its result, a failure too, reaches all of them.
-type Dial = SharedFuture<BoxFuture<'static, Result<Outbox, String>>>;
+type Dial = SharedFuture<BoxFuture<'static, Result<PeerLink, String>>>;
+
+/// A next stage's connection and the worker id it proved (None: a plaintext link).
+type PeerLink = (Outbox, Option<String>);
 
 /// What a worker has towards one next-stage address.
 enum Peer {
-    Up(Outbox),
+    Up(PeerLink),
     Dialing(Dial),
 }
 
@@ -393,6 +396,21 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
     if &head == b"GET " {
         return http(stream, &shared.metrics).await;
     }
+    let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let stream = match dgr_proto::respond(stream, handshake.saturating_duration_since(tokio::time::Instant::now())).await {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(dgr_proto::SecureError::Plaintext(why)) = dgr_proto::SecureError::of(&e) {
+                eprintln!("dgr worker: REFUSED a link from {from}: {why}");
+            }
+            if e.kind() == std::io::ErrorKind::TimedOut
+                || matches!(dgr_proto::SecureError::of(&e), Some(dgr_proto::SecureError::Handshake(m)) if m == "timed out")
+            {
+                timed_out();
+            }
+            return;
+        }
+    };
     let conn: ConnId = shared.next_conn.fetch_add(1, Relaxed);
     let uses = ConnUse::default();
     let (sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
@@ -444,6 +462,11 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
         };
         let bytes = match next {
             Ok(b) => b,
+            Err(e) if dgr_proto::SecureError::of(&e) == Some(&dgr_proto::SecureError::Integrity) => {
+                // The peer hears it on the other direction, which may still be intact.
+                refuse(&out, &[], ErrorKind::Integrity, e.to_string());
+                break;
+            }
             Err(e) => {
                 // A frame over the size cap or a broken stream: the framing is lost, so close.
                 refuse(&out, &[], ErrorKind::BadFrame, format!("unreadable frame: {e}"));
@@ -463,7 +486,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
         };
         let cmd = match body {
             Body::Open(open) => {
-                let request_id = match check_ticket(&shared, &open) {
+                let (request_id, next_id) = match check_ticket(&shared, &open) {
                     Ok(r) => r,
                     Err(why) => {
                         shared.metrics.ticket_refused(why);
@@ -487,7 +510,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                             continue;
                         }
                     }
-                    let pending = PendingOpen { conn, uses: uses.clone(), open, reply: out.clone(), request_id };
+                    let pending = PendingOpen { conn, uses: uses.clone(), open, reply: out.clone(), request_id, next_id };
                     tokio::spawn(pending.open_after_dial(shared.clone(), opening.clone()));
                     continue;
                 }
@@ -551,6 +574,8 @@ struct PendingOpen {
     open: OpenSession,
     reply: Outbox,
     request_id: String,
+    /// The next stage's worker id as the ticket names it (None: ticketless).
+    next_id: Option<String>,
 }
 
 impl PendingOpen {
@@ -563,7 +588,15 @@ impl PendingOpen {
         if o.closed || !o.ids.remove(&self.open.session_id) {
             return;
         }
-        let PendingOpen { conn, uses, open, reply, request_id } = self;
+        let PendingOpen { conn, uses, open, reply, request_id, next_id } = self;
+        // The ticket names the next stage by its key: the worker at that address must have
+        // proven it in the secure channel's handshake (a plaintext link proves none).
+        let next = match next {
+            Ok((_, Some(proved))) if next_id.as_ref().is_some_and(|named| *named != proved) => {
+                Err(format!("it proved key {proved}, the ticket names {}", next_id.unwrap_or_default()))
+            }
+            other => other.map(|(tx, _)| tx),
+        };
         match next {
             Ok(tx) => {
                 let (id, next) = (open.session_id.clone(), Some((open.next.clone(), tx)));
@@ -581,27 +614,29 @@ impl PendingOpen {
     }
 }
 
-/// In tracker mode, checks the open's ticket and returns its request id; ticketless, "".
-fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<String, TicketError> {
-    let Some(gate) = &shared.gate else { return Ok(String::new()) };
+/// In tracker mode, checks the open's ticket and returns its request id and the next stage's
+/// worker id; ticketless, "" and None.
+fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<(String, Option<String>), TicketError> {
+    let Some(gate) = &shared.gate else { return Ok((String::new(), None)) };
     let signed = open.ticket.as_ref().ok_or(TicketError::Missing)?;
     // Before the first join no key is known: nothing can be verified yet.
     let t = dgr_proto::verify_ticket(signed, |id| gate.key(id), unix_us() / 1000)?;
     dgr_proto::check_ticket_open(&t, open, &gate.worker_id)?;
-    Ok(t.request_id)
+    let next = t.stages.get(open.stage_index as usize + 1).map(|s| s.worker_id.clone());
+    Ok((t.request_id, next))
 }
 
 /// The connection to a next stage, shared by every session that goes there; opened on first use.
 /// Opens to one address share one dial; opens to others never wait on it.
-async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
+async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<PeerLink, String> {
     let dial = {
         let mut peers = shared.peers.lock().await;
         match peers.get(addr) {
-            Some(Peer::Up(tx)) if !tx.is_closed() => {
+            Some(Peer::Up((tx, proved))) if !tx.is_closed() => {
                 // A frame now restarts the next stage's idle clock for this connection, so it is
                 // not closed for idleness before the new session's first rows travel on it.
                 let _ = tx.try_send(Frame::new(Body::Ping(Ping { nonce: 0 })));
-                return Ok(tx.clone());
+                return Ok((tx.clone(), proved.clone()));
             }
             Some(Peer::Dialing(dial)) => dial.clone(),
             _ => {
@@ -620,7 +655,7 @@ async fn peer(shared: &Arc<Shared>, addr: &str) -> Result<Outbox, String> {
 /// Dials and greets the next stage at `addr`, then records the result in `shared.peers`: the
 /// connection, or nothing (a failed dial, a panicked one too, is not remembered; the next open
 /// tries again).
-async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<Outbox, String> {
+async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<PeerLink, String> {
     // The greeting runs in a task of its own so that even its panic settles the map here.
     let greeting = tokio::spawn({
         let (shared, addr) = (shared.clone(), addr.clone());
@@ -628,7 +663,7 @@ async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<Outbox, String> 
     });
     let greeted = greeting.await.unwrap_or_else(|e| Err(format!("the dial failed: {e}")));
     let mut peers = shared.peers.lock().await;
-    let (tx, mut frames) = match greeted {
+    let (tx, mut frames, proved) = match greeted {
         Ok(up) => up,
         Err(why) => {
             // Only this dial's entry can be there: a Dialing one is replaced by its own dial alone.
@@ -636,7 +671,7 @@ async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<Outbox, String> 
             return Err(why);
         }
     };
-    peers.insert(addr.clone(), Peer::Up(tx.clone()));
+    peers.insert(addr.clone(), Peer::Up((tx.clone(), proved.clone())));
     let (cmds, mine) = (shared.cmds.clone(), tx.clone());
     let shared = shared.clone();
     tokio::spawn(async move {
@@ -659,20 +694,22 @@ async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<Outbox, String> 
         // connection's outbox: only the sessions on it fail.
         {
             let mut peers = shared.peers.lock().await;
-            if matches!(peers.get(&addr), Some(Peer::Up(tx)) if tx.same_channel(&mine)) {
+            if matches!(peers.get(&addr), Some(Peer::Up((tx, _))) if tx.same_channel(&mine)) {
                 peers.remove(&addr);
             }
         }
         let _ = cmds.send(Cmd::PeerLost { addr, conn: mine, why });
     });
-    Ok(tx)
+    Ok((tx, proved))
 }
 
-type PeerFrames = futures::stream::SplitStream<Framed<TcpStream, tokio_util::codec::LengthDelimitedCodec>>;
+type PeerFrames = futures::stream::SplitStream<Framed<dgr_proto::SecureStream, tokio_util::codec::LengthDelimitedCodec>>;
 
-/// A connection to the next stage at `addr`, past its worker's Hello.
-async fn greet_peer(shared: &Shared, addr: &str) -> Result<(Outbox, PeerFrames), String> {
+/// A connection to the next stage at `addr`, past its worker's Hello, and the worker id it
+/// proved in the secure channel's handshake.
+async fn greet_peer(shared: &Shared, addr: &str) -> Result<(Outbox, PeerFrames, Option<String>), String> {
     let stream = dgr_proto::dial(addr, HANDSHAKE).await.map_err(|e| e.to_string())?;
+    let proved = stream.peer().map(dgr_proto::worker_id);
     let (mut sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
     sink.send(encode(&hello(None))).await.map_err(|e| e.to_string())?;
     match tokio::time::timeout(HANDSHAKE, frames.next()).await {
@@ -683,7 +720,7 @@ async fn greet_peer(shared: &Shared, addr: &str) -> Result<(Outbox, PeerFrames),
         },
         _ => return Err("no Hello from the next stage".into()),
     }
-    Ok((spawn_writer(sink), frames))
+    Ok((spawn_writer(sink), frames, proved))
 }
 
 /// GET /metrics; anything else is 404.

@@ -3,7 +3,9 @@
 #![allow(dead_code)]
 
 pub mod proxy;
+pub mod secure;
 pub mod swarm;
+pub mod tap;
 
 use dgr_driver::Completion;
 use serde_json::Value;

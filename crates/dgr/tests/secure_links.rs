@@ -1,0 +1,231 @@
+//! Encrypted, authenticated stage links on a real two-worker route, every hop behind a
+//! recording proxy: the same session run in plaintext (both ends asked) shows what would leak —
+//! the prompt's token ids and the hidden rows — and none of it is in the encrypted capture; a
+//! byte flipped in flight fails the session with a typed integrity error, either way; a
+//! recorded handshake replayed to a worker opens nothing; a worker whose key the ticket does not
+//! name is refused by the driver and, as a next hop, by the previous stage.
+#![cfg(feature = "real-model")]
+
+mod common;
+
+use common::swarm::{Tracker, Worker};
+use common::tap::{Dir, Tap};
+use common::*;
+use dgr_proto::{Body, Frame};
+use prost::Message;
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+const CUTS: [usize; 3] = [0, 15, 30];
+
+/// `dgr generate --route` through `route` (comma-separated), greedy, with `extra` flags.
+fn generate(route: &str, prompt: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["--format", "json", "--threads", "1", "--prompt", prompt, "--route", route, "--max-tokens", "24", "--ignore-eos"];
+    args.extend_from_slice(extra);
+    Proc::spawn(generate_cmd(&args)).wait_within(Duration::from_secs(60))
+}
+
+fn ok_json(out: &std::process::Output, what: &str) -> Value {
+    assert!(out.status.success(), "{what}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn error_kind(out: &std::process::Output, what: &str) -> String {
+    assert_eq!(out.status.code(), Some(2), "{what}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["error"]["kind"].as_str().unwrap_or_default().to_string()
+}
+
+/// The protobuf encoding of `ids` as a packed repeated field's contents (varints).
+fn varints(ids: &[u32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &id in ids {
+        prost::encoding::encode_varint(u64::from(id), &mut out);
+    }
+    out
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Every `Forward`'s hidden rows in a plaintext connection's bytes from its dialler.
+fn hidden_rows(conn: &[u8]) -> Vec<Vec<u8>> {
+    let mut rows = Vec::new();
+    let mut at = 4; // the "DGRP" preamble
+    while at + 4 <= conn.len() {
+        let len = u32::from_be_bytes(conn[at..at + 4].try_into().unwrap()) as usize;
+        if at + 4 + len > conn.len() {
+            break;
+        }
+        if let Ok(Frame { body: Some(Body::Forward(f)) }) = Frame::decode(&conn[at + 4..at + 4 + len]) {
+            if !f.hidden.is_empty() {
+                rows.push(f.hidden);
+            }
+        }
+        at += 4 + len;
+    }
+    rows
+}
+
+/// Two workers each behind a tap; the route through the taps.
+struct Hops {
+    _workers: Workers,
+    taps: Vec<Tap>,
+}
+
+impl Hops {
+    fn start(extra: &[&str], flip: [Option<(Dir, usize)>; 2]) -> Hops {
+        let workers = Workers::start(&CUTS, extra);
+        let taps = workers.addrs.iter().zip(flip).map(|(a, f)| Tap::start(a, f)).collect();
+        Hops { _workers: workers, taps }
+    }
+
+    fn route(&self) -> String {
+        self.taps.iter().map(|t| t.addr.clone()).collect::<Vec<_>>().join(",")
+    }
+}
+
+#[test]
+fn a_recorded_route_holds_no_prompt_ids_or_hidden_rows_in_clear() {
+    let _g = serial();
+    let p = prompt("capital");
+    let ids = varints(&p.tokens);
+
+    let plain = Hops::start(&["--insecure-plaintext"], [None, None]);
+    let clear = ok_json(&generate(&plain.route(), &p.text, &["--insecure-plaintext"]), "plaintext route");
+    let clear_bytes: Vec<u8> = plain.taps.iter().flat_map(Tap::captured).collect();
+    assert!(contains(&clear_bytes, &ids), "the plaintext capture shows the prompt's ids (the search can find them)");
+    let rows: Vec<Vec<u8>> = plain.taps[1].conns_up.lock().unwrap().iter().flat_map(|c| hidden_rows(&c.lock().unwrap())).collect();
+    assert!(rows.len() >= 2, "the plaintext capture of stage 1's hop holds the hidden rows: {}", rows.len());
+
+    let secure = Hops::start(&[], [None, None]);
+    let sealed = ok_json(&generate(&secure.route(), &p.text, &[]), "encrypted route");
+    assert_eq!(sealed["tokens"], clear["tokens"], "the same session either way");
+    let sealed_bytes: Vec<u8> = secure.taps.iter().flat_map(Tap::captured).collect();
+    assert!(sealed_bytes.len() > 1000, "bytes passed: {}", sealed_bytes.len());
+    assert!(!contains(&sealed_bytes, &ids), "the prompt's token ids are in clear");
+    assert!(!contains(&sealed_bytes, p.text.as_bytes()), "the prompt's text is in clear");
+    // 32-byte runs of every hidden row (8 floats) the plaintext route carried.
+    let mut checked = 0;
+    for row in &rows {
+        for w in row.chunks_exact(32).step_by(16) {
+            assert!(!contains(&sealed_bytes, w), "hidden floats in clear");
+            checked += 1;
+        }
+    }
+    println!("capture: {} bytes encrypted vs {} plaintext; {checked} hidden-row windows absent", sealed_bytes.len(), clear_bytes.len());
+}
+
+#[test]
+fn a_byte_flipped_in_flight_fails_the_session_as_an_integrity_error() {
+    let _g = serial();
+    let p = prompt("capital");
+    // Toward stage 0 (the driver's frames), and from the last stage back (the tokens): past the
+    // route probe's few hundred bytes, inside the session's traffic.
+    for (flip, what) in [([Some((Dir::Up, 1200)), None], "driver -> stage 0"), ([None, Some((Dir::Down, 1500))], "stage 1 -> driver")] {
+        let hops = Hops::start(&[], flip);
+        let started = Instant::now();
+        let kind = error_kind(&generate(&hops.route(), &p.text, &[]), what);
+        assert_eq!(kind, "integrity", "{what}");
+        println!("{what}: a flipped byte failed the session as {kind} in {:?}", started.elapsed());
+    }
+}
+
+#[test]
+fn plaintext_needs_both_ends_to_ask() {
+    let _g = serial();
+    let p = prompt("capital");
+    let secure = Workers::start(&CUTS, &[]);
+    let out = generate(&secure.route(), &p.text, &["--insecure-plaintext"]);
+    assert_eq!(out.status.code(), Some(2), "a plaintext driver against encrypted workers");
+    drop(secure);
+    let plain = Workers::start(&CUTS, &["--insecure-plaintext"]);
+    let out = generate(&plain.route(), &p.text, &[]);
+    assert_eq!(out.status.code(), Some(2), "an encrypted driver against plaintext workers");
+    assert!(plain.log(0).contains("WARNING: --insecure-plaintext"), "said loudly: {}", plain.log(0));
+}
+
+#[test]
+fn a_replayed_handshake_opens_nothing() {
+    let _g = serial();
+    let p = prompt("capital");
+    let hops = Hops::start(&[], [None, None]);
+    ok_json(&generate(&hops.route(), &p.text, &[]), "the recorded session");
+    let recorded: Vec<Vec<u8>> = hops.taps[0].conns_up.lock().unwrap().iter().map(|c| c.lock().unwrap().clone()).collect();
+    let session = recorded.iter().max_by_key(|c| c.len()).unwrap().clone();
+    let before = metrics(&hops._workers.addrs[0]).get("dgr_worker_sessions_opened_total");
+    let mut s = std::net::TcpStream::connect(&hops._workers.addrs[0]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(&session);
+    let mut back = Vec::new();
+    let _ = s.read_to_end(&mut back);
+    // The worker's fresh handshake message, then nothing: the replayed third message does not
+    // decrypt under its new ephemeral key.
+    assert!(back.len() < 300, "the worker answered the replay with {} bytes", back.len());
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(metrics(&hops._workers.addrs[0]).get("dgr_worker_sessions_opened_total"), before, "a replay opened a session");
+}
+
+/// A session on a fresh route from `t`, driven in this process without recovery.
+fn drive_ticketed(t: &Tracker, what: &str) -> Result<dgr_driver::Completion, dgr_driver::DriveError> {
+    let model_id = dgr_gguf::model_identity(&model()).unwrap().id;
+    let rt = runtime();
+    rt.block_on(async {
+        let (route, ticket) = dgr_driver::tracker::route(&t.addr, &model_id, "", 64, "", what, &[]).await.expect("a route");
+        let req = dgr_driver::GenRequest {
+            prompt_tokens: prompt("capital").tokens,
+            max_tokens: 2,
+            sampling: dgr_proto::Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
+            top_logprobs: 0,
+            seam_dtype: dgr_proto::SeamDtype::F32,
+            ticket: Some(ticket),
+            hash_rows: false,
+            constraint: None,
+        };
+        dgr_driver::generate_on(&dgr_driver::Links::new(), &route, &req, &dgr_driver::DriveOptions::default(), |_| {
+            dgr_driver::Flow::Continue
+        })
+        .await
+    })
+}
+
+#[test]
+fn a_worker_the_ticket_does_not_name_is_refused_by_the_driver() {
+    let _g = serial();
+    let t = Tracker::start("secure-impostor", &[]);
+    let a = Worker::start(&t, (0, 15), "a", &[]);
+    // Stage 1 is reached through a tap it advertises; an impostor of the same layers, with a key
+    // of its own that no tracker admitted, then takes the address over.
+    let tap_b = Tap::start("127.0.0.1:1", None);
+    let b = Worker::start(&t, (15, 30), "b", &["--advertise", &tap_b.addr]);
+    tap_b.switch(b.addr.as_deref().unwrap());
+    t.wait_live(&[&a.id, &b.id], Duration::from_secs(10), "both joined");
+    drive_ticketed(&t, "through-b").expect("through the real stage 1");
+    let impostor = Workers::start(&[15, 30], &[]);
+    tap_b.switch(&impostor.addrs[0]);
+    let e = drive_ticketed(&t, "through-impostor").expect_err("the impostor was driven");
+    assert_eq!(e.kind, dgr_driver::FailKind::WrongPeer, "{e}");
+    assert_eq!(e.stage, Some(1), "{e}");
+    println!("impostor refused: {e}");
+}
+
+#[test]
+fn a_next_hop_the_ticket_does_not_name_is_refused_by_the_previous_stage() {
+    let _g = serial();
+    let t = Tracker::start("secure-next-hop", &[]);
+    let a = Worker::start(&t, (0, 15), "a", &[]);
+    let tap_b = Tap::start("127.0.0.1:1", None);
+    let b = Worker::start(&t, (15, 30), "b", &["--advertise", &tap_b.addr]);
+    tap_b.switch(b.addr.as_deref().unwrap());
+    t.wait_live(&[&a.id, &b.id], Duration::from_secs(10), "both joined");
+    // The driver's own connection to stage 1 reaches the real worker (its key checks out); the
+    // one stage 0 dials next, to the same address, reaches an impostor with a key of its own.
+    let impostor = Workers::start(&[15, 30], &[]);
+    tap_b.switch_after_next(&impostor.addrs[0]);
+    let e = drive_ticketed(&t, "next-hop-impostor").expect_err("stage 0 forwarded to the impostor");
+    assert_eq!(e.kind, dgr_driver::FailKind::Worker(dgr_proto::ErrorKind::NextStage), "{e}");
+    assert!(e.to_string().contains("the ticket names"), "{e}");
+    println!("next hop refused: {e}");
+}
