@@ -8,8 +8,6 @@ streamed or not; bad tools are refused by name."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import DGR, REPO, start_swarm
+from conftest import DGR, REPO, start_swarm, stop_swarm
 
 WEATHER = {
     "type": "object",
@@ -137,12 +135,7 @@ def qwen():
         try:
             yield s
         finally:
-            os.killpg(s.proc.pid, signal.SIGINT)
-            try:
-                s.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(s.proc.pid, signal.SIGKILL)
-                s.proc.wait()
+            stop_swarm(s)
 
 
 def test_tool_loop_with_a_qwen_family_model(qwen):

@@ -118,9 +118,11 @@ pub struct SecureStream {
     peer: Option<VerifyingKey>,
     /// Bytes read from the socket, not yet a whole message.
     raw: Vec<u8>,
-    /// Decrypted bytes not yet read, from `plain_at` on.
+    /// The last message's decrypted bytes, `plain[plain_at..plain_len]` not yet read; sized for
+    /// the largest message once, so no message pays for clearing it.
     plain: Vec<u8>,
     plain_at: usize,
+    plain_len: usize,
     /// Encrypted bytes not yet written, from `out_at` on.
     out: Vec<u8>,
     out_at: usize,
@@ -139,8 +141,9 @@ impl SecureStream {
             noise: noise.map(Box::new),
             peer,
             raw: Vec::new(),
-            plain: Vec::new(),
+            plain: vec![0; MAX_MESSAGE],
             plain_at: 0,
+            plain_len: 0,
             out: Vec::new(),
             out_at: 0,
             scratch: vec![0; MAX_MESSAGE],
@@ -174,10 +177,7 @@ pub async fn initiate(mut io: TcpStream, timeout: Duration) -> std::io::Result<S
         let mut hs = builder(id)?.build_initiator().map_err(handshake)?;
         let mut buf = vec![0u8; MAX_MESSAGE];
         let n = hs.write_message(&[], &mut buf).map_err(handshake)?;
-        let mut first = PREAMBLE_NOISE.to_vec();
-        first.extend_from_slice(&(n as u16).to_be_bytes());
-        first.extend_from_slice(&buf[..n]);
-        io.write_all(&first).await?;
+        io.write_all(&framed(PREAMBLE_NOISE, &buf[..n])).await?;
         let msg = read_message(&mut io).await?;
         let mut payload = vec![0u8; MAX_MESSAGE];
         let p = hs.read_message(&msg, &mut payload).map_err(handshake)?;
@@ -255,9 +255,15 @@ async fn read_message(io: &mut TcpStream) -> std::io::Result<Vec<u8>> {
 }
 
 async fn write_message(io: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
-    let mut buf = (msg.len() as u16).to_be_bytes().to_vec();
+    io.write_all(&framed(&[], msg)).await
+}
+
+/// `prefix`, then `msg` behind its 2-byte length (a handshake message is at most MAX_MESSAGE).
+fn framed(prefix: &[u8], msg: &[u8]) -> Vec<u8> {
+    let mut buf = prefix.to_vec();
+    buf.extend_from_slice(&(msg.len() as u16).to_be_bytes());
     buf.extend_from_slice(msg);
-    io.write_all(&buf).await
+    buf
 }
 
 impl AsyncRead for SecureStream {
@@ -267,8 +273,8 @@ impl AsyncRead for SecureStream {
             return Pin::new(&mut this.io).poll_read(cx, buf);
         };
         loop {
-            if this.plain_at < this.plain.len() {
-                let n = buf.remaining().min(this.plain.len() - this.plain_at);
+            if this.plain_at < this.plain_len {
+                let n = buf.remaining().min(this.plain_len - this.plain_at);
                 buf.put_slice(&this.plain[this.plain_at..this.plain_at + n]);
                 this.plain_at += n;
                 return Poll::Ready(Ok(()));
@@ -276,9 +282,7 @@ impl AsyncRead for SecureStream {
             if this.raw.len() >= 2 {
                 let len = u16::from_be_bytes([this.raw[0], this.raw[1]]) as usize;
                 if this.raw.len() >= 2 + len {
-                    this.plain.resize(MAX_MESSAGE, 0);
-                    let n = noise.read_message(&this.raw[2..2 + len], &mut this.plain).map_err(|_| SecureError::Integrity.io())?;
-                    this.plain.truncate(n);
+                    this.plain_len = noise.read_message(&this.raw[2..2 + len], &mut this.plain).map_err(|_| SecureError::Integrity.io())?;
                     this.plain_at = 0;
                     this.raw.drain(..2 + len);
                     continue;

@@ -36,9 +36,7 @@ impl Policy {
     pub fn decode_target(&self, decoding: usize) -> usize {
         decoding.div_ceil(self.micro_batches.max(1)).max(1)
     }
-}
 
-impl Policy {
     /// The rows of a prompt chunk that fit `chunk_time` when the session's last chunk took
     /// `row_time` a row (None before its first: `prefill_chunk` alone caps it).
     pub fn fit(&self, row_time: Option<std::time::Duration>) -> usize {
