@@ -113,3 +113,80 @@ def test_dashboard_shows_every_worker_and_its_layers_in_a_browser(swarm):
     width, height = struct.unpack(">II", png[16:24])
     assert (width, height) == (1280, 900), f"screenshot is {width}x{height}"
     assert len(png) > 20_000, f"a {len(png)}-byte screenshot is too small to show a rendered page"
+
+
+class Charts(HTMLParser):
+    """The dashboard's chart elements (<div class="chart" id=... data-points=N>) and body's data-charts."""
+
+    def __init__(self):
+        super().__init__()
+        self.points: dict[str, int] = {}
+        self.drawn = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body":
+            self.drawn = a.get("data-charts")
+        if tag == "div" and "chart" in (a.get("class") or "").split():
+            self.points[a.get("id")] = int(a.get("data-points") or 0)
+
+
+def test_dashboard_charts_a_32_stream_load_and_counts_tokens_while_they_run(swarm):
+    import json
+    import threading
+
+    client = swarm.client()
+    done: list[int] = []
+    errors: list[BaseException] = []
+
+    def stream():
+        try:
+            s = client.completions.create(model=swarm.model, prompt="Tell me a long story about", max_tokens=96,
+                                          temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            n = sum(1 for c in s if c.choices and c.choices[0].text)
+            done.append(n)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream) for _ in range(32)]
+    for t in threads:
+        t.start()
+
+    def state():
+        return json.loads(http_get(f"{swarm.root}/dashboard/state")[2])
+
+    # The tokens/s card counts tokens as they stream, not when requests end.
+    live = wait_until("the dashboard's tokens/s to be above 0 under load", lambda: state()["tokens_per_s"] > 0, timeout=30, interval=0.2)
+    finished_then = len(done)
+    assert live and finished_then < 32, f"tokens/s became non-zero only after {finished_then} of 32 streams had finished"
+    with tempfile.TemporaryDirectory(prefix="dgr-chromium-") as profile:
+        dom = chromium("--dump-dom", swarm.root + "/", profile=Path(profile)).stdout
+        shot = ARTIFACTS / "dashboard-charts.png"
+        chromium(f"--screenshot={shot}", "--window-size=1280,1400", "--hide-scrollbars", swarm.root + "/", profile=Path(profile))
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, f"{len(errors)} of 32 streams failed: {errors[:3]}"
+    assert len(done) == 32 and all(n > 0 for n in done), done
+    (ARTIFACTS / "dashboard-charts.html").write_text(dom)
+    page = Charts()
+    page.feed(dom)
+    assert page.drawn == "1", "the dashboard drew no charts (no data-charts=1 on body)"
+    expected = {"c-tps", "c-ttft", "c-itl", "c-queue", "c-kv", "c-step"}
+    assert set(page.points) == expected, f"charts on the page: {page.points}"
+    empty = [c for c, n in page.points.items() if n == 0]
+    assert not empty, f"charts without data under a 32-stream load: {empty} ({page.points})"
+    assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"no PNG screenshot at {shot}"
+
+    # The chart's data endpoint holds the load's points.
+    h = json.loads(http_get(f"{swarm.root}/dashboard/series")[2])
+    n = len(h["t"])
+    assert n >= 2 and all(len(h[k]) == n for k in ("tokens_per_s", "ttft_p50_ms", "itl_p99_ms", "running", "kv_used_frac")), h
+    assert max(h["tokens_per_s"]) > 0, f"no tokens/s in the history: {h['tokens_per_s']}"
+    assert max(h["running"]) >= 2, f"the history never saw the streams running: {h['running']}"
+    assert any(v is not None and v > 0 for v in h["ttft_p50_ms"]), f"no TTFT in the history: {h['ttft_p50_ms']}"
+    assert any(v is not None and v > 0 for v in h["itl_p50_ms"]), f"no inter-token latency in the history: {h['itl_p50_ms']}"
+    assert any(v is not None and v > 0 for v in h["kv_used_frac"]), f"the history never saw KV in use: {h['kv_used_frac']}"
+    assert len(h["workers"]) == 2 and all(any(v for v in w["step_ms"] if v) for w in h["workers"]), h["workers"]
+    total = sum(done)
+    generated = sum(v * h["step_s"] for v in h["tokens_per_s"])
+    assert generated >= 0.8 * total, f"the history counts {generated:.0f} tokens generated, the streams got {total}"

@@ -20,6 +20,9 @@ pub fn router(gw: Arc<Gateway>) -> Router {
     Router::new()
         .route("/", get(dashboard))
         .route("/dashboard/state", get(dashboard_state))
+        .route("/dashboard/series", get(dashboard_series))
+        .route("/dashboard/uplot.js", get(|| asset("text/javascript; charset=utf-8", include_str!("vendor/uplot/uPlot.iife.min.js"))))
+        .route("/dashboard/uplot.css", get(|| asset("text/css; charset=utf-8", include_str!("vendor/uplot/uPlot.min.css"))))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
@@ -35,6 +38,16 @@ pub fn router(gw: Arc<Gateway>) -> Router {
 
 async fn dashboard() -> Html<&'static str> {
     Html(include_str!("dashboard.html"))
+}
+
+/// The dashboard's chart library (uPlot, MIT, vendored: the page needs no network beyond the
+/// gateway).
+async fn asset(mime: &'static str, body: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, mime), (header::CACHE_CONTROL, "max-age=3600")], body).into_response()
+}
+
+async fn dashboard_series(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
+    Json(gw.history.json())
 }
 
 async fn dashboard_state(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {

@@ -76,7 +76,8 @@ pub async fn state(gw: &Gateway) -> Value {
         _ => Vec::new(),
     };
     v["usage_by_key"] = json!(usage);
-    v["tokens_per_s"] = json!(gw.metrics.tokens_per_s(10));
+    // Tokens as they are generated (not as requests finish), over the last 10 seconds.
+    v["tokens_per_s"] = json!(gw.history.tokens_per_s(5));
     v["gateway"] = json!({
         "running": gw.admission.running(gw.cfg.max_running),
         "queued": gw.admission.waiting(),

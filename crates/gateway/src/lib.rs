@@ -6,6 +6,7 @@ mod admission;
 mod api;
 mod api_error;
 mod dashboard;
+mod history;
 mod metrics;
 mod openai;
 mod respond;
@@ -35,6 +36,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
     let app = api::router(gw.clone());
+    let history = tokio::spawn(history::run(gw.clone()));
     let slots = Arc::new(tokio::sync::Semaphore::new(gw.cfg.max_connections.max(1)));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -61,6 +63,7 @@ pub async fn serve(
             drop(slot);
         });
     }
+    history.abort();
     let _ = tokio::time::timeout(DRAIN, graceful.shutdown()).await;
     Ok(())
 }

@@ -2,7 +2,6 @@
 //! key, time to first token and inter-token latency histograms, errors by kind, the queue.
 
 use dgr_telemetry::prom::{Histogram, Kind::*, Text};
-use dgr_telemetry::unix_secs;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -22,8 +21,8 @@ pub struct HttpMetrics {
     errors: Mutex<BTreeMap<String, u64>>,
     /// Spot checks by result (agree, quarantined, undecided, ...).
     checks: Mutex<BTreeMap<String, u64>>,
-    /// Completion tokens in the last seconds, for the dashboard's tokens/s: (unix second, tokens).
-    recent: Mutex<Vec<(u64, u64)>>,
+    /// Tokens and latencies as they happen, for the dashboard's history.
+    pub feed: crate::history::Feed,
 }
 
 impl HttpMetrics {
@@ -46,17 +45,6 @@ impl HttpMetrics {
         if let Some(kind) = error {
             self.error(kind);
         }
-        let now = unix_secs();
-        let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-        r.retain(|(t, _)| now.saturating_sub(*t) < 60);
-        r.push((now, completion as u64));
-    }
-
-    /// Completion tokens per second over the last `window` seconds.
-    pub fn tokens_per_s(&self, window: u64) -> f64 {
-        let now = unix_secs();
-        let r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-        r.iter().filter(|(t, _)| now.saturating_sub(*t) < window).map(|(_, n)| *n).sum::<u64>() as f64 / window as f64
     }
 
     pub fn tallies(&self) -> Vec<((String, String), Tally)> {

@@ -92,6 +92,8 @@ pub struct Gateway {
     pub links: Links,
     pub admission: Admission,
     pub metrics: HttpMetrics,
+    /// The last 15 minutes, sampled for the dashboard's charts.
+    pub history: crate::history::History,
     trackers: Arc<Trackers>,
     /// Started on first use, on the gateway's runtime.
     usage: OnceLock<UsageReporter>,
@@ -159,6 +161,7 @@ impl Gateway {
             models,
             links: Links::new(),
             metrics: HttpMetrics::default(),
+            history: Default::default(),
             usage: OnceLock::new(),
             swarm: Mutex::new(None),
             started: Instant::now(),
@@ -273,10 +276,12 @@ impl Gateway {
         let tok = &job.model.tokenizer;
         let on_token = |t: &dgr_proto::TokenOut| {
             let now = Instant::now();
+            let since = now.duration_since(last.unwrap_or(started));
             match last {
-                None => self.metrics.ttft.observe(now.duration_since(started).as_secs_f64()),
-                Some(prev) => self.metrics.itl.observe(now.duration_since(prev).as_secs_f64()),
+                None => self.metrics.ttft.observe(since.as_secs_f64()),
+                Some(_) => self.metrics.itl.observe(since.as_secs_f64()),
             }
+            self.metrics.feed.token(since, last.is_none());
             last = Some(now);
             if check {
                 traces.push(t.trace.clone());
