@@ -14,7 +14,8 @@ pub struct Args {
     /// usage reports go to the one that answered last, and to the next when it cannot answer
     #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     pub tracker: String,
-    /// Address to serve HTTP on (host:port, [v6]:port, or dgr://, tcp://, http:// before either)
+    /// Address to serve the API on (host:port, [v6]:port, or dgr://, tcp://, http:// before
+    /// either); HTTPS with --tls-cert and --tls-key, plain HTTP without
     #[arg(long, default_value = "127.0.0.1:8000", value_parser = crate::addr::one)]
     pub listen: String,
     /// GGUF files whose tokenizers and chat templates the gateway uses, one per served model;
@@ -22,11 +23,43 @@ pub struct Args {
     #[arg(long, short = 'm', env = "DGR_MODEL")]
     pub model: Vec<PathBuf>,
     #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(flatten)]
     pub keys: KeysArgs,
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]
     pub plaintext: crate::plaintext::PlaintextArg,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct TlsArgs {
+    /// Serve the API (and /metrics and the dashboard) over HTTPS with this certificate: a PEM
+    /// file, the server's certificate first, then any intermediates. Needs --tls-key. Without
+    /// both, the API is plain HTTP: keep it on loopback or put it behind a TLS proxy
+    #[arg(long, requires = "tls_key", value_name = "PEM")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM: PKCS#8, PKCS#1 or SEC1). Needs --tls-cert
+    #[arg(long, requires = "tls_cert", value_name = "PEM")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The TLS configuration, checked now (before any model is loaded), if both files were given.
+    pub fn load(&self) -> Result<Option<dgr_gateway::Tls>> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else { return Ok(None) };
+        let tls = dgr_gateway::Tls::load(cert, key).context("loading --tls-cert/--tls-key")?;
+        Ok(Some(tls))
+    }
+}
+
+/// The URL scheme the API is served with.
+pub fn scheme(tls: &Option<dgr_gateway::Tls>) -> &'static str {
+    if tls.is_some() {
+        "https"
+    } else {
+        "http"
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -146,6 +179,7 @@ pub async fn register_keys(gw: &Gateway, keys: &KeysArgs) -> Result<usize> {
 
 pub fn run(a: Args) -> Result<()> {
     a.plaintext.apply("gateway");
+    let tls = a.tls.load()?;
     let models = if a.model.is_empty() { vec![crate::model::ModelArg { model: None }.path()?] } else { a.model.clone() };
     let mut cfg = a.limits.config(a.tracker.clone(), models)?;
     cfg.join_token = a.keys.join_token()?;
@@ -160,9 +194,13 @@ pub fn run(a: Args) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let addr = listener.local_addr()?;
         let names: Vec<&str> = gw.models.iter().map(|m| m.name.as_str()).collect();
-        println!("{}", serde_json::json!({ "listening": addr.to_string(), "models": names, "tracker": a.tracker, "api_keys": n }));
-        eprintln!("dgr gateway: serving the OpenAI API on http://{addr}/v1 (dashboard: http://{addr}/)");
-        dgr_gateway::serve(gw, listener, shutdown).await?;
+        let url = format!("{}://{addr}", scheme(&tls));
+        println!(
+            "{}",
+            serde_json::json!({ "listening": addr.to_string(), "url": url, "models": names, "tracker": a.tracker, "api_keys": n })
+        );
+        eprintln!("dgr gateway: serving the OpenAI API on {url}/v1 (dashboard: {url}/)");
+        dgr_gateway::serve(gw, listener, tls, shutdown).await?;
         Ok(())
     })
 }

@@ -1,7 +1,7 @@
 //! `dgr up`: one command to a running local swarm — a tracker, R replicas of an N-worker route
 //! and the OpenAI gateway, all on loopback, until Ctrl-C stops everything.
 
-use crate::gateway::{register_keys, KeysArgs, LimitArgs};
+use crate::gateway::{register_keys, scheme, KeysArgs, LimitArgs, TlsArgs};
 use anyhow::{bail, Context, Result};
 use dgr_bench::swarm::{balanced_split, LocalSwarm, LocalTracker};
 use dgr_gateway::Gateway;
@@ -20,7 +20,8 @@ pub struct Args {
     /// Replicas of the route (each a full set of workers)
     #[arg(long, default_value_t = 1)]
     replicas: usize,
-    /// Address the gateway serves HTTP on (host:port, [v6]:port, or dgr://, tcp://, http:// before either)
+    /// Address the gateway serves the API on (host:port, [v6]:port, or dgr://, tcp://, http://
+    /// before either); HTTPS with --tls-cert and --tls-key, plain HTTP without
     #[arg(long, default_value = "127.0.0.1:8000", value_parser = crate::addr::one)]
     listen: String,
     /// Address the swarm's tracker serves on (host:port, [v6]:port, or dgr://, tcp://, http://
@@ -30,6 +31,8 @@ pub struct Args {
     tracker_listen: String,
     #[command(flatten)]
     numerics: dgr_bench::NumericsArg,
+    #[command(flatten)]
+    tls: TlsArgs,
     #[command(flatten)]
     keys: KeysArgs,
     #[command(flatten)]
@@ -43,6 +46,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--workers and --replicas must be at least 1");
     }
     let numerics = a.numerics.worker_flags()?;
+    let tls = a.tls.load()?;
     let model = match &a.model {
         Some(m) => m.clone(),
         None => crate::fetch::default_model()?,
@@ -107,13 +111,14 @@ pub fn run(a: Args) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let addr = listener.local_addr()?;
         let name = gw.models[0].name.clone();
-        println!("{}", serde_json::json!({ "base_url": format!("http://{addr}/v1"), "model": name, "tracker": tracker.addr }));
+        let url = format!("{}://{addr}", scheme(&tls));
+        println!("{}", serde_json::json!({ "base_url": format!("{url}/v1"), "model": name, "tracker": tracker.addr }));
         eprintln!("dgr up: ready in {:.1} s", started.elapsed().as_secs_f64());
-        eprintln!("  OpenAI API:  http://{addr}/v1   (model \"{name}\")");
-        eprintln!("  dashboard:   http://{addr}/");
+        eprintln!("  OpenAI API:  {url}/v1   (model \"{name}\")");
+        eprintln!("  dashboard:   {url}/");
         let auth = if a.keys.api_keys.is_some() { " -H 'Authorization: Bearer YOUR_KEY'" } else { "" };
         eprintln!(
-            "  try:         curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} \
+            "  try:         curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \
              -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"
         );
         eprintln!("  join token:  {}", tracker.token_file.display());
@@ -125,7 +130,7 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
         eprintln!("  Ctrl-C stops everything.");
-        dgr_gateway::serve(gw.clone(), listener, shutdown).await?;
+        dgr_gateway::serve(gw.clone(), listener, tls, shutdown).await?;
         Ok(())
     });
     eprintln!("dgr up: stopping");

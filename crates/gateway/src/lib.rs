@@ -10,63 +10,18 @@ mod history;
 mod metrics;
 mod openai;
 mod respond;
+mod serve;
 mod service;
 mod structured;
 mod text;
+mod tls;
 mod tools;
 mod verify;
 
 pub use dashboard::swarm_json;
+pub use serve::serve;
 pub use service::{Gateway, GatewayConfig, GatewayError};
-
-use std::sync::Arc;
-
-/// A client has this long to send a request's head (slow clients cannot hold a connection).
-const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-/// After shutdown, open connections get this long to finish their responses.
-const DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Serves the API on `listener` until `shutdown` completes: at most `cfg.max_connections`
-/// connections at once (past it, new ones are closed at once and counted), a deadline on each
-/// request's head, then a graceful drain.
-pub async fn serve(
-    gw: Arc<Gateway>,
-    listener: tokio::net::TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let app = api::router(gw.clone());
-    let history = tokio::spawn(history::run(gw.clone()));
-    let slots = Arc::new(tokio::sync::Semaphore::new(gw.cfg.max_connections.max(1)));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT);
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                // Out of descriptors and the like: back off instead of spinning.
-                Err(_) => { tokio::time::sleep(std::time::Duration::from_millis(50)).await; continue }
-            },
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            gw.metrics.error("connection_cap");
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
-        tokio::spawn(async move {
-            let _ = conn.await;
-            drop(slot);
-        });
-    }
-    history.abort();
-    let _ = tokio::time::timeout(DRAIN, graceful.shutdown()).await;
-    Ok(())
-}
+pub use tls::{Tls, TlsError};
 
 /// Not API: for the fuzz target `openai_body` (fuzz/) and its replay test. Runs a request body
 /// through the checks made before a model is consulted: parsing, the generation parameters and
