@@ -2,10 +2,10 @@
 # The gateway's acceptance suite (tests/http): the official `openai` Python client and headless
 # Chromium against a live `dgr up` swarm of the built target/release/dgr on the default model.
 # Sets up what it needs: a venv at target/http-venv with pinned packages, Debian's chromium when
-# /usr/bin/chromium is missing (as root, e.g. on a fresh CI machine). Nothing is skipped: a missing
+# /usr/bin/chromium is missing and its openssl when that is (as root, e.g. on a fresh CI machine). Nothing is skipped: a missing
 # binary, model, browser or package is a failure. Extra arguments go to this suite's pytest.
 # Then runs a scaled-down soak (tests/soak, scripts/soak.sh) of DGR_SOAK_REQUESTS (64) requests at
-# DGR_SOAK_CONCURRENCY (8). Leaves target/test-artifacts/: the dashboard screenshot, pytest's junit
+# DGR_SOAK_CONCURRENCY (8). Leaves target/test-artifacts/: the dashboard screenshots (over HTTP and HTTPS), pytest's junit
 # XML of each suite, dgr up's log, the soak's figures and logs (soak/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +64,8 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$(printf %
 fi
 
 [ -x /usr/bin/chromium ] || apt_install chromium
+# test_https.py makes its CA and certificates with the openssl CLI.
+command -v openssl >/dev/null || apt_install openssl
 
 artifacts=target/test-artifacts
 mkdir -p "$artifacts"

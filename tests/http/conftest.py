@@ -16,12 +16,14 @@ import os
 import re
 import selectors
 import signal
+import struct
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 
 import openai
@@ -30,6 +32,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DGR = Path(os.environ.get("DGR_BIN", REPO / "target" / "release" / "dgr"))
 ARTIFACTS = Path(os.environ.get("DGR_TEST_ARTIFACTS", REPO / "target" / "test-artifacts"))
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
 # Gateway limits the suite starts `dgr up` with (small, so oversized requests are cheap to make).
 MAX_PROMPT_TOKENS = 256
@@ -151,6 +154,65 @@ def process_name(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return "?"
+
+
+# ---------------------------------------------------------------------------------------------
+# The dashboard in a browser
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerRows(HTMLParser):
+    """The dashboard's <tr class="worker" data-worker=ID data-layers="A..B"> rows and body's data-ready."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[str, str] = {}
+        self.ready = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body":
+            self.ready = a.get("data-ready")
+        if tag == "tr" and "worker" in (a.get("class") or "").split():
+            self.rows[a.get("data-worker")] = a.get("data-layers")
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (scripts/test-http.sh installs Debian's chromium)"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           f"--user-data-dir={profile}", "--virtual-time-budget=5000", *args]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, f"chromium exited {r.returncode}: {r.stderr[-2000:]}"
+    return r
+
+
+def check_dashboard_in_browser(swarm: "Swarm", name: str, *flags: str) -> dict[str, str]:
+    """Loads the swarm's dashboard in headless Chromium (with `flags`), checks it rendered every
+    worker the tracker lists with its layers and the model's coverage, and screenshots it into
+    the artifacts as NAME.png (its DOM as NAME.html). Returns the workers' rows."""
+    model = swarm.swarm_json()["models"][0]
+    expected = {w["worker_id"]: f"{w['layers'][0]}..{w['layers'][1]}" for w in model["workers"]}
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / f"{name}.png"
+    shot.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dgr-chromium-") as profile:
+        dom = chromium(*flags, "--dump-dom", swarm.root + "/", profile=Path(profile)).stdout
+        (ARTIFACTS / f"{name}.html").write_text(dom)
+        page = WorkerRows()
+        page.feed(dom)
+        assert page.ready == "1", "the dashboard's script did not render (no data-ready=1 on body)"
+        assert page.rows == expected, f"dashboard rows {page.rows} != the tracker's workers {expected}"
+        covered = f"{model['n_layers']} layers, covered"
+        assert covered in dom, f"the dashboard does not say {covered!r}"
+
+        chromium(*flags, f"--screenshot={shot}", "--window-size=1280,900", "--hide-scrollbars", swarm.root + "/", profile=Path(profile))
+    assert shot.is_file(), f"no screenshot at {shot}"
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", "the screenshot is not a PNG"
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (1280, 900), f"screenshot is {width}x{height}"
+    assert len(png) > 20_000, f"a {len(png)}-byte screenshot is too small to show a rendered page"
+    return page.rows
 
 
 # ---------------------------------------------------------------------------------------------

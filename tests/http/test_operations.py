@@ -4,9 +4,6 @@ browser (headless Chromium) showing every worker and its layer range."""
 
 from __future__ import annotations
 
-import os
-import struct
-import subprocess
 import tempfile
 import time
 from html.parser import HTMLParser
@@ -15,9 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import ARTIFACTS, http_get, wait_until
-
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+from conftest import ARTIFACTS, check_dashboard_in_browser, chromium, http_get, wait_until
 
 
 def test_health_is_200_while_the_swarm_covers_the_model(swarm):
@@ -64,55 +59,9 @@ def test_a_client_that_disconnects_mid_stream_frees_every_worker_and_is_billed(s
     assert 0 < row["completion_tokens"] < 400, f"billed {row['completion_tokens']} completion tokens of a stream cut after 3 chunks (freed in {took:.2f} s)"
 
 
-class WorkerRows(HTMLParser):
-    """The dashboard's <tr class="worker" data-worker=ID data-layers="A..B"> rows and body's data-ready."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows: dict[str, str] = {}
-        self.ready = None
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if tag == "body":
-            self.ready = a.get("data-ready")
-        if tag == "tr" and "worker" in (a.get("class") or "").split():
-            self.rows[a.get("data-worker")] = a.get("data-layers")
-
-
-def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
-    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing (scripts/test-http.sh installs Debian's chromium)"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-           f"--user-data-dir={profile}", "--virtual-time-budget=5000", *args]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
-    assert r.returncode == 0, f"chromium exited {r.returncode}: {r.stderr[-2000:]}"
-    return r
-
-
 def test_dashboard_shows_every_worker_and_its_layers_in_a_browser(swarm):
-    model = swarm.swarm_json()["models"][0]
-    expected = {w["worker_id"]: f"{w['layers'][0]}..{w['layers'][1]}" for w in model["workers"]}
-    assert len(expected) == 2, f"dgr up --workers 2 should list two workers: {expected}"
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    shot = ARTIFACTS / "dashboard.png"
-    shot.unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix="dgr-chromium-") as profile:
-        dom = chromium("--dump-dom", swarm.root + "/", profile=Path(profile)).stdout
-        (ARTIFACTS / "dashboard.html").write_text(dom)
-        page = WorkerRows()
-        page.feed(dom)
-        assert page.ready == "1", "the dashboard's script did not render (no data-ready=1 on body)"
-        assert page.rows == expected, f"dashboard rows {page.rows} != the tracker's workers {expected}"
-        covered = f"{model['n_layers']} layers, covered"
-        assert covered in dom, f"the dashboard does not say {covered!r}"
-
-        chromium(f"--screenshot={shot}", "--window-size=1280,900", "--hide-scrollbars", swarm.root + "/", profile=Path(profile))
-    assert shot.is_file(), f"no screenshot at {shot}"
-    png = shot.read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n", "the screenshot is not a PNG"
-    width, height = struct.unpack(">II", png[16:24])
-    assert (width, height) == (1280, 900), f"screenshot is {width}x{height}"
-    assert len(png) > 20_000, f"a {len(png)}-byte screenshot is too small to show a rendered page"
+    workers = check_dashboard_in_browser(swarm, "dashboard")
+    assert len(workers) == 2, f"dgr up --workers 2 should list two workers: {workers}"
 
 
 class Charts(HTMLParser):
