@@ -11,6 +11,11 @@ pub(crate) enum Value {
     Int(i64),
     Text(String),
     Bytes(Vec<u8>),
+    /// Arrays, for Postgres' `unnest` (a statement that stores many rows in one round trip);
+    /// SQLite has no array type and refuses them.
+    Texts(Vec<String>),
+    Blobs(Vec<Vec<u8>>),
+    Ints(Vec<i64>),
 }
 
 pub(crate) type Row = Vec<Value>;

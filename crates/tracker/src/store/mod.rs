@@ -13,6 +13,7 @@
 mod db;
 mod ledger;
 mod migrate;
+mod one_trip;
 mod pg;
 mod sqlite;
 
@@ -358,6 +359,9 @@ impl Store {
         if key.quota_tokens == 0 {
             return Ok(Grant::Granted { key_name: key.name, new: false });
         }
+        if self.db.dialect() == Dialect::Postgres {
+            return self.tx(|db| one_trip::reserve(db, key, request_id, budget, expires_ms));
+        }
         self.tx(|db| {
             if !db.query("SELECT 1 FROM requests WHERE request_id = ?1", &[request_id.into()])?.is_empty() {
                 return Ok(Grant::Settled);
@@ -409,6 +413,9 @@ impl Store {
     /// Stores a driver's report of a request and settles its reservation; false if this
     /// request id was already stored.
     pub fn record_request(&mut self, key_name: &str, u: &RequestUsage, now_ms: u64) -> Result<bool, StoreError> {
+        if self.db.dialect() == Dialect::Postgres {
+            return self.tx(|db| one_trip::record_request(db, key_name, u, now_ms));
+        }
         self.tx(|db| {
             let added = db.execute(
                 "INSERT INTO requests (request_id, key_name, model_id, engine, prompt_tokens, completion_tokens, status, at_ms)

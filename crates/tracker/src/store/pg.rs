@@ -105,11 +105,14 @@ impl ToSql for Value {
             Value::Int(v) => v.to_sql(ty, out),
             Value::Text(v) => v.to_sql(ty, out),
             Value::Bytes(v) => v.to_sql(ty, out),
+            Value::Texts(v) => v.to_sql(ty, out),
+            Value::Blobs(v) => v.to_sql(ty, out),
+            Value::Ints(v) => v.to_sql(ty, out),
         }
     }
 
     fn accepts(ty: &Type) -> bool {
-        [Type::INT8, Type::INT4, Type::TEXT, Type::VARCHAR, Type::BYTEA].contains(ty)
+        [Type::INT8, Type::INT4, Type::TEXT, Type::VARCHAR, Type::BYTEA, Type::TEXT_ARRAY, Type::BYTEA_ARRAY, Type::INT8_ARRAY].contains(ty)
     }
 
     to_sql_checked!();
@@ -138,8 +141,8 @@ fn row(r: &postgres::Row) -> Result<Row, StoreError> {
         .collect()
 }
 
-/// A value in COPY's text format.
-fn copy_text(v: &Value, out: &mut Vec<u8>) {
+/// A value in COPY's text format (the ledger's bulk rows hold no arrays).
+fn copy_text(v: &Value, out: &mut Vec<u8>) -> Result<(), StoreError> {
     match v {
         Value::Null => out.extend_from_slice(b"\\N"),
         Value::Int(i) => out.extend_from_slice(i.to_string().as_bytes()),
@@ -159,7 +162,9 @@ fn copy_text(v: &Value, out: &mut Vec<u8>) {
             out.extend_from_slice(b"\\\\x");
             out.extend_from_slice(hex::encode(b).as_bytes());
         }
+        Value::Texts(_) | Value::Blobs(_) | Value::Ints(_) => return Err(StoreError::Decode("an array in a bulk row".into())),
     }
+    Ok(())
 }
 
 impl Db for Postgres {
@@ -204,7 +209,7 @@ impl Db for Postgres {
                 if i > 0 {
                     text.push(b'\t');
                 }
-                copy_text(v, &mut text);
+                copy_text(v, &mut text)?;
             }
             text.push(b'\n');
         }
@@ -257,7 +262,7 @@ mod tests {
     fn copy_text_escapes_what_copy_reads_specially() {
         let mut out = Vec::new();
         for v in [Value::Text("a\tb\\c\nd".into()), Value::Bytes(vec![0, 0xab]), Value::Int(-3), Value::Null] {
-            copy_text(&v, &mut out);
+            copy_text(&v, &mut out).unwrap();
             out.push(b'|');
         }
         assert_eq!(String::from_utf8(out).unwrap(), "a\\tb\\\\c\\nd|\\\\x00ab|-3|\\N|");

@@ -48,6 +48,9 @@ impl rusqlite::ToSql for Value {
             Value::Int(v) => ToSqlOutput::Borrowed(ValueRef::Integer(*v)),
             Value::Text(v) => ToSqlOutput::Borrowed(ValueRef::Text(v.as_bytes())),
             Value::Bytes(v) => ToSqlOutput::Borrowed(ValueRef::Blob(v)),
+            Value::Texts(_) | Value::Blobs(_) | Value::Ints(_) => {
+                return Err(rusqlite::Error::ToSqlConversionFailure("SQLite has no array parameters".into()))
+            }
         })
     }
 }

@@ -46,6 +46,8 @@ on_both!(
     running_totals_equal_the_sum_over_rows,
     reservations_reserve_once_settle_and_expire,
     concurrent_reservations_fill_the_quota_exactly,
+    one_request_reserved_by_many_calls_at_once_reserves_once,
+    every_stage_of_a_request_is_stored_once,
     trackers_starting_together_share_one_signing_key,
     a_newer_schema_is_refused,
     bulk_loaded_rows_are_counted_once,
@@ -171,6 +173,53 @@ fn concurrent_reservations_fill_the_quota_exactly(spec: LedgerSpec) {
     }
     assert_eq!(s.key_totals("k").unwrap(), (150, 0));
     assert_eq!(s.usage(false).unwrap()[0].requests, 10);
+}
+
+/// A request id reserved by 16 calls at once through two trackers' ledgers (re-routes racing):
+/// one reserves, the rest find its reservation, and the key holds the budget once.
+fn one_request_reserved_by_many_calls_at_once_reserves_once(spec: LedgerSpec) {
+    Store::open(&spec).unwrap().add_key("k", "key-k", 1000, 0).unwrap();
+    let ledgers = [Ledger::start(&spec, spec.default_threads()).unwrap(), Ledger::start(&spec, spec.default_threads()).unwrap()];
+    let barrier = Arc::new(std::sync::Barrier::new(16));
+    let threads: Vec<_> = (0..16)
+        .map(|i| {
+            let (ledger, barrier) = (ledgers[i % 2].clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                ledger.call_blocking(|s| s.reserve("key-k", "same", 30, u64::MAX / 2)).unwrap()
+            })
+        })
+        .collect();
+    let grants: Vec<Grant> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let new = grants.iter().filter(|g| matches!(g, Grant::Granted { new: true, .. })).count();
+    assert_eq!(new, 1, "{grants:?}");
+    assert!(grants.iter().all(|g| matches!(g, Grant::Granted { .. })), "{grants:?}");
+    assert_eq!(Store::open(&spec).unwrap().key_totals("k").unwrap(), (0, 30));
+}
+
+/// A request's stages are stored with it, once; a repeat changes nothing.
+fn every_stage_of_a_request_is_stored_once(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    s.add_key("k", "key-k", 1000, 0).unwrap();
+    assert_eq!(s.reserve("key-k", "r", 100, u64::MAX / 2).unwrap(), Grant::Granted { key_name: "k".into(), new: true });
+    let mut u = request("r", 7, 3, 0);
+    u.stages = (0..3u64)
+        .map(|i| StageUsage {
+            worker_id: format!("w{i}"),
+            session_id: vec![i as u8, 0xff],
+            tokens_prefilled: 7,
+            tokens_decoded: 3 + i,
+            layer_tokens: 100 * (i + 1),
+        })
+        .collect();
+    assert!(s.record_request("k", &u, 0).unwrap());
+    assert!(!s.record_request("k", &u, 0).unwrap());
+    assert_eq!(s.key_totals("k").unwrap(), (10, 0), "billed once, the reservation settled");
+    let row = &s.usage(false).unwrap()[0];
+    assert_eq!((row.requests, row.tokens_prefilled, row.tokens_decoded, row.layer_tokens), (1, 21, 12, 600));
+    let empty = RequestUsage { stages: Vec::new(), ..request("q", 1, 1, 0) };
+    assert!(s.record_request("k", &empty, 0).unwrap(), "a request no stage reported on is stored too");
+    assert_eq!(s.key_totals("k").unwrap(), (12, 0));
 }
 
 use std::sync::Arc;
