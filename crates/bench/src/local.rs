@@ -1,8 +1,8 @@
-//! Generation in one process: the whole model as one stage.
+//! Generation and embedding in one process: the whole model as one stage.
 
 use crate::error::{BenchError, Result};
 use dgr_driver::{Completion, FinishReason};
-use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState};
+use dgr_engine::{Engine, Input, LogitRows, Pooler, SamplingParams, SeqInput, SeqState};
 use std::time::Instant;
 
 pub struct Request {
@@ -56,4 +56,24 @@ pub fn generate<E: Engine>(stage: &E, is_eog: impl Fn(u32) -> bool, req: &Reques
     }
     out.timings.decoded(decode_start, out.tokens.len().saturating_sub(1));
     Ok(out)
+}
+
+/// The prompt's embedding in one process: one forward over the whole model, every row
+/// final-normed, pooled as the model's metadata says and L2-normalised.
+pub fn embed<E: Engine>(stage: &E, prompt_tokens: &[u32]) -> Result<Vec<f32>> {
+    if prompt_tokens.is_empty() {
+        return Err(BenchError::Usage("the input is empty".into()));
+    }
+    let mut pooler = Pooler::new(stage.config().pooling, stage.config().hidden)?;
+    let mut kv = stage.new_state(prompt_tokens.len(), stage.layers())?;
+    if kv.capacity() < prompt_tokens.len() {
+        return Err(BenchError::Usage(format!(
+            "the input's {} tokens exceed the model's context of {}",
+            prompt_tokens.len(),
+            kv.capacity()
+        )));
+    }
+    let out = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(prompt_tokens), logits: LogitRows::Normed }])?;
+    pooler.push(&out[0].hidden);
+    Ok(pooler.finish())
 }

@@ -2,7 +2,7 @@
 //! architecture changes is in `model`.
 
 pub use crate::model::Arch;
-use crate::EngineError;
+use crate::{EngineError, Pooling};
 use dgr_gguf::Gguf;
 
 /// How RoPE pairs up dimensions: adjacent pairs (llama) or the two halves (qwen2, "neox").
@@ -59,6 +59,8 @@ pub struct ModelConfig {
     pub sliding_window: Option<SlidingWindow>,
     /// Logits become `cap * tanh(logit / cap)` (gemma3, when its file asks for it).
     pub logit_softcap: Option<f32>,
+    /// How an embedding pools the rows: `{arch}.pooling_type`, mean when absent.
+    pub pooling: Pooling,
 }
 
 /// Bounds that keep a hostile header from asking for absurd buffers.
@@ -127,6 +129,10 @@ impl ModelConfig {
             Some(_) => dim("context_length", MAX_CONTEXT)?,
             None => 4096,
         };
+        let pooling = match g.get(&key("pooling_type")) {
+            Some(_) => Pooling::from_llama(g.get_u64(&key("pooling_type"))?)?,
+            None => Pooling::Mean,
+        };
         // A slice may not hold the embedding; its table still says the whole model's shape.
         let embd = g.model_tensor_dims("token_embd.weight").ok_or_else(|| EngineError::MissingTensor("token_embd.weight".into()))?;
         let vocab = match embd {
@@ -161,6 +167,7 @@ impl ModelConfig {
             sliding_window: None,
             logit_softcap: None,
             rope_style: RopeStyle::Adjacent,
+            pooling,
             arch,
         };
         crate::model::adapt(&mut cfg, g)?;
@@ -278,6 +285,15 @@ mod tests {
         let l = config("llama", &[]).unwrap();
         assert_eq!((l.head_dim, l.q_dim(), l.qk_norm, l.embed_scale, l.rope_scale), (16, 64, false, None, 1.0));
         assert_eq!(l.attn_scale, 1.0 / 16f32.sqrt());
+    }
+
+    #[test]
+    fn pooling_is_the_files_or_mean() {
+        let pooling = |extra: &[(&str, Value)]| config("llama", extra).map(|c| c.pooling);
+        assert_eq!(pooling(&[]).unwrap(), Pooling::Mean);
+        assert_eq!(pooling(&[("pooling_type", Value::U32(3))]).unwrap(), Pooling::Last);
+        assert_eq!(pooling(&[("pooling_type", Value::U32(4))]).unwrap(), Pooling::Rank);
+        assert!(pooling(&[("pooling_type", Value::U32(9))]).is_err());
     }
 
     #[test]

@@ -32,6 +32,8 @@ pub enum EngineError {
     NumericsUnavailable { asked: Numerics, available: &'static [Numerics] },
     #[error("bad input: {0}")]
     BadInput(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
 }
 
 fn names(n: &[Numerics]) -> String {

@@ -5,6 +5,7 @@
 
 mod backend;
 mod config;
+mod embed;
 mod engine;
 mod error;
 mod id;
@@ -17,6 +18,7 @@ pub mod synth;
 
 pub use backend::cpu::kernels::Isa;
 pub use config::{Activation, Arch, ModelConfig, RopeStyle, SlidingWindow};
+pub use embed::{Pooler, Pooling};
 pub use engine::{Engine, SeqState};
 pub use error::EngineError;
 pub use id::{BackendKind, EngineId, Format, Numerics, UnknownName};

@@ -47,6 +47,9 @@ pub enum LogitRows {
     None,
     Last,
     All,
+    /// No logits: every row after the final norm (what the head would read), in `hidden`, for
+    /// an embedding.
+    Normed,
 }
 
 /// One sequence's part of a batched forward. Its rows take positions `kv.len()..`. `K` is the
@@ -58,7 +61,8 @@ pub struct SeqInput<'a, K = KvCache> {
 }
 
 /// One sequence's result: hidden rows for the next stage (every row, when the sequence's layers
-/// end before the model's last) or logits (`vocab` floats per requested row, otherwise).
+/// end before the model's last) or logits (`vocab` floats per requested row, otherwise), or
+/// every row final-normed (`LogitRows::Normed`).
 #[derive(Debug, Default)]
 pub struct SeqOutput {
     pub hidden: Vec<f32>,
@@ -415,6 +419,15 @@ impl Stage {
         for (si, s) in batch.iter().enumerate() {
             let n = rows_of[si];
             let rows = match s.logits {
+                LogitRows::Normed => {
+                    let normed = &mut outputs[si].hidden;
+                    normed.resize(n * h, 0.0);
+                    for r in 0..n {
+                        let t = t0 + r;
+                        ops::rms_norm(&x[t * h..(t + 1) * h], &head.norm, cfg.rms_eps, &mut normed[r * h..(r + 1) * h]);
+                    }
+                    0..0
+                }
                 LogitRows::None => 0..0,
                 LogitRows::Last => n - 1..n,
                 LogitRows::All => 0..n,
