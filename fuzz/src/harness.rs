@@ -17,10 +17,10 @@
 use dgr_gguf::{quant, GgmlType, Gguf, GgufWriter, ModelIdentity, Value};
 use dgr_proto::{
     check_forward, check_open, check_ticket_open, decode_rows, encode_rows, key_id, session_id, sign_ticket, verify_ticket, verifying_key,
-    worker_id, Body, BoundarySchema, Challenge, ErrorKind, ErrorMsg, Forward, Frame, Hello, Hop, Join, Joined, OpenSession, Ping,
-    RefusalKind, Refused, Registration, Role, RouteReply, RouteRequest, RouteStage, Sampling, SeamDtype, SessionRef, SignedTicket,
-    SigningKey, StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage,
-    VerifyingKey, MAX_CHUNK, PROTOCOL_VERSION,
+    worker_id, Body, BoundarySchema, Challenge, Embed, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hello, Hop, Join, Joined,
+    OpenSession, Ping, Pooling, RefusalKind, Refused, Registration, Role, RouteReply, RouteRequest, RouteStage, Sampling, SeamDtype,
+    SessionRef, SignedTicket, SigningKey, StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello,
+    TrackerKey, Usage, VerifyingKey, MAX_CHUNK, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, Signer};
 use prost::Message;
@@ -202,6 +202,7 @@ pub fn stage_frame(data: &[u8]) -> bool {
         Some(Body::Token(t)) => session_id(&t.session_id).is_ok(),
         Some(Body::Usage(u)) => session_id(&u.session_id).is_ok(),
         Some(Body::Progress(p)) => session_id(&p.session_id).is_ok(),
+        Some(Body::Embedding(e)) => session_id(&e.session_id).is_ok() && e.values.len() % 4 == 0,
         Some(Body::Error(e)) => {
             black_box((e.error_kind().name(), e.stage, &e.message));
             true
@@ -590,6 +591,16 @@ fn frame_seeds() -> Vec<(&'static str, Frame)> {
         ),
         ("open", Frame::new(Body::Open(seed_open(0)))),
         ("open-bf16", Frame::new(Body::Open(open_upstream))),
+        ("open-embed", Frame::new(Body::Open(OpenSession { embed: Some(Embed { pooling: Pooling::Last as i32 }), ..seed_open(0) }))),
+        (
+            "embedding",
+            Frame::new(Body::Embedding(Embedding {
+                session_id: id.clone(),
+                values: [0.6f32, -0.8].iter().flat_map(|v| v.to_le_bytes()).collect(),
+                n_tokens: 4,
+                trace: vec![hop],
+            })),
+        ),
         ("opened", Frame::new(Body::Opened(SessionRef { session_id: id.clone(), ..Default::default() }))),
         (
             "forward-tokens",

@@ -115,6 +115,7 @@ impl Raw {
             max_positions: 64,
             ticket: None,
             hash_rows: false,
+            embed: None,
         }
     }
 

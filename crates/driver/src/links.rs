@@ -133,6 +133,7 @@ fn session_of(b: &Body) -> &[u8] {
         Body::Error(e) => &e.session_id,
         Body::Usage(u) => &u.session_id,
         Body::Progress(p) => &p.session_id,
+        Body::Embedding(e) => &e.session_id,
         Body::Forward(f) => &f.session_id,
         Body::Open(o) => &o.session_id,
         Body::Hello(_) | Body::Ping(_) | Body::Pong(_) | Body::Fetch(_) | Body::Manifest(_) | Body::Chunk(_) => &[],

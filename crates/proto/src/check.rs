@@ -1,6 +1,6 @@
 //! Validation of what arrives, before a receiver uses any of it.
 
-use crate::{BoundarySchema, ErrorKind, Forward, OpenSession, SeamDtype, PROTOCOL_VERSION};
+use crate::{BoundarySchema, ErrorKind, Forward, OpenSession, Pooling, SeamDtype, PROTOCOL_VERSION};
 
 /// A session's handle: 128 random bits.
 pub type SessionId = [u8; 16];
@@ -65,6 +65,9 @@ pub fn check_open(open: &OpenSession, ours: &BoundarySchema, dtypes: &[SeamDtype
     }
     if open.n_stages == 0 || open.stage_index >= open.n_stages {
         return Err(ProtoError::BadFrame(format!("stage {} of {}", open.stage_index, open.n_stages)));
+    }
+    if let Some(e) = &open.embed {
+        Pooling::try_from(e.pooling).map_err(|_| ProtoError::BadInput(format!("unknown pooling {}", e.pooling)))?;
     }
     Ok((id, dtype))
 }

@@ -4,7 +4,7 @@
 /// One frame on the wire.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Frame {
-    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15")]
+    #[prost(oneof = "Body", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16")]
     pub body: Option<Body>,
 }
 
@@ -58,6 +58,10 @@ pub enum Body {
     /// so a long prefill that is slow but moving is not taken for a dead route.
     #[prost(message, tag = "15")]
     Progress(Progress),
+    /// Last stage → driver, for a session opened with `embed`: the prompt's pooled vector,
+    /// instead of a token.
+    #[prost(message, tag = "16")]
+    Embedding(Embedding),
 }
 
 /// The most bytes one `Chunk` carries.
@@ -209,6 +213,41 @@ pub struct OpenSession {
     /// Report a hash of each step's last output row in the trace (for spot checks).
     #[prost(bool, tag = "10")]
     pub hash_rows: bool,
+    /// Present: the session embeds its prompt (no sampling, no head) and ends with `Embedding`.
+    #[prost(message, optional, tag = "11")]
+    pub embed: Option<Embed>,
+}
+
+/// How an embedding session pools its prompt's final-normed rows.
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Embed {
+    #[prost(enumeration = "Pooling", tag = "1")]
+    pub pooling: i32,
+}
+
+/// llama.cpp's numbers for mean, cls and last; 0 is whatever the model's metadata says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, prost::Enumeration)]
+#[repr(i32)]
+pub enum Pooling {
+    Model = 0,
+    Mean = 1,
+    Cls = 2,
+    Last = 3,
+}
+
+/// A prompt's embedding: the pooled, L2-normalised final hidden state.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Embedding {
+    #[prost(bytes = "vec", tag = "1")]
+    pub session_id: Vec<u8>,
+    /// `hidden` f32 values, little-endian.
+    #[prost(bytes = "vec", tag = "2")]
+    pub values: Vec<u8>,
+    /// Prompt positions pooled.
+    #[prost(uint64, tag = "3")]
+    pub n_tokens: u64,
+    #[prost(message, repeated, tag = "4")]
+    pub trace: Vec<Hop>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -347,6 +386,9 @@ pub enum ErrorKind {
     Ticket = 9,
     /// A message on the link failed its authentication tag: altered or injected in flight.
     Integrity = 10,
+    /// Well-formed, but asks for what this stage's model does not do (an embedding of a
+    /// rank-pooled model).
+    Unsupported = 11,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -383,6 +425,7 @@ impl ErrorKind {
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::Ticket => "ticket",
             ErrorKind::Integrity => "integrity",
+            ErrorKind::Unsupported => "unsupported",
         }
     }
 }

@@ -25,6 +25,8 @@ pub struct Metrics {
     /// bounds the decoding sessions' inter-token latency while it prefills.
     pub busy_chunk_rows_max: AtomicU64,
     pub sessions_opened: AtomicU64,
+    /// Embeddings sent (the last stage of embedding sessions).
+    pub embeddings: AtomicU64,
     pub sessions_closed: AtomicU64,
     /// Connections being served now (stage protocol and HTTP), at most `max_connections`.
     pub connections_open: AtomicU64,
@@ -102,6 +104,7 @@ impl Metrics {
             get(&self.busy_chunk_rows_max),
         );
         t.metric("dgr_worker_sessions_opened_total", "Sessions opened.", Counter, get(&self.sessions_opened));
+        t.metric("dgr_worker_embeddings_total", "Embeddings pooled and sent (last stage).", Counter, get(&self.embeddings));
         t.metric(
             "dgr_worker_sessions_closed_total",
             "Sessions freed (closed, cancelled, failed or idle).",

@@ -5,10 +5,10 @@
 use crate::compat::{CompatKey, Phase, KV_LAYOUT};
 use crate::plan::{plan, Batch, Policy, Ready};
 use crate::{Metrics, WorkerConfig};
-use dgr_engine::{Engine, Input, LogitRows, SamplingParams, SeqInput, SeqState, Stage};
+use dgr_engine::{Engine, EngineError, Input, LogitRows, Pooler, Pooling, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
-    check_forward, check_open, session_id, Body, BoundarySchema, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession, Progress,
-    ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
+    check_forward, check_open, session_id, Body, BoundarySchema, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession,
+    Progress, ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
 };
 use dgr_telemetry::unix_us;
 use std::collections::{HashMap, VecDeque};
@@ -138,6 +138,10 @@ struct Session<K> {
     /// Past the prompt: a frame that asked for a token has run. Before, every row is prefill
     /// (however the previous stage chunked the prompt); after, every row is decode.
     decoding: bool,
+    /// Opened to embed its prompt: it takes no rows past the prompt.
+    embedding: bool,
+    /// On the last stage of an embedding session: the prompt's rows pooled so far.
+    pooler: Option<Pooler>,
 }
 
 impl<K> Session<K> {
@@ -366,6 +370,23 @@ impl<E: Engine> Scheduler<E> {
             );
             return refuse(self, ErrorKind::Overloaded, msg);
         }
+        // An embedding pools on the last stage, as the session asks or the model's metadata says.
+        let pooler = match open.embed.map(|e| e.pooling()) {
+            Some(asked) if last => {
+                let pooling = match asked {
+                    dgr_proto::Pooling::Model => self.stage.config().pooling,
+                    dgr_proto::Pooling::Mean => Pooling::Mean,
+                    dgr_proto::Pooling::Cls => Pooling::Cls,
+                    dgr_proto::Pooling::Last => Pooling::Last,
+                };
+                match Pooler::new(pooling, self.stage.config().hidden) {
+                    Ok(p) => Some(p),
+                    Err(e @ EngineError::Unsupported(_)) => return refuse(self, ErrorKind::Unsupported, e.to_string()),
+                    Err(e) => return refuse(self, ErrorKind::Internal, e.to_string()),
+                }
+            }
+            _ => None,
+        };
         let kv = match self.stage.new_state(want, layers) {
             Ok(kv) => kv,
             Err(e) => return refuse(self, ErrorKind::SchemaMismatch, e.to_string()),
@@ -399,6 +420,8 @@ impl<E: Engine> Scheduler<E> {
             carry: Vec::new(),
             row_time: None,
             decoding: false,
+            embedding: open.embed.is_some(),
+            pooler,
         };
         self.reserved += cost;
         self.sessions.insert(id, session);
@@ -432,6 +455,8 @@ impl<E: Engine> Scheduler<E> {
                 let expected = s.kv.positions() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
                 if f.position as usize != expected {
                     Err((ErrorKind::BadInput, format!("rows at position {} but the session is at {expected}", f.position)))
+                } else if s.embedding && (s.decoding || s.pending.back().is_some_and(|p| p.f.sample)) {
+                    Err((ErrorKind::BadInput, "an embedding session takes rows only up to the end of its prompt".into()))
                 } else if s.pending.len() >= MAX_PENDING {
                     Err((ErrorKind::Overloaded, format!("more than {MAX_PENDING} frames waiting")))
                 } else {
@@ -563,7 +588,11 @@ impl<E: Engine> Scheduler<E> {
         // The sequences borrow each session's KV mutably, nothing else.
         for (i, (s, _)) in chosen.iter_mut().enumerate() {
             let input = if s.first { Input::Tokens(&tokens[i]) } else { Input::Hidden(&hidden[i]) };
-            let logits = if s.last && wants[i] { LogitRows::Last } else { LogitRows::None };
+            let logits = match (s.last, s.pooler.is_some(), wants[i]) {
+                (true, true, _) => LogitRows::Normed,
+                (true, false, true) => LogitRows::Last,
+                _ => LogitRows::None,
+            };
             let seq = SeqInput { kv: &mut s.kv, input, logits };
             match self.stage.check(&seq) {
                 Ok(_) => seqs.push(seq),
@@ -636,49 +665,64 @@ impl<E: Engine> Scheduler<E> {
             };
             // The grammar's mask travels with the chunk that samples.
             let allowed = if wants[i] { std::mem::take(&mut p.f.allowed) } else { Vec::new() };
-            let delivered = match &s.next {
-                Some((_, next)) => {
-                    let bytes = dgr_proto::encode_rows(&out.hidden, s.dtype);
-                    trace.push(Hop { bytes_out: bytes.len() as u64, sent_unix_us: unix_us(), ..hop });
-                    let f = Forward {
-                        session_id: s.id.to_vec(),
-                        position: chunk_start,
-                        tokens: Vec::new(),
-                        hidden: bytes,
-                        dtype: s.dtype as i32,
-                        n_rows: n as u32,
-                        sample: wants[i],
-                        trace,
-                        allowed,
-                    };
-                    send(next, Body::Forward(f))
-                }
-                None if wants[i] => {
-                    if let Err(e) = dgr_engine::mask_logits(&mut out.logits, &allowed) {
-                        self.end(s, Some((ErrorKind::BadInput, e.to_string())));
-                        continue;
+            if let Some(pooler) = s.pooler.as_mut() {
+                pooler.push(&out.hidden);
+            }
+            // The end of an embedding's prompt: its vector instead of a token.
+            let pooled = if wants[i] { s.pooler.take() } else { None };
+            let delivered = if let Some(pooler) = pooled {
+                s.carry.append(&mut trace);
+                s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
+                let n_tokens = pooler.rows() as u64;
+                let values = pooler.finish().iter().flat_map(|v| v.to_le_bytes()).collect();
+                let e = Embedding { session_id: s.id.to_vec(), values, n_tokens, trace: std::mem::take(&mut s.carry) };
+                self.metrics.embeddings.fetch_add(1, Relaxed);
+                send(&s.reply, Body::Embedding(e))
+            } else {
+                match &s.next {
+                    Some((_, next)) => {
+                        let bytes = dgr_proto::encode_rows(&out.hidden, s.dtype);
+                        trace.push(Hop { bytes_out: bytes.len() as u64, sent_unix_us: unix_us(), ..hop });
+                        let f = Forward {
+                            session_id: s.id.to_vec(),
+                            position: chunk_start,
+                            tokens: Vec::new(),
+                            hidden: bytes,
+                            dtype: s.dtype as i32,
+                            n_rows: n as u32,
+                            sample: wants[i],
+                            trace,
+                            allowed,
+                        };
+                        send(next, Body::Forward(f))
                     }
-                    let position = s.kv.positions() as u64;
-                    let token = dgr_engine::sample(&out.logits, &s.sampling, position);
-                    let (logprob, top) = dgr_engine::logprobs(&out.logits, token, s.top_logprobs);
-                    s.carry.append(&mut trace);
-                    s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
-                    let trace = std::mem::take(&mut s.carry);
-                    let t = TokenOut {
-                        session_id: s.id.to_vec(),
-                        position,
-                        token,
-                        logprob,
-                        top: top.into_iter().map(|(id, logprob)| TopEntry { id, logprob }).collect(),
-                        trace,
-                    };
-                    send(&s.reply, Body::Token(t))
-                }
-                // A prompt chunk through the whole route: the driver's step deadline restarts.
-                None => {
-                    s.carry.append(&mut trace);
-                    s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
-                    send(&s.reply, Body::Progress(Progress { session_id: s.id.to_vec(), positions: s.kv.positions() as u64 }))
+                    None if wants[i] => {
+                        if let Err(e) = dgr_engine::mask_logits(&mut out.logits, &allowed) {
+                            self.end(s, Some((ErrorKind::BadInput, e.to_string())));
+                            continue;
+                        }
+                        let position = s.kv.positions() as u64;
+                        let token = dgr_engine::sample(&out.logits, &s.sampling, position);
+                        let (logprob, top) = dgr_engine::logprobs(&out.logits, token, s.top_logprobs);
+                        s.carry.append(&mut trace);
+                        s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
+                        let trace = std::mem::take(&mut s.carry);
+                        let t = TokenOut {
+                            session_id: s.id.to_vec(),
+                            position,
+                            token,
+                            logprob,
+                            top: top.into_iter().map(|(id, logprob)| TopEntry { id, logprob }).collect(),
+                            trace,
+                        };
+                        send(&s.reply, Body::Token(t))
+                    }
+                    // A prompt chunk through the whole route: the driver's step deadline restarts.
+                    None => {
+                        s.carry.append(&mut trace);
+                        s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
+                        send(&s.reply, Body::Progress(Progress { session_id: s.id.to_vec(), positions: s.kv.positions() as u64 }))
+                    }
                 }
             };
             if finished {
@@ -724,8 +768,12 @@ mod tests {
     /// A scheduler over layers `held` of a six-layer synthetic model, with KV for `budget`
     /// positions over all of them.
     fn scheduler(held: Range<usize>, budget: usize) -> Scheduler {
-        let spec = SynthSpec { layers: 6, ..SynthSpec::default() };
-        let gguf = Arc::new(dgr_gguf::Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap());
+        scheduler_on(SynthSpec { layers: 6, ..SynthSpec::default() }.to_gguf().unwrap(), held, budget)
+    }
+
+    /// As `scheduler`, over the model in `file`.
+    fn scheduler_on(file: Vec<u8>, held: Range<usize>, budget: usize) -> Scheduler {
+        let gguf = Arc::new(dgr_gguf::Gguf::from_bytes(file).unwrap());
         let stage = open_engine(gguf, held.clone(), EngineSpec::threads(1)).unwrap();
         let schema = BoundarySchema {
             protocol_version: dgr_proto::PROTOCOL_VERSION,
@@ -744,6 +792,18 @@ mod tests {
     /// Opens session `id` over `layers`, passing its rows to `next` if given; returns the reply
     /// and the driver's inbox.
     fn open(s: &mut Scheduler, id: u8, layers: Range<u32>, positions: u64, next: Option<&Outbox>) -> (Body, Inbox<Frame>) {
+        open_as(s, id, layers, positions, next, None)
+    }
+
+    /// As `open`, an embedding session when `embed` is given.
+    fn open_as(
+        s: &mut Scheduler,
+        id: u8,
+        layers: Range<u32>,
+        positions: u64,
+        next: Option<&Outbox>,
+        embed: Option<dgr_proto::Embed>,
+    ) -> (Body, Inbox<Frame>) {
         let (reply, mut inbox) = channel(8);
         let schema = BoundarySchema { layer_start: layers.start, layer_end: layers.end, ..s.schema.clone() };
         let open = OpenSession {
@@ -752,6 +812,7 @@ mod tests {
             n_stages: 2,
             next: if next.is_some() { "next".into() } else { String::new() },
             max_positions: positions,
+            embed,
             ..Default::default()
         };
         let next = next.map(|n| ("next".to_string(), n.clone()));
@@ -840,6 +901,103 @@ mod tests {
             f = Forward { session_id: vec![1; 16], position: tok.position, tokens: vec![tok.token], sample: true, ..Default::default() };
         }
         out
+    }
+
+    fn embed(pooling: dgr_proto::Pooling) -> Option<dgr_proto::Embed> {
+        Some(dgr_proto::Embed { pooling: pooling as i32 })
+    }
+
+    /// The vector's bits, from the `Embedding` the inbox holds next (after any `Progress`).
+    fn embedding(inbox: &mut Inbox<Frame>) -> Vec<u32> {
+        loop {
+            match inbox.try_recv().unwrap().body.unwrap() {
+                Body::Progress(_) => continue,
+                Body::Embedding(e) => return e.values.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+                other => panic!("expected an embedding, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn an_embedding_has_the_same_bits_split_chunked_and_batched() {
+        use dgr_proto::Pooling::{Last, Mean, Model};
+        let mut s = scheduler(0..6, 128);
+        let prompt = [5, 6, 7, 8, 9];
+        let f = |id: u8, position: u64, tokens: &[u32], sample: bool| Forward {
+            session_id: vec![id; 16],
+            position,
+            tokens: tokens.to_vec(),
+            sample,
+            ..Default::default()
+        };
+        let (_, mut whole) = open_as(&mut s, 1, 0..6, 5, None, embed(Model));
+        forward(&mut s, f(1, 0, &prompt, true));
+        let want = embedding(&mut whole);
+        assert_eq!(want.len(), s.stage.config().hidden);
+        let norm: f64 = want.iter().map(|&b| (f32::from_bits(b) as f64).powi(2)).sum();
+        assert!((norm - 1.0).abs() < 1e-5, "|v|² = {norm}");
+        // Mean is the synthetic model's own pooling (it names none); last differs.
+        let (_, mut mean) = open_as(&mut s, 2, 0..6, 5, None, embed(Mean));
+        forward(&mut s, f(2, 0, &prompt, true));
+        assert_eq!(embedding(&mut mean), want);
+        let (_, mut last) = open_as(&mut s, 3, 0..6, 5, None, embed(Last));
+        forward(&mut s, f(3, 0, &prompt, true));
+        assert_ne!(embedding(&mut last), want);
+
+        // In two chunks: a Progress, then the same vector.
+        let (_, mut chunked) = open_as(&mut s, 4, 0..6, 5, None, embed(Model));
+        forward(&mut s, f(4, 0, &prompt[..2], false));
+        assert!(matches!(chunked.try_recv().unwrap().body.unwrap(), Body::Progress(_)));
+        forward(&mut s, f(4, 2, &prompt[2..], true));
+        assert_eq!(embedding(&mut chunked), want);
+
+        // Through [0,3) then [3,6).
+        let (hop, mut hop_inbox) = channel(8);
+        open_as(&mut s, 5, 0..3, 5, Some(&hop), embed(Model));
+        let (_, mut back) = open_as(&mut s, 6, 3..6, 5, None, embed(Model));
+        forward(&mut s, f(5, 0, &prompt, true));
+        let Body::Forward(rows) = hop_inbox.try_recv().unwrap().body.unwrap() else { panic!("expected hidden rows") };
+        forward(&mut s, Forward { session_id: vec![6; 16], ..rows });
+        assert_eq!(embedding(&mut back), want);
+
+        // In one forward with a generation's prompt: each gets what it gets alone.
+        let (_, mut solo) = open(&mut s, 7, 0..6, 8, None);
+        forward(&mut s, f(7, 0, &[9, 3, 4], true));
+        let alone = token(&mut solo);
+        let (_, mut generating) = open(&mut s, 8, 0..6, 8, None);
+        let (_, mut embedding_beside) = open_as(&mut s, 9, 0..6, 5, None, embed(Model));
+        let (reply, _) = channel(4);
+        for frame in [f(8, 0, &[9, 3, 4], true), f(9, 0, &prompt, true)] {
+            s.handle(Cmd::Forward { f: frame, recv_us: 0, at: Instant::now(), reply: reply.clone(), conn: 1, uses: ConnUse::default() });
+        }
+        s.step();
+        assert_eq!(s.metrics.last_batch_sessions.load(Relaxed), 2, "both prompts ran in one forward");
+        let beside = token(&mut generating);
+        assert_eq!((beside.token, beside.logprob.to_bits()), (alone.token, alone.logprob.to_bits()));
+        assert_eq!(embedding(&mut embedding_beside), want);
+        assert_eq!(s.metrics.embeddings.load(Relaxed), 6);
+
+        // An embedding takes nothing past its prompt.
+        let (reply, mut replies) = channel(4);
+        let more = f(1, 5, &[1], true);
+        s.handle(Cmd::Forward { f: more, recv_us: 0, at: Instant::now(), reply, conn: 1, uses: ConnUse::default() });
+        assert_eq!(refused(replies.try_recv().unwrap().body.unwrap()), ErrorKind::BadInput);
+    }
+
+    #[test]
+    fn embedding_opens_refuse_unknown_poolings_and_rank_models() {
+        let mut s = scheduler(0..6, 64);
+        for (layers, next) in [(0..6, None), (0..3, Some(&channel(1).0))] {
+            let bad = Some(dgr_proto::Embed { pooling: 9 });
+            assert_eq!(refused(open_as(&mut s, 1, layers, 8, next, bad).0), ErrorKind::BadInput);
+        }
+        // A rank-pooled model (a classifier) generates, but does not embed.
+        let mut w = SynthSpec { layers: 6, ..SynthSpec::default() }.writer().unwrap();
+        w.add_metadata("llama.pooling_type", dgr_gguf::Value::U32(4)).unwrap();
+        let mut rank = scheduler_on(w.to_bytes(), 0..6, 64);
+        assert_eq!(refused(open_as(&mut rank, 1, 0..6, 8, None, embed(dgr_proto::Pooling::Model)).0), ErrorKind::Unsupported);
+        assert!(matches!(open_as(&mut rank, 2, 0..6, 8, None, embed(dgr_proto::Pooling::Last)).0, Body::Opened(_)));
+        assert!(matches!(open(&mut rank, 3, 0..6, 8, None).0, Body::Opened(_)));
     }
 
     #[test]

@@ -547,6 +547,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             | Body::Error(_)
             | Body::Usage(_)
             | Body::Progress(_)
+            | Body::Embedding(_)
             | Body::Pong(_)
             | Body::Manifest(_)
             | Body::Chunk(_) => {
