@@ -1,6 +1,7 @@
 //! `dgr`: the command line over dgr's crates. Each subcommand lives in its own module.
 
 mod addr;
+mod embed;
 mod fetch;
 mod gateway;
 mod generate;
@@ -34,6 +35,10 @@ enum Command {
     Tokenize(tokenize::Args),
     /// Generate a completion of a prompt.
     Generate(generate::Args),
+    /// A text's embedding in one process: the final-normed hidden states pooled as the model's
+    /// `{arch}.pooling_type` says (mean when it says none or nothing: cls and last are the first
+    /// and last position), L2-normalised; prints {"embedding":[...], ...}.
+    Embed(embed::Args),
     /// Serve a layer range of a model as one stage of a route.
     Worker(worker::Args),
     /// Teacher-forced log-probabilities of a given continuation of a prompt.
@@ -67,7 +72,13 @@ fn main() {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Tokenize(_) | Command::Score(_) | Command::Inspect(_) | Command::Synth(_) | Command::Swarm(_) | Command::Usage(_)
+        Command::Tokenize(_)
+            | Command::Embed(_)
+            | Command::Score(_)
+            | Command::Inspect(_)
+            | Command::Synth(_)
+            | Command::Swarm(_)
+            | Command::Usage(_)
     ) {
         die_on_broken_pipe();
     }
@@ -75,6 +86,7 @@ fn main() {
         Command::Tokenize(a) => tokenize::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Score(a) => score::run(a),
+        Command::Embed(a) => embed::run(a),
         Command::Worker(a) => worker::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),

@@ -47,6 +47,10 @@ pub struct Args {
     /// tool calls in that family's format)
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// Write `{arch}.pooling_type` (llama.cpp's numbers: 0 none, 1 mean, 2 cls, 3 last, 4 rank),
+    /// how embeddings pool; absent: none
+    #[arg(long)]
+    pooling_type: Option<u32>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -95,6 +99,9 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(path) = &a.chat_template {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         w.add_metadata("tokenizer.chat_template", dgr_gguf::Value::String(text))?;
+    }
+    if let Some(n) = a.pooling_type {
+        w.add_metadata(&format!("{arch}.pooling_type"), dgr_gguf::Value::U32(n))?;
     }
     w.write_to_path(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
     let len = std::fs::metadata(&a.out).with_context(|| format!("reading {}", a.out.display()))?.len();

@@ -5,7 +5,8 @@ use crate::links::{Event, Link, Links};
 use crate::report::{quantile, Completion, FinishReason, SeamReport, StageReport, UsageReport};
 use crate::{DriveError, FailKind, Route, SharedConstraint};
 use dgr_proto::{
-    Body, BoundarySchema, Forward, Frame, Hop, OpenSession, Ping, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut, STAGE_UNKNOWN,
+    Body, BoundarySchema, Embed, Forward, Frame, Hop, OpenSession, Ping, Pooling, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut,
+    STAGE_UNKNOWN,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,6 +24,36 @@ pub struct GenRequest {
     pub hash_rows: bool,
     /// A grammar the tokens must follow: its mask goes to the last stage with every step.
     pub constraint: Option<SharedConstraint>,
+}
+
+/// A prompt to embed: its final hidden states pooled into one vector on the route's last stage.
+pub struct EmbedRequest {
+    pub prompt_tokens: Vec<u32>,
+    /// `Pooling::Model`: as the model's metadata says.
+    pub pooling: Pooling,
+    pub seam_dtype: SeamDtype,
+    /// A tracker's signed route and the session id it names; None on a ticketless route.
+    pub ticket: Option<(SignedTicket, [u8; 16])>,
+}
+
+impl EmbedRequest {
+    /// The session's request: the prompt and no tokens to generate.
+    pub(crate) fn session(&self) -> GenRequest {
+        GenRequest {
+            prompt_tokens: self.prompt_tokens.clone(),
+            max_tokens: 0,
+            sampling: Sampling::default(),
+            top_logprobs: 0,
+            seam_dtype: self.seam_dtype,
+            ticket: self.ticket.clone(),
+            hash_rows: false,
+            constraint: None,
+        }
+    }
+
+    pub(crate) fn embed(&self) -> Embed {
+        Embed { pooling: self.pooling as i32 }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -188,9 +219,27 @@ pub async fn generate_on(
     route: &Route,
     req: &GenRequest,
     opts: &DriveOptions,
+    on_token: impl FnMut(&TokenOut) -> Flow,
+) -> Result<Completion, DriveError> {
+    run_session(links, route, req, None, opts, on_token).await
+}
+
+/// Embeds `req`'s prompt along `route` over `links`: the completion's `embedding` holds the
+/// vector (no tokens). The prompt runs as any prefill does, chunked and batched by the workers.
+pub async fn embed_on(links: &Links, route: &Route, req: &EmbedRequest, opts: &DriveOptions) -> Result<Completion, DriveError> {
+    run_session(links, route, &req.session(), Some(req.embed()), opts, |_| Flow::Continue).await
+}
+
+/// One session along `route`: a generation, or with `embed` an embedding of the prompt.
+pub(crate) async fn run_session(
+    links: &Links,
+    route: &Route,
+    req: &GenRequest,
+    embed: Option<Embed>,
+    opts: &DriveOptions,
     mut on_token: impl FnMut(&TokenOut) -> Flow,
 ) -> Result<Completion, DriveError> {
-    if req.prompt_tokens.is_empty() || req.max_tokens == 0 {
+    if req.prompt_tokens.is_empty() || (req.max_tokens == 0 && embed.is_none()) {
         return Err(DriveError::new(FailKind::BadRequest, None, None, "need a non-empty prompt and max_tokens ≥ 1"));
     }
     let id = match &req.ticket {
@@ -233,7 +282,7 @@ pub async fn generate_on(
     drop(tx);
     let mut s = Session { route, id, links: linked, events };
     let mut generated = 0;
-    let mut result = drive(&mut s, req, opts, n, &mut generated, &mut on_token).await;
+    let mut result = drive(&mut s, req, embed, opts, n, &mut generated, &mut on_token).await;
     s.finish(!matches!(&result, Ok(c) if c.finish_reason != FinishReason::Cancelled)).await;
     match &mut result {
         Ok(c) => c.usage = s.usage(opts.connect_timeout).await,
@@ -253,6 +302,7 @@ const FAILED_USAGE_WAIT: Duration = Duration::from_millis(300);
 async fn drive(
     s: &mut Session<'_>,
     req: &GenRequest,
+    embed: Option<Embed>,
     opts: &DriveOptions,
     n: u32,
     generated: &mut usize,
@@ -280,6 +330,7 @@ async fn drive(
             max_positions,
             ticket: req.ticket.as_ref().map(|(t, _)| t.clone()),
             hash_rows: req.hash_rows,
+            embed,
         };
         s.send(i, Body::Open(open)).await?;
     }
@@ -289,6 +340,9 @@ async fn drive(
             (_, Body::Opened(_)) => opened += 1,
             (stage, _) => return Err(s.err(FailKind::Protocol, stage, "expected Opened")),
         }
+    }
+    if embed.is_some() {
+        return drive_embedding(s, req, opts).await;
     }
     let start = Instant::now();
     let mut out = Completion { finish_reason: FinishReason::Length, ..Default::default() };
@@ -341,6 +395,36 @@ async fn drive(
     }
     out.timings.decoded(decode_start, out.tokens.len().saturating_sub(1));
     report(s.route, &traces, &mut out);
+    Ok(out)
+}
+
+/// Sends the prompt of an open embedding session and waits for its vector, checked: the model's
+/// hidden size of finite values, one per prompt position pooled.
+async fn drive_embedding(s: &mut Session<'_>, req: &GenRequest, opts: &DriveOptions) -> Result<Completion, DriveError> {
+    let start = Instant::now();
+    let f = Forward { session_id: s.id.to_vec(), tokens: req.prompt_tokens.clone(), sample: true, ..Default::default() };
+    s.send(0, Body::Forward(f)).await?;
+    let (stage, e) = match s.next(opts.step_timeout, opts).await? {
+        (stage, Body::Embedding(e)) if e.session_id == s.id => (stage, e),
+        (stage, _) => return Err(s.err(FailKind::Protocol, stage, "unexpected frame while waiting for the embedding")),
+    };
+    let hidden = s.route.stages.last().map_or(0, |x| x.info.hidden as usize);
+    if e.values.len() != 4 * hidden || e.n_tokens != req.prompt_tokens.len() as u64 {
+        let msg = format!(
+            "an embedding of {} bytes over {} positions, not {hidden} floats over {}",
+            e.values.len(),
+            e.n_tokens,
+            req.prompt_tokens.len()
+        );
+        return Err(s.err(FailKind::Protocol, stage, msg));
+    }
+    let values: Vec<f32> = e.values.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err(s.err(FailKind::Protocol, stage, "an embedding holding a NaN or an infinity"));
+    }
+    let mut out = Completion { finish_reason: FinishReason::Stop, embedding: values, ..Default::default() };
+    out.timings.first_token(start, req.prompt_tokens.len());
+    report(s.route, &[e.trace], &mut out);
     Ok(out)
 }
 

@@ -19,10 +19,10 @@ pub mod tracker;
 mod trackers;
 
 pub use constraint::{Constraint, SharedConstraint};
-pub use driver::{generate, generate_on, DriveOptions, Flow, GenRequest};
+pub use driver::{embed_on, generate, generate_on, DriveOptions, EmbedRequest, Flow, GenRequest};
 pub use error::{DriveError, FailKind};
 pub use links::Links;
-pub use recover::{generate_recovering, Attempt, Recovered, Recovery, Ticketed};
+pub use recover::{embed_recovering, generate_recovering, Attempt, Recovered, Recovery, Ticketed};
 pub use report::{Completion, FinishReason, SeamReport, StageReport, Timings, UsageReport};
 pub use reporter::{ReportStats, UsageReporter};
 pub use route::{Route, StageEndpoint};

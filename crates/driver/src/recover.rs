@@ -4,8 +4,9 @@
 //! generated so far as a prefill on it, and goes on: the client's stream is the same token for
 //! token as without the fault.
 
-use crate::{generate_on, Completion, DriveError, DriveOptions, FailKind, Flow, GenRequest, Links, Route, UsageReport};
-use dgr_proto::{ErrorKind, SignedTicket, TokenOut};
+use crate::driver::run_session;
+use crate::{Completion, DriveError, DriveOptions, EmbedRequest, FailKind, Flow, GenRequest, Links, Route, UsageReport};
+use dgr_proto::{Embed, ErrorKind, SignedTicket, TokenOut};
 use serde::Serialize;
 use std::future::Future;
 use std::time::Instant;
@@ -27,8 +28,9 @@ pub struct Recovery {
     pub worker_id: Option<String>,
     /// Tokens already delivered when it failed (replayed as a prefill).
     pub at_token: usize,
-    /// From the failure's detection to the replacement route's first token; None while no
-    /// replacement has delivered one (it failed too, or the request ended first).
+    /// From the failure's detection to the replacement route's first token (an embedding's: its
+    /// vector); None while no replacement has delivered one (it failed too, or the request
+    /// ended first).
     pub stall_ms: Option<f64>,
     #[serde(skip)]
     detected: Instant,
@@ -65,6 +67,41 @@ pub async fn generate_recovering<F, Fut>(
     first: Ticketed,
     req: &GenRequest,
     opts: &DriveOptions,
+    on_token: impl FnMut(&TokenOut) -> Flow,
+    replan: F,
+    max_replays: usize,
+) -> Recovered
+where
+    F: FnMut(Vec<String>, u64, String) -> Fut,
+    Fut: Future<Output = Result<Ticketed, DriveError>>,
+{
+    recovering(links, first, req, None, opts, on_token, replan, max_replays).await
+}
+
+/// Embeds `req`'s prompt along `first`, recovering as a generation does: a failed stage's
+/// replacement route prefills the prompt again. The completion's `embedding` holds the vector.
+pub async fn embed_recovering<F, Fut>(
+    links: &Links,
+    first: Ticketed,
+    req: &EmbedRequest,
+    opts: &DriveOptions,
+    replan: F,
+    max_replays: usize,
+) -> Recovered
+where
+    F: FnMut(Vec<String>, u64, String) -> Fut,
+    Fut: Future<Output = Result<Ticketed, DriveError>>,
+{
+    recovering(links, first, &req.session(), Some(req.embed()), opts, |_| Flow::Continue, replan, max_replays).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn recovering<F, Fut>(
+    links: &Links,
+    first: Ticketed,
+    req: &GenRequest,
+    embed: Option<Embed>,
+    opts: &DriveOptions,
     mut on_token: impl FnMut(&TokenOut) -> Flow,
     mut replan: F,
     max_replays: usize,
@@ -95,7 +132,7 @@ where
             hash_rows: req.hash_rows,
             constraint: req.constraint.clone(),
         };
-        let result = generate_on(links, &route, &sub, opts, |t| {
+        let result = run_session(links, &route, &sub, embed, opts, |t| {
             let now = Instant::now();
             first_token.get_or_insert(now);
             if let Some(r) = recoveries.last_mut().filter(|r| r.stall_ms.is_none()) {
@@ -109,6 +146,10 @@ where
         .await;
         match result {
             Ok(c) => {
+                // An embedding delivers no token: its replacement's stall ends with its vector.
+                if let Some(r) = recoveries.last_mut().filter(|r| r.stall_ms.is_none() && embed.is_some()) {
+                    r.stall_ms = Some(r.detected.elapsed().as_secs_f64() * 1e3);
+                }
                 attempts.push(Attempt { route, session, usage: c.usage.clone() });
                 let decoded = merged.tokens.len().saturating_sub(1);
                 let (tokens, logprobs, top) = (merged.tokens, merged.logprobs, merged.top_logprobs);
@@ -124,7 +165,8 @@ where
             }
             Err(mut e) => {
                 attempts.push(Attempt { route: route.clone(), session, usage: std::mem::take(&mut e.usage) });
-                let done = merged.tokens.len() >= req.max_tokens;
+                // A generation with all its tokens is done; an embedding has none to wait for.
+                let done = embed.is_none() && merged.tokens.len() >= req.max_tokens;
                 if !recoverable(&e) || recoveries.len() >= max_replays || done {
                     e.generated = merged.tokens.len();
                     return Recovered { result: Err(e), attempts, recoveries };

@@ -96,6 +96,9 @@ pub struct Completion {
     pub stages: Vec<StageReport>,
     /// Per stage, in route order; a stage that did not report in time is missing.
     pub usage: Vec<UsageReport>,
+    /// An embedding session's vector (L2-normalised, the model's hidden size); empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub embedding: Vec<f32>,
 }
 
 /// The q-quantile (0..=1) of samples, nearest rank.
