@@ -1,5 +1,5 @@
 //! The HTTP routes: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions, streamed
-//! as server-sent events or not), /health, /metrics, and the dashboard.
+//! as server-sent events or not, /v1/embeddings), /health, /metrics, and the dashboard.
 
 use crate::api_error::ApiError;
 use crate::openai::{Body as ReqBody, Params, Prompt};
@@ -28,6 +28,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(embeddings))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such route").code("not_found") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "this route does not take that method")
@@ -87,6 +88,35 @@ async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
 
 async fn chat_completions(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     serve(gw, req, true).await
+}
+
+async fn embeddings(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let headers = req.headers().clone();
+    let result = match body(&gw, req).await {
+        Ok(b) => match crate::embeddings::prepare(&gw, &b) {
+            Ok(e) => crate::embeddings::run(&gw, e, &api_key(&headers)).await,
+            Err(e) => Err(e),
+        },
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(json) => Json(json).into_response(),
+        Err(e) => {
+            gw.metrics.error(e.metric_kind());
+            e.into_response()
+        }
+    }
+}
+
+/// The request's bearer token (empty when it sends none).
+fn api_key(headers: &HeaderMap) -> String {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+        .trim()
+        .to_string()
 }
 
 /// A client has this long to send a request's body.
@@ -253,13 +283,7 @@ fn prepare(gw: &Gateway, headers: &HeaderMap, bytes: &[u8], chat: bool) -> Resul
         let _ = getrandom::fill(&mut b);
         u64::from_le_bytes(b)
     });
-    let api_key = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("")
-        .trim()
-        .to_string();
+    let api_key = api_key(headers);
     let job = Job {
         model,
         prompt,

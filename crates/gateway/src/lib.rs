@@ -6,6 +6,7 @@ mod admission;
 mod api;
 mod api_error;
 mod dashboard;
+mod embeddings;
 mod history;
 mod metrics;
 mod openai;

@@ -23,6 +23,8 @@ pub struct HttpMetrics {
     checks: Mutex<BTreeMap<String, u64>>,
     /// Tokens and latencies as they happen, for the dashboard's history.
     pub feed: crate::history::Feed,
+    /// Embedding requests, inputs and tokens by model: (requests, failed, inputs, tokens).
+    embeddings: Mutex<BTreeMap<String, [u64; 4]>>,
 }
 
 impl HttpMetrics {
@@ -47,6 +49,16 @@ impl HttpMetrics {
         }
     }
 
+    /// A finished `/v1/embeddings` request of `inputs` inputs and `tokens` tokens in all.
+    pub fn embedded(&self, model: &str, inputs: usize, tokens: usize, ok: bool) {
+        let mut e = self.embeddings.lock().unwrap_or_else(|p| p.into_inner());
+        let row = e.entry(model.to_string()).or_default();
+        row[0] += 1;
+        row[1] += !ok as u64;
+        row[2] += inputs as u64;
+        row[3] += tokens as u64;
+    }
+
     pub fn tallies(&self) -> Vec<((String, String), Tally)> {
         self.tallies.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
@@ -62,6 +74,19 @@ impl HttpMetrics {
             let mut family = t.family(name, help, Counter);
             for ((model, key), tally) in &tallies {
                 family.sample(&[("model", model), ("key", key)], f(tally));
+            }
+        }
+        let embeddings: Vec<(String, [u64; 4])> =
+            self.embeddings.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| (k.clone(), *v)).collect();
+        for (i, name, help) in [
+            (0, "dgr_gateway_embedding_requests_total", "Embedding requests finished, by model."),
+            (1, "dgr_gateway_embedding_failures_total", "Embedding requests that failed, by model."),
+            (2, "dgr_gateway_embedding_inputs_total", "Inputs of embedding requests, by model."),
+            (3, "dgr_gateway_embedding_tokens_total", "Tokens of embedding requests' inputs, by model."),
+        ] {
+            let mut family = t.family(name, help, Counter);
+            for (model, row) in &embeddings {
+                family.sample(&[("model", model)], row[i]);
             }
         }
         t.histogram("dgr_gateway_ttft_seconds", "Time to first token.", &self.ttft);
@@ -121,6 +146,7 @@ mod tests {
         m.finished("smol", "k\"1", 9, 4, None);
         m.finished("smol", "k\"1", 3, 0, Some("route_failed"));
         m.check("agree");
+        m.embedded("smol", 32, 160, true);
         m.ttft.observe(0.03);
         let text = m.render(2, 1);
         for line in [
@@ -138,6 +164,10 @@ mod tests {
             "dgr_gateway_inter_token_seconds_count 0",
             "dgr_gateway_errors_total{kind=\"route_failed\"} 1",
             "dgr_gateway_spot_checks_total{result=\"agree\"} 1",
+            "dgr_gateway_embedding_requests_total{model=\"smol\"} 1",
+            "dgr_gateway_embedding_failures_total{model=\"smol\"} 0",
+            "dgr_gateway_embedding_inputs_total{model=\"smol\"} 32",
+            "dgr_gateway_embedding_tokens_total{model=\"smol\"} 160",
             "# HELP dgr_gateway_queue_depth Requests waiting for admission.\n# TYPE dgr_gateway_queue_depth gauge\ndgr_gateway_queue_depth 2",
             "# HELP dgr_gateway_running Generations running.\n# TYPE dgr_gateway_running gauge\ndgr_gateway_running 1\n",
         ] {

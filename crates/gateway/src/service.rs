@@ -9,10 +9,12 @@ use crate::text::TextOut;
 use crate::verify;
 use axum::http::StatusCode;
 use dgr_driver::{
-    generate_recovering, tracker, DriveError, DriveOptions, FinishReason, Flow, GenRequest, Links, SharedConstraint, Ticketed, Trackers,
-    UsageReporter,
+    embed_recovering, generate_recovering, tracker, DriveError, DriveOptions, EmbedRequest, FailKind, FinishReason, Flow, GenRequest,
+    Links, Recovered, SharedConstraint, Ticketed, Trackers, UsageReporter,
 };
-use dgr_proto::{RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError};
+use dgr_proto::{
+    ErrorKind, Pooling, RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError,
+};
 use dgr_tokenizer::Tokenizer;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -82,6 +84,8 @@ pub struct ServedModel {
     pub model_id: String,
     pub tokenizer: Tokenizer,
     pub context: usize,
+    /// Values per embedding: the model's hidden size.
+    pub hidden: usize,
     /// Its grammar compiler, over its vocabulary.
     pub grammars: Grammars,
 }
@@ -149,10 +153,11 @@ impl Gateway {
             let tokenizer = Tokenizer::for_model(path, &g).map_err(|e| model_error(path, e))?;
             let arch = g.get_str("general.architecture").map_err(|e| model_error(path, e))?.to_string();
             let context = g.get_u64(&format!("{arch}.context_length")).unwrap_or(2048).clamp(1, 1 << 24) as usize;
+            let hidden = g.get_u64(&format!("{arch}.embedding_length")).map_err(|e| model_error(path, e))?.min(1 << 20) as usize;
             let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model_id.clone());
             let name = name.strip_suffix(".gguf").map(String::from).unwrap_or(name);
             let grammars = Grammars::new(&tokenizer);
-            models.push(Arc::new(ServedModel { name, model_id, tokenizer, context, grammars }));
+            models.push(Arc::new(ServedModel { name, model_id, tokenizer, context, hidden, grammars }));
         }
         Ok(Gateway {
             admission: Admission::new(cfg.max_running, cfg.queue, cfg.queue_timeout),
@@ -312,38 +317,10 @@ impl Gateway {
             Flow::Continue
         };
         // A failed stage is replaced by a route that avoids it; the session's tokens replay.
-        let replan = |exclude: Vec<String>, budget: u64, engine: String| {
-            let ask = RouteRequest {
-                model_id: job.model.model_id.clone(),
-                engine,
-                budget_tokens: budget,
-                api_key: job.api_key.clone(),
-                request_id: request_id.clone(),
-                exclude,
-                ..Default::default()
-            };
-            async move {
-                let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(tracker::tracker_error)?;
-                tracker::routed(answer).map(|(r, t)| (r, Some(t)))
-            }
-        };
+        let replan = |exclude, budget, engine| self.reroute(&job.model.model_id, &job.api_key, &request_id, exclude, budget, engine);
         let rec = generate_recovering(&self.links, first, &req, &self.cfg.drive, on_token, replan, MAX_REPLAYS).await;
+        self.log_recoveries(&request_id, &rec);
         let result = rec.result;
-        for (i, r) in rec.recoveries.iter().enumerate() {
-            let stage = r.stage.map_or("unknown".to_string(), |s| s.to_string());
-            let at = format!("{} at stage {stage} ({})", r.kind, r.addr.as_deref().unwrap_or("address unknown"));
-            // "Recovered" only for the fault whose replay completed the request.
-            match r.stall_ms {
-                Some(stall) if result.is_ok() && i + 1 == rec.recoveries.len() => {
-                    eprintln!("dgr gateway: request {request_id} recovered from {at} after {} tokens; stall {stall:.0} ms", r.at_token);
-                    self.metrics.error(&format!("recovered_{}", r.kind));
-                }
-                _ => eprintln!(
-                    "dgr gateway: request {request_id} replayed after {at} after {} tokens; the replay did not complete",
-                    r.at_token
-                ),
-            }
-        }
         let usage = tracker::request_usage(&request_id, &job.api_key, &job.model.model_id, job.prompt.len(), &result, &rec.attempts);
         let (end, completion): (Result<FinishReason, ApiError>, usize) = match &result {
             Ok(c) if past_deadline => {
@@ -382,6 +359,80 @@ impl Gateway {
         }
         // Stored by some tracker eventually, however long they are all down.
         self.reporter().submit(usage).await;
+    }
+}
+
+impl Gateway {
+    /// A route for a request's replay that avoids the workers in `exclude`, on `engine`.
+    async fn reroute(
+        &self,
+        model_id: &str,
+        api_key: &str,
+        request_id: &str,
+        exclude: Vec<String>,
+        budget: u64,
+        engine: String,
+    ) -> Result<Ticketed, DriveError> {
+        let ask = RouteRequest {
+            model_id: model_id.into(),
+            engine,
+            budget_tokens: budget,
+            api_key: api_key.into(),
+            request_id: request_id.into(),
+            exclude,
+            ..Default::default()
+        };
+        let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(tracker::tracker_error)?;
+        tracker::routed(answer).map(|(r, t)| (r, Some(t)))
+    }
+
+    fn log_recoveries(&self, request_id: &str, rec: &Recovered) {
+        for (i, r) in rec.recoveries.iter().enumerate() {
+            let stage = r.stage.map_or("unknown".to_string(), |s| s.to_string());
+            let at = format!("{} at stage {stage} ({})", r.kind, r.addr.as_deref().unwrap_or("address unknown"));
+            // "Recovered" only for the fault whose replay completed the request.
+            match r.stall_ms {
+                Some(stall) if rec.result.is_ok() && i + 1 == rec.recoveries.len() => {
+                    eprintln!("dgr gateway: request {request_id} recovered from {at} after {} tokens; stall {stall:.0} ms", r.at_token);
+                    self.metrics.error(&format!("recovered_{}", r.kind));
+                }
+                _ => eprintln!(
+                    "dgr gateway: request {request_id} replayed after {at} after {} tokens; the replay did not complete",
+                    r.at_token
+                ),
+            }
+        }
+    }
+
+    /// One input's embedding: admitted, routed (its prompt tokens reserved against the key),
+    /// computed on the route (recovering from a failed stage by prefilling again elsewhere) and
+    /// billed. Returns the vector and the key's name.
+    pub async fn embed(&self, model: &ServedModel, prompt: Vec<u32>, api_key: &str) -> Result<(Vec<f32>, String), ApiError> {
+        let _permit = self.admission.enter().await?;
+        let request_id = tracker::new_request_id();
+        let ask = RouteRequest {
+            model_id: model.model_id.clone(),
+            budget_tokens: prompt.len() as u64,
+            api_key: api_key.into(),
+            request_id: request_id.clone(),
+            ..Default::default()
+        };
+        let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(refusal)?;
+        let key = match &answer {
+            TrackerBody::RouteReply(r) if !r.key_name.is_empty() => r.key_name.clone(),
+            _ => "anonymous".into(),
+        };
+        let (route, ticket) = tracker::routed(answer).map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", e.message))?;
+        let req = EmbedRequest { prompt_tokens: prompt, pooling: Pooling::Model, seam_dtype: SeamDtype::F32, ticket: None };
+        let replan = |exclude, budget, engine| self.reroute(&model.model_id, api_key, &request_id, exclude, budget, engine);
+        let rec = embed_recovering(&self.links, (route, Some(ticket)), &req, &self.cfg.drive, replan, MAX_REPLAYS).await;
+        self.log_recoveries(&request_id, &rec);
+        let usage = tracker::request_usage(&request_id, api_key, &model.model_id, req.prompt_tokens.len(), &rec.result, &rec.attempts);
+        self.reporter().submit(usage).await;
+        match rec.result {
+            Ok(c) => Ok((c.embedding, key)),
+            Err(e) => Err(drive_error(&e)),
+        }
     }
 }
 
@@ -424,6 +475,9 @@ fn refusal(e: TrackerCallError) -> ApiError {
 
 /// A failed route as an error naming the stage.
 fn drive_error(e: &DriveError) -> ApiError {
+    if e.kind == FailKind::Worker(ErrorKind::Unsupported) {
+        return ApiError::bad_request(e.message.clone()).code("unsupported");
+    }
     let status = if e.kind.is_overloaded() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::BAD_GATEWAY };
     let at = match (e.stage, &e.addr) {
         (Some(s), Some(a)) => format!(" at stage {s} ({a})"),
