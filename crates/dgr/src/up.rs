@@ -39,6 +39,9 @@ pub struct Args {
     limits: LimitArgs,
     #[command(flatten)]
     plaintext: crate::plaintext::PlaintextArg,
+    /// Each worker's prefix cache in MiB (0: off) [default: the worker's, a quarter of its KV budget]
+    #[arg(long)]
+    prefix_cache_mb: Option<usize>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -68,6 +71,9 @@ pub fn run(a: Args) -> Result<()> {
     let mut flags = tracker.join_flags();
     flags.extend(numerics);
     flags.extend(["--micro-batches".to_string(), micro_batches.to_string()]);
+    if let Some(mb) = a.prefix_cache_mb {
+        flags.extend(["--prefix-cache-mb".to_string(), mb.to_string()]);
+    }
     a.plaintext.apply("up");
     if a.plaintext.insecure_plaintext {
         flags.push("--insecure-plaintext".into());

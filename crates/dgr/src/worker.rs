@@ -25,6 +25,12 @@ pub struct Args {
     /// KV positions held across all sessions (each session reserves prompt + max tokens)
     #[arg(long, default_value_t = 1 << 16)]
     kv_tokens: usize,
+    /// MiB of KV blocks the prefix cache keeps for later prompts that start alike (0: off)
+    /// [default: a quarter of the bytes --kv-tokens positions take on this stage: sessions
+    /// reserve their whole context but touch only what they use, so this rarely meets their
+    /// memory, and it still holds a long system prompt many times over]
+    #[arg(long)]
+    prefix_cache_mb: Option<usize>,
     /// Seconds without traffic after which a session is freed
     #[arg(long, default_value_t = 120.0)]
     idle_timeout: f64,
@@ -143,6 +149,7 @@ pub fn run(a: Args) -> Result<()> {
     cfg.numerics = a.numerics.numerics;
     cfg.max_sessions = a.max_sessions.max(1);
     cfg.kv_budget_tokens = a.kv_tokens.max(1);
+    cfg.prefix_cache_bytes = a.prefix_cache_mb.map(|mb| mb << 20);
     cfg.idle_timeout = secs(a.idle_timeout, "idle-timeout")?;
     cfg.drain_timeout = secs(a.drain_timeout, "drain-timeout")?;
     cfg.max_connections = a.max_connections.max(1);

@@ -142,7 +142,7 @@ impl Raw {
 
     fn expect_opened(&mut self, id: &[u8]) {
         match self.recv() {
-            Frame { body: Some(Body::Opened(SessionRef { session_id })) } => assert_eq!(session_id, id),
+            Frame { body: Some(Body::Opened(SessionRef { session_id, .. })) } => assert_eq!(session_id, id),
             f => panic!("a correct Open was answered with {f:?}"),
         }
     }
@@ -359,7 +359,7 @@ fn silent_and_idle_connections_are_closed_but_never_under_a_session() {
         Frame { body: Some(Body::Token(t)) } => assert_eq!(t.session_id, id),
         f => panic!("(c) the quiet session's rows: expected a token, got {f:?}"),
     }
-    held.send(Body::Close(SessionRef { session_id: id }));
+    held.send(Body::Close(SessionRef { session_id: id, ..Default::default() }));
     assert!(matches!(held.recv().body, Some(Body::Usage(_))), "(c) Close is answered with Usage");
     let t = closed_within(&mut held.s, Duration::from_secs(4)).expect("(c) still open 4 s after its session closed");
     println!("(c) a connection quiet for 2.5 s under a session stayed open; after Close it closed in {t:?}");
@@ -467,7 +467,7 @@ fn a_next_stage_that_blackholes_its_syns_delays_only_the_opens_that_go_there() {
         let took = t.elapsed();
         println!("connection {i}: an open to the live next stage was answered in {took:?} beside ones to a blackholed and a silent one");
         assert!(took < Duration::from_secs(2), "connection {i}: an open to a live next stage waited {took:?} on a stuck one");
-        c.send(Body::Close(SessionRef { session_id: id }));
+        c.send(Body::Close(SessionRef { session_id: id, ..Default::default() }));
     }
     // Every stuck open is refused, naming the next stage, at its dial's deadline.
     for (i, c) in conns.iter_mut().enumerate() {
@@ -489,5 +489,5 @@ fn a_next_stage_that_blackholes_its_syns_delays_only_the_opens_that_go_there() {
         Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
         r => panic!("an open to the address whose dial just failed was answered at once ({r:?}): the failure was cached"),
     }
-    a.send(Body::Cancel(SessionRef { session_id: again }));
+    a.send(Body::Cancel(SessionRef { session_id: again, ..Default::default() }));
 }

@@ -116,6 +116,7 @@ impl Raw {
             ticket: None,
             hash_rows: false,
             embed: None,
+            prefix_blocks: Vec::new(),
         }
     }
 

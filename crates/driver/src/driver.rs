@@ -6,7 +6,7 @@ use crate::report::{quantile, Completion, FinishReason, SeamReport, StageReport,
 use crate::{DriveError, FailKind, Route, SharedConstraint};
 use dgr_proto::{
     Body, BoundarySchema, Embed, Forward, Frame, Hop, OpenSession, Ping, Pooling, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut,
-    STAGE_UNKNOWN,
+    PREFIX_BLOCK, STAGE_UNKNOWN,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -172,9 +172,11 @@ impl Session<'_> {
         }
     }
 
-    /// Tells every stage to free the session (best effort: a dead stage frees it by dying).
-    async fn finish(&mut self, cancel: bool) {
-        let r = SessionRef { session_id: self.id.to_vec() };
+    /// Tells every stage to free the session (best effort: a dead stage frees it by dying); a
+    /// close names the blocks of `sequence` (prompt and generated tokens) for the stages to cache.
+    async fn finish(&mut self, cancel: bool, sequence: &[u32]) {
+        let prefix_blocks = if cancel { Vec::new() } else { dgr_proto::prefix_chain_bytes(sequence) };
+        let r = SessionRef { session_id: self.id.to_vec(), prefix_blocks, ..Default::default() };
         for l in &self.links {
             let body = if cancel { Body::Cancel(r.clone()) } else { Body::Close(r.clone()) };
             let _ = l.send(&Frame::new(body)).await;
@@ -283,7 +285,11 @@ pub(crate) async fn run_session(
     let mut s = Session { route, id, links: linked, events };
     let mut generated = 0;
     let mut result = drive(&mut s, req, embed, opts, n, &mut generated, &mut on_token).await;
-    s.finish(!matches!(&result, Ok(c) if c.finish_reason != FinishReason::Cancelled)).await;
+    let sequence: Vec<u32> = match &result {
+        Ok(c) if embed.is_none() => req.prompt_tokens.iter().chain(&c.tokens).copied().collect(),
+        _ => Vec::new(),
+    };
+    s.finish(!matches!(&result, Ok(c) if c.finish_reason != FinishReason::Cancelled), &sequence).await;
     match &mut result {
         Ok(c) => c.usage = s.usage(opts.connect_timeout).await,
         // A ledger wants what the surviving stages computed; they answer at once or never.
@@ -309,6 +315,8 @@ async fn drive(
     on_token: &mut impl FnMut(&TokenOut) -> Flow,
 ) -> Result<Completion, DriveError> {
     let max_positions = (req.prompt_tokens.len() + req.max_tokens) as u64;
+    // An embedding pools every prompt row, so it computes them all: it names no prefix.
+    let prefix_blocks = if embed.is_some() { Vec::new() } else { dgr_proto::prefix_chain_bytes(&req.prompt_tokens) };
     for i in 0..n {
         let info = &s.route.stages[i as usize].info;
         let open = OpenSession {
@@ -331,13 +339,20 @@ async fn drive(
             ticket: req.ticket.as_ref().map(|(t, _)| t.clone()),
             hash_rows: req.hash_rows,
             embed,
+            prefix_blocks: prefix_blocks.clone(),
         };
         s.send(i, Body::Open(open)).await?;
     }
+    // The prefill starts past the blocks every stage holds, leaving at least one prompt token
+    // to compute (its row gives the first token's logits).
+    let mut cached = (req.prompt_tokens.len() - 1) / PREFIX_BLOCK;
     let mut opened = 0;
     while opened < n {
         match s.next(opts.connect_timeout, opts).await? {
-            (_, Body::Opened(_)) => opened += 1,
+            (_, Body::Opened(r)) => {
+                cached = cached.min(r.cached_blocks as usize);
+                opened += 1;
+            }
             (stage, _) => return Err(s.err(FailKind::Protocol, stage, "expected Opened")),
         }
     }
@@ -345,10 +360,11 @@ async fn drive(
         return drive_embedding(s, req, opts).await;
     }
     let start = Instant::now();
-    let mut out = Completion { finish_reason: FinishReason::Length, ..Default::default() };
+    let cached_tokens = cached * PREFIX_BLOCK;
+    let mut out = Completion { finish_reason: FinishReason::Length, cached_tokens, ..Default::default() };
     let mut traces: Vec<Vec<Hop>> = Vec::new();
-    let mut position = 0u64;
-    let mut input = req.prompt_tokens.clone();
+    let mut position = cached_tokens as u64;
+    let mut input = req.prompt_tokens[cached_tokens..].to_vec();
     let mut decode_start = start;
     loop {
         let allowed = match constrain(req, |c| c.allowed())? {

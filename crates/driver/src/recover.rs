@@ -153,7 +153,9 @@ where
                 attempts.push(Attempt { route, session, usage: c.usage.clone() });
                 let decoded = merged.tokens.len().saturating_sub(1);
                 let (tokens, logprobs, top) = (merged.tokens, merged.logprobs, merged.top_logprobs);
-                let mut out = Completion { tokens, logprobs, top_logprobs: top, ..c };
+                // A replay's prompt holds the tokens generated so far: only the request's own count.
+                let cached_tokens = c.cached_tokens.min(req.prompt_tokens.len());
+                let mut out = Completion { tokens, logprobs, top_logprobs: top, cached_tokens, ..c };
                 if let Some(ft) = first_token {
                     out.timings.first_token(started, req.prompt_tokens.len());
                     out.timings.ttft_ms = (ft - started).as_secs_f64() * 1e3;

@@ -99,6 +99,8 @@ pub struct Completion {
     /// An embedding session's vector (L2-normalised, the model's hidden size); empty otherwise.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub embedding: Vec<f32>,
+    /// Prompt tokens every stage attached from its prefix cache instead of computing.
+    pub cached_tokens: usize,
 }
 
 /// The q-quantile (0..=1) of samples, nearest rank.

@@ -16,6 +16,14 @@ pub trait SeqState: Send {
     fn layers(&self) -> Range<usize>;
     /// Memory held for the cached positions.
     fn bytes(&self) -> usize;
+    /// Whether positions can be copied out and in as blocks (a prefix cache's): false while a
+    /// layer keeps only a window of them.
+    fn blockable(&self) -> bool;
+    /// A copy of positions `at..at + n` of every layer, or None when they are not all held.
+    fn read_block(&self, at: usize, n: usize) -> Option<Vec<f32>>;
+    /// Appends `n` positions copied by `read_block` from a state over the same layers: the
+    /// sequence then computes on exactly as if it had computed them itself.
+    fn write_block(&mut self, n: usize, block: &[f32]) -> Result<(), EngineError>;
 }
 
 /// One stage's layers of a model, computed batched.
@@ -50,6 +58,15 @@ impl SeqState for crate::KvCache {
     }
     fn bytes(&self) -> usize {
         crate::KvCache::bytes(self)
+    }
+    fn blockable(&self) -> bool {
+        crate::KvCache::blockable(self)
+    }
+    fn read_block(&self, at: usize, n: usize) -> Option<Vec<f32>> {
+        crate::KvCache::read_block(self, at, n)
+    }
+    fn write_block(&mut self, n: usize, block: &[f32]) -> Result<(), EngineError> {
+        crate::KvCache::write_block(self, n, block)
     }
 }
 

@@ -63,6 +63,60 @@ impl KvCache {
         2 * positions * self.kv_dim * std::mem::size_of::<f32>()
     }
 
+    /// Whether its positions can be copied out and in as blocks (`read_block`, `write_block`):
+    /// not while a layer keeps only a sliding window, whose older positions are gone.
+    pub fn blockable(&self) -> bool {
+        self.window.is_none()
+    }
+
+    /// Floats in a block of `n` positions: keys then values of every layer, a row per position.
+    pub fn block_len(&self, n: usize) -> usize {
+        2 * self.k.len() * n * self.kv_dim
+    }
+
+    /// A copy of positions `at..at + n` of every layer (keys untransposed), or None when they
+    /// are not all held or the cache is not `blockable`.
+    pub fn read_block(&self, at: usize, n: usize) -> Option<Vec<f32>> {
+        if !self.blockable() || at + n > self.len {
+            return None;
+        }
+        let d = self.kv_dim;
+        let mut out = Vec::with_capacity(self.block_len(n));
+        for li in 0..self.k.len() {
+            let kt = &self.k[li];
+            for p in at..at + n {
+                out.extend((0..d).map(|c| kt[c * self.capacity + p]));
+            }
+            out.extend_from_slice(&self.v[li][at * d..(at + n) * d]);
+        }
+        Some(out)
+    }
+
+    /// Appends `n` positions copied by `read_block` from a cache over the same layers, as if
+    /// they had been computed here: the same bits in the same places.
+    pub fn write_block(&mut self, n: usize, block: &[f32]) -> Result<(), crate::EngineError> {
+        if !self.blockable() {
+            return Err(crate::EngineError::BadInput("a sliding-window cache takes no copied blocks".into()));
+        }
+        if block.len() != self.block_len(n) {
+            return Err(crate::EngineError::BadInput(format!(
+                "a block of {} floats for {n} positions (want {})",
+                block.len(),
+                self.block_len(n)
+            )));
+        }
+        if self.len + n > self.capacity {
+            return Err(crate::EngineError::ContextFull { needed: self.len + n, capacity: self.capacity });
+        }
+        let d = self.kv_dim;
+        for (li, layer) in block.chunks_exact(2 * n * d).enumerate() {
+            let (keys, values) = layer.split_at(n * d);
+            self.append(li, keys, values);
+        }
+        self.len += n;
+        Ok(())
+    }
+
     /// Layer `li`'s first held position and its slots per key row.
     pub(crate) fn span(&self, li: usize) -> (usize, usize) {
         match &self.window {
@@ -154,6 +208,57 @@ mod tests {
         let keys = kv.k[li][..kv.len - start].to_vec();
         assert_eq!(keys, kv.v[li]);
         keys
+    }
+
+    #[test]
+    fn a_block_read_out_and_written_into_a_fresh_cache_is_the_same_bits() {
+        let layers = 2;
+        let mut a = KvCache {
+            k: vec![vec![0.0; 3 * 8]; layers],
+            v: vec![Vec::new(); layers],
+            len: 0,
+            capacity: 8,
+            kv_dim: 3,
+            stage_id: 0,
+            layers: 0..layers,
+            windowed: vec![false; layers],
+            window: None,
+        };
+        for p in 0..6 {
+            for li in 0..layers {
+                let row: Vec<f32> = (0..3).map(|c| (100 * li + 10 * p + c) as f32).collect();
+                a.append(li, &row, &row.iter().map(|x| -x).collect::<Vec<_>>());
+            }
+            a.len += 1;
+        }
+        let mut b = KvCache { k: vec![vec![0.0; 3 * 8]; layers], v: vec![Vec::new(); layers], len: 0, ..a.clone_shape() };
+        b.write_block(4, &a.read_block(0, 4).unwrap()).unwrap();
+        assert_eq!(b.read_block(0, 4), a.read_block(0, 4));
+        assert!(b.write_block(2, &[0.0; 5]).is_err(), "a block of the wrong size");
+        assert!(a.read_block(4, 4).is_none(), "positions not held");
+        for li in 0..layers {
+            assert_eq!(b.v[li], a.v[li][..12]);
+            for c in 0..3 {
+                assert_eq!(b.k[li][c * 8..c * 8 + 4], a.k[li][c * 8..c * 8 + 4]);
+            }
+        }
+        assert!(cache(4, 64).read_block(0, 0).is_none() && !cache(4, 64).blockable(), "windowed caches are not copied");
+    }
+
+    impl KvCache {
+        fn clone_shape(&self) -> KvCache {
+            KvCache {
+                k: Vec::new(),
+                v: Vec::new(),
+                len: 0,
+                capacity: self.capacity,
+                kv_dim: self.kv_dim,
+                stage_id: self.stage_id,
+                layers: self.layers.clone(),
+                windowed: self.windowed.clone(),
+                window: None,
+            }
+        }
     }
 
     #[test]

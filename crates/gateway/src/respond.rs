@@ -31,8 +31,10 @@ fn new_id(chat: bool) -> String {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+/// OpenAI's usage object; `cached` prompt tokens came from the workers' prefix caches.
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": { "cached_tokens": cached } })
 }
 
 /// A sampled token, its logprob, and the most likely alternatives with theirs.
@@ -100,19 +102,19 @@ fn finish(reason: FinishReason) -> &'static str {
 pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
     let mut text = String::new();
     let mut lp = Logprobs { shape: &shape, tokens: Vec::new() };
-    let (reason, completion) = loop {
+    let (reason, completion, cached) = loop {
         match rx.recv().await {
             Some(Piece::Token { id, text: t, logprob, top }) => {
                 text.push_str(&t);
                 lp.tokens.push((id, logprob, top));
             }
-            Some(Piece::Done { text: tail, end, completion_tokens, .. }) => {
+            Some(Piece::Done { text: tail, end, completion_tokens, cached_tokens, .. }) => {
                 let reason = match end {
                     Ok(r) => r,
                     Err(e) => return e.into_response(),
                 };
                 text.push_str(&tail);
-                break (reason, completion_tokens);
+                break (reason, completion_tokens, cached_tokens);
             }
             None => return (StatusCode::INTERNAL_SERVER_ERROR, "the generation ended without a result").into_response(),
         }
@@ -136,7 +138,7 @@ pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
         "created": shape.created,
         "model": shape.model.name,
         "choices": [choice],
-        "usage": usage(shape.prompt_tokens, completion),
+        "usage": usage(shape.prompt_tokens, completion, cached),
     }))
     .into_response()
 }
@@ -202,7 +204,7 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
                         out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
                     }
                 }
-                Some(Piece::Done { text, end, prompt_tokens, completion_tokens }) => {
+                Some(Piece::Done { text, end, prompt_tokens, completion_tokens, cached_tokens }) => {
                     st.done = true;
                     match end {
                         Err(e) => out.extend_from_slice(&event(&e.body())),
@@ -234,7 +236,7 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
                             // always sends it, so every stream ends with its usage.
                             let mut u = (st.chunk)(&st.shape, Value::Null);
                             u["choices"] = json!([]);
-                            u["usage"] = usage(prompt_tokens, completion_tokens);
+                            u["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens);
                             out.extend_from_slice(&event(&u));
                         }
                     }

@@ -134,6 +134,8 @@ pub enum Piece {
         end: Result<FinishReason, ApiError>,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Of the prompt's tokens, those the route's prefix caches held.
+        cached_tokens: usize,
     },
 }
 
@@ -345,7 +347,8 @@ impl Gateway {
         };
         self.metrics.finished(&job.model.name, &key, job.prompt.len(), completion, end.as_ref().err().map(|e| e.metric_kind()));
         let tail = if stopped_by_text { String::new() } else { text.finish() };
-        let _ = tx.send(Piece::Done { text: tail, end, prompt_tokens: job.prompt.len(), completion_tokens: completion });
+        let cached_tokens = result.as_ref().map_or(0, |c| c.cached_tokens);
+        let _ = tx.send(Piece::Done { text: tail, end, prompt_tokens: job.prompt.len(), completion_tokens: completion, cached_tokens });
         if let (true, Ok(c), [attempt]) = (check, &result, rec.attempts.as_slice()) {
             let sample = verify::Sample {
                 route: attempt.route.clone(),

@@ -11,6 +11,7 @@ mod client;
 mod codec;
 mod messages;
 mod net;
+mod prefix;
 mod seam;
 mod secure;
 mod ticket;
@@ -23,6 +24,7 @@ pub use codec::{codec, DEFAULT_MAX_FRAME};
 pub use ed25519_dalek::{SigningKey, VerifyingKey};
 pub use messages::*;
 pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
+pub use prefix::{check_prefix_blocks, prefix_chain, prefix_chain_bytes, PREFIX_BLOCK};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
 pub use secure::{initiate, insecure_plaintext, local_key, respond, set_identity, set_insecure_plaintext, SecureError, SecureStream};
 pub use ticket::{
@@ -31,7 +33,7 @@ pub use ticket::{
 pub use tracker::*;
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

@@ -216,6 +216,9 @@ pub struct OpenSession {
     /// Present: the session embeds its prompt (no sampling, no head) and ends with `Embedding`.
     #[prost(message, optional, tag = "11")]
     pub embed: Option<Embed>,
+    /// The prompt's prefix-cache chain hashes, one per full block (`prefix_chain`), 32 bytes each.
+    #[prost(bytes = "vec", repeated, tag = "12")]
+    pub prefix_blocks: Vec<Vec<u8>>,
 }
 
 /// How an embedding session pools its prompt's final-normed rows.
@@ -254,6 +257,12 @@ pub struct Embedding {
 pub struct SessionRef {
     #[prost(bytes = "vec", tag = "1")]
     pub session_id: Vec<u8>,
+    /// In `Opened`: how many leading prefix blocks the stage holds (pinned until the first forward).
+    #[prost(uint32, tag = "2")]
+    pub cached_blocks: u32,
+    /// In `Close`: the chain hashes of the whole sequence, so its blocks are cached too.
+    #[prost(bytes = "vec", repeated, tag = "3")]
+    pub prefix_blocks: Vec<Vec<u8>>,
 }
 
 /// Per-hop timing that travels with a step, so the driver can report each seam.

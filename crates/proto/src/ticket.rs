@@ -27,6 +27,9 @@ pub struct Ticket {
     /// `key_id` of the key of the trackers' set that signs it: a verifier looks the key up by it.
     #[prost(fixed64, tag = "8")]
     pub key_id: u64,
+    /// The API key's name (the tenant): a worker's prefix cache keeps each tenant's blocks apart.
+    #[prost(string, tag = "9")]
+    pub key_name: String,
 }
 
 /// A ticket's encoded bytes and the signature of exactly those bytes by the key of the
@@ -169,6 +172,7 @@ mod tests {
             budget_tokens: 100,
             expires_unix_ms: 2_000,
             key_id: 0,
+            key_name: String::new(),
         }
     }
 

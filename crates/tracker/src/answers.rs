@@ -123,6 +123,7 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
         budget_tokens: r.budget_tokens,
         expires_unix_ms: unix_ms() + sh.cfg.ticket_ttl.as_millis() as u64,
         key_id: sh.keys.current_id(),
+        key_name: key_name.clone(),
     };
     sh.metrics.routes_issued.fetch_add(1, Relaxed);
     Ok(TrackerBody::RouteReply(RouteReply {

@@ -34,6 +34,9 @@ pub struct WorkerConfig {
     pub policy: crate::plan::Policy,
     /// The trackers to join; None: ticketless local mode (any driver may open sessions).
     pub tracker: Option<TrackerLink>,
+    /// Bytes of prefix-cache blocks held at most; None: a quarter of the KV budget's bytes
+    /// (`prefix_cache_default`); 0 turns the cache off.
+    pub prefix_cache_bytes: Option<usize>,
 }
 
 /// How a worker joins its trackers.
@@ -77,7 +80,17 @@ impl WorkerConfig {
             seam_dtypes: vec![SeamDtype::F32, SeamDtype::F16, SeamDtype::Bf16],
             policy: crate::plan::Policy::default(),
             tracker: None,
+            prefix_cache_bytes: None,
         }
+    }
+
+    /// The prefix cache's default budget for a stage whose positions cost `per_position`
+    /// bytes: a quarter of what the KV budget lets sessions hold. Sessions reserve their whole
+    /// context but touch only what they use, so this is memory they rarely reach, and it holds
+    /// a quarter of the positions the worker can serve at once: a long system prompt many
+    /// times over.
+    pub fn prefix_cache_default(&self, per_position: usize) -> usize {
+        self.kv_budget_tokens * per_position / 4
     }
 }
 

@@ -13,6 +13,7 @@ mod fetch;
 mod join;
 mod metrics;
 mod plan;
+mod prefix;
 mod scheduler;
 mod server;
 mod share;

@@ -38,6 +38,14 @@ pub struct Metrics {
     pub idle_closed: AtomicU64,
     /// Frames of hidden rows refused for holding a NaN or an infinity.
     pub nonfinite_frames: AtomicU64,
+    /// Prefix-cache blocks (of `PREFIX_BLOCK` positions) sessions attached instead of computing,
+    /// and blocks their prompts named that they computed.
+    pub prefix_hit_blocks: AtomicU64,
+    pub prefix_miss_blocks: AtomicU64,
+    /// Blocks and bytes the prefix cache holds now.
+    pub prefix_blocks: AtomicU64,
+    pub prefix_bytes: AtomicU64,
+    pub prefix_bytes_capacity: AtomicU64,
     /// 1 once the scheduler has begun a drain (SIGTERM): from then on it refuses new sessions.
     pub draining: AtomicU64,
     /// The engine id the stage computes with, set once it is open (the `dgr_worker_info` label).
@@ -90,6 +98,26 @@ impl Metrics {
         t.metric("dgr_worker_sessions_open", "Sessions holding state on this worker.", Gauge, get(&self.sessions_open));
         t.metric("dgr_worker_kv_bytes_used", "KV cache bytes held by open sessions.", Gauge, get(&self.kv_bytes_used));
         t.metric("dgr_worker_kv_bytes_capacity", "KV cache bytes this worker may hold.", Gauge, get(&self.kv_bytes_capacity));
+        t.metric(
+            "dgr_worker_prefix_cache_hit_blocks_total",
+            "Prefix-cache blocks (16 positions each) sessions attached instead of prefilling.",
+            Counter,
+            get(&self.prefix_hit_blocks),
+        );
+        t.metric(
+            "dgr_worker_prefix_cache_miss_blocks_total",
+            "Full blocks of prompts (16 positions each) that were prefilled, not attached.",
+            Counter,
+            get(&self.prefix_miss_blocks),
+        );
+        t.metric("dgr_worker_prefix_cache_blocks", "Blocks the prefix cache holds.", Gauge, get(&self.prefix_blocks));
+        t.metric("dgr_worker_prefix_cache_bytes", "Bytes the prefix cache holds.", Gauge, get(&self.prefix_bytes));
+        t.metric(
+            "dgr_worker_prefix_cache_bytes_capacity",
+            "Bytes the prefix cache may hold (0: off).",
+            Gauge,
+            get(&self.prefix_bytes_capacity),
+        );
         t.metric("dgr_worker_queue_depth", "Forward requests waiting for a step.", Gauge, get(&self.queue_depth));
         t.metric("dgr_worker_tokens_prefilled_total", "Prompt rows computed.", Counter, get(&self.tokens_prefilled));
         t.metric("dgr_worker_tokens_decoded_total", "Decode rows computed.", Counter, get(&self.tokens_decoded));

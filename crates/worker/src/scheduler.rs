@@ -4,11 +4,13 @@
 
 use crate::compat::{CompatKey, Phase, KV_LAYOUT};
 use crate::plan::{plan, Batch, Policy, Ready};
+use crate::prefix::{self, Key, PrefixCache};
 use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Engine, EngineError, Input, LogitRows, Pooler, Pooling, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
-    check_forward, check_open, session_id, Body, BoundarySchema, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hop, OpenSession,
-    Progress, ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, STAGE_UNKNOWN,
+    check_forward, check_open, check_prefix_blocks, session_id, Body, BoundarySchema, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hop,
+    OpenSession, Progress, ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, PREFIX_BLOCK,
+    STAGE_UNKNOWN,
 };
 use dgr_telemetry::unix_us;
 use std::collections::{HashMap, VecDeque};
@@ -59,6 +61,8 @@ pub(crate) enum Cmd {
         next: Option<(String, Outbox)>,
         /// From the session's route ticket (empty when ticketless): the ledger's key.
         request_id: String,
+        /// The ticket's API key name (empty when ticketless): the prefix cache's tenant.
+        tenant: String,
     },
     Forward {
         f: Forward,
@@ -74,6 +78,8 @@ pub(crate) enum Cmd {
     },
     Close {
         id: Vec<u8>,
+        /// The whole sequence's prefix chain hashes, whose blocks are cached before it is freed.
+        prefix_blocks: Vec<Vec<u8>>,
     },
     /// A driver's connection ended: its sessions end with it.
     ConnClosed {
@@ -142,6 +148,16 @@ struct Session<K> {
     embedding: bool,
     /// On the last stage of an embedding session: the prompt's rows pooled so far.
     pooler: Option<Pooler>,
+    /// The prefix cache's keys of the session's blocks (empty: it is not cached).
+    prefix: Vec<Key>,
+    /// The stage salt and tenant its keys are made with (None: it is not cached).
+    namer: Option<(Key, String)>,
+    /// Leading blocks of `prefix` pinned for it until its first forward.
+    pinned: usize,
+    /// Blocks of `prefix` already held by the cache or given up on.
+    remembered: usize,
+    /// No forward has arrived yet: the first may start past a cached prefix.
+    fresh: bool,
 }
 
 impl<K> Session<K> {
@@ -171,6 +187,7 @@ pub(crate) struct Scheduler<E: Engine = Stage> {
     last_step_end: Instant,
     /// Where each ended session's usage goes for the tracker's ledger (None when ticketless).
     ledger: Option<LedgerTx>,
+    prefix: PrefixCache,
 }
 
 pub(crate) type LedgerTx = tokio::sync::mpsc::Sender<WorkerUsage>;
@@ -193,6 +210,8 @@ impl<E: Engine> Scheduler<E> {
     pub fn new(stage: E, cfg: WorkerConfig, schema: BoundarySchema, metrics: Arc<Metrics>, ledger: Option<LedgerTx>) -> Scheduler<E> {
         let per_position = 2 * stage.layers().len() * stage.config().kv_dim() * 4;
         metrics.kv_bytes_capacity.store((cfg.kv_budget_tokens * per_position) as u64, Relaxed);
+        let prefix_budget = cfg.prefix_cache_bytes.unwrap_or_else(|| cfg.prefix_cache_default(per_position));
+        metrics.prefix_bytes_capacity.store(prefix_budget as u64, Relaxed);
         metrics.weight_bytes.store(stage.weight_bytes() as u64, Relaxed);
         let policy = cfg.policy.clone();
         let model_id = schema.model_id.as_str().into();
@@ -209,6 +228,7 @@ impl<E: Engine> Scheduler<E> {
             last_arrival: Instant::now(),
             last_step_end: Instant::now(),
             ledger,
+            prefix: PrefixCache::new(prefix_budget),
         }
     }
 
@@ -289,17 +309,27 @@ impl<E: Engine> Scheduler<E> {
             }
         }
         self.reserved -= s.reserved;
+        self.prefix.unpin(&s.prefix[..s.pinned]);
         self.metrics.sessions_closed.fetch_add(1, Relaxed);
     }
 
     fn handle(&mut self, c: Cmd) {
         match c {
-            Cmd::Open { conn, uses, open, reply, next, request_id } => self.open(conn, uses, open, reply, next, request_id),
+            Cmd::Open { conn, uses, open, reply, next, request_id, tenant } => {
+                self.open(conn, uses, open, reply, next, (request_id, tenant))
+            }
             Cmd::Forward { f, recv_us, at, reply, conn, uses } => {
                 self.last_arrival = at;
                 self.forward(f, recv_us, at, reply, (conn, uses))
             }
-            Cmd::Cancel { id } | Cmd::Close { id } => {
+            Cmd::Close { id, prefix_blocks } if !prefix_blocks.is_empty() => {
+                if let Some(s) = session_id(&id).ok().and_then(|id| self.sessions.get_mut(&id)) {
+                    Self::rename(&mut self.prefix, s, &prefix_blocks);
+                    Self::remember(&mut self.prefix, s);
+                }
+                self.handle(Cmd::Close { id, prefix_blocks: Vec::new() });
+            }
+            Cmd::Cancel { id } | Cmd::Close { id, .. } => {
                 if let Some(s) = session_id(&id).ok().and_then(|id| self.remove(&id)) {
                     send(&s.reply, Body::Usage(s.usage));
                 }
@@ -335,7 +365,15 @@ impl<E: Engine> Scheduler<E> {
         }
     }
 
-    fn open(&mut self, conn: ConnId, uses: ConnUse, open: OpenSession, reply: Outbox, next: Option<(String, Outbox)>, request_id: String) {
+    fn open(
+        &mut self,
+        conn: ConnId,
+        uses: ConnUse,
+        open: OpenSession,
+        reply: Outbox,
+        next: Option<(String, Outbox)>,
+        (request_id, tenant): (String, String),
+    ) {
         let stage_index = open.stage_index;
         let refuse = |me: &Self, kind, msg: String| me.error_to(&reply, &open.session_id, kind, stage_index, msg);
         if self.drain.is_some() {
@@ -387,10 +425,23 @@ impl<E: Engine> Scheduler<E> {
             }
             _ => None,
         };
-        let kv = match self.stage.new_state(want, layers) {
+        let chain = match check_prefix_blocks(&open.prefix_blocks, open.max_positions) {
+            Ok(c) => c,
+            Err(e) => return refuse(self, e.kind(), e.to_string()),
+        };
+        let kv = match self.stage.new_state(want, layers.clone()) {
             Ok(kv) => kv,
             Err(e) => return refuse(self, ErrorKind::SchemaMismatch, e.to_string()),
         };
+        // Sliding-window layers keep too little to copy a prefix out of: such a stage caches nothing.
+        // An embedding pools every prompt row on the last stage, so it attaches nothing.
+        let namer = (self.prefix.enabled() && kv.blockable() && open.embed.is_none()).then(|| {
+            let engine = self.stage.id().to_string();
+            let span = (layers.start as u32, layers.end as u32);
+            (prefix::stage_salt(&self.model_id, span, &engine, KV_LAYOUT.dtype, dtype.name()), tenant)
+        });
+        let keys = namer.as_ref().map_or_else(Vec::new, |(salt, tenant)| prefix::keys(salt, tenant, &chain));
+        let pinned = self.prefix.pin(&keys);
         let sampling = open.sampling.unwrap_or_default();
         let session = Session {
             id,
@@ -422,13 +473,18 @@ impl<E: Engine> Scheduler<E> {
             decoding: false,
             embedding: open.embed.is_some(),
             pooler,
+            prefix: keys,
+            namer,
+            pinned,
+            remembered: 0,
+            fresh: true,
         };
         self.reserved += cost;
         self.sessions.insert(id, session);
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
         // Published before the reply, so whoever reads /metrics after Opened counts this session.
         self.metrics.sessions_open.store(self.sessions.len() as u64, Relaxed);
-        send(&reply, Body::Opened(SessionRef { session_id: id.to_vec() }));
+        send(&reply, Body::Opened(SessionRef { session_id: id.to_vec(), cached_blocks: pinned as u32, ..Default::default() }));
     }
 
     fn forward(&mut self, f: Forward, recv_us: u64, at: Instant, reply: Outbox, (conn, uses): (ConnId, ConnUse)) {
@@ -444,12 +500,16 @@ impl<E: Engine> Scheduler<E> {
         };
         let stage_index = s.stage_index;
         let nonfinite = &self.metrics.nonfinite_frames;
-        let checked = check_forward(&f, s.first, hidden, s.dtype, max_rows)
-            .map_err(|e| {
-                if matches!(e, ProtoError::NonFinite { .. }) {
-                    nonfinite.fetch_add(1, Relaxed);
-                }
-                (e.kind(), e.to_string())
+        // A session's first rows may start past the prefix it was told is cached here.
+        let attached = if s.fresh { Self::attach(&mut self.prefix, &self.metrics, s, f.position) } else { Ok(()) };
+        let checked = attached
+            .and_then(|()| {
+                check_forward(&f, s.first, hidden, s.dtype, max_rows).map_err(|e| {
+                    if matches!(e, ProtoError::NonFinite { .. }) {
+                        nonfinite.fetch_add(1, Relaxed);
+                    }
+                    (e.kind(), e.to_string())
+                })
             })
             .and_then(|rows| {
                 let expected = s.kv.positions() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
@@ -482,6 +542,58 @@ impl<E: Engine> Scheduler<E> {
                 }
             }
         }
+    }
+
+    /// A session's first forward, at `position`: copies the `position / PREFIX_BLOCK` cached
+    /// blocks it starts past into its KV (they were pinned for it at open), and unpins them all.
+    fn attach(cache: &mut PrefixCache, metrics: &Metrics, s: &mut Session<E::State>, position: u64) -> Result<(), (ErrorKind, String)> {
+        s.fresh = false;
+        let pinned = std::mem::take(&mut s.pinned);
+        let p = position as usize;
+        let blocks = p / PREFIX_BLOCK;
+        let result = if p % PREFIX_BLOCK != 0 || blocks > pinned {
+            Err((
+                ErrorKind::BadInput,
+                format!("a first forward at position {position}: not a multiple of {PREFIX_BLOCK} within the {pinned} blocks cached here"),
+            ))
+        } else {
+            s.prefix[..blocks].iter().try_for_each(|k| {
+                let block = cache.get(k).ok_or((ErrorKind::Internal, "a pinned prefix block is gone".to_string()))?;
+                s.kv.write_block(PREFIX_BLOCK, block).map_err(|e| (ErrorKind::BadInput, e.to_string()))
+            })
+        };
+        cache.unpin(&s.prefix[..pinned]);
+        if result.is_ok() {
+            metrics.prefix_hit_blocks.fetch_add(blocks as u64, Relaxed);
+            metrics.prefix_miss_blocks.fetch_add((s.prefix.len() - blocks) as u64, Relaxed);
+        }
+        result
+    }
+
+    /// Copies each block of the session's prefix that its KV now holds and the cache lacks into
+    /// the cache, in order: one it cannot take ends the chain there.
+    fn remember(cache: &mut PrefixCache, s: &mut Session<E::State>) {
+        while s.remembered < s.prefix.len() && (s.remembered + 1) * PREFIX_BLOCK <= s.kv.positions() {
+            let i = s.remembered;
+            if !cache.contains(&s.prefix[i]) {
+                let parent = i.checked_sub(1).map(|j| s.prefix[j]);
+                let taken = s.kv.read_block(i * PREFIX_BLOCK, PREFIX_BLOCK).is_some_and(|kv| cache.insert(s.prefix[i], parent, kv));
+                if !taken {
+                    s.remembered = s.prefix.len();
+                    return;
+                }
+            }
+            s.remembered += 1;
+        }
+    }
+
+    /// Names the session's blocks by the chain of its whole sequence (sent with its close),
+    /// when the chain is well formed and the session is cached at all.
+    fn rename(cache: &mut PrefixCache, s: &mut Session<E::State>, blocks: &[Vec<u8>]) {
+        let (Some((salt, tenant)), Ok(chain)) = (&s.namer, check_prefix_blocks(blocks, s.kv.capacity() as u64)) else { return };
+        cache.unpin(&s.prefix[..std::mem::take(&mut s.pinned)]);
+        s.prefix = prefix::keys(salt, tenant, &chain);
+        s.remembered = 0;
     }
 
     fn key(&self, s: &Session<E::State>, phase: Phase) -> CompatKey {
@@ -729,6 +841,7 @@ impl<E: Engine> Scheduler<E> {
                 s.decoding |= prompt_done;
                 s.pending.pop_front();
             }
+            Self::remember(&mut self.prefix, &mut s);
             if delivered {
                 s.last_active = Instant::now();
                 self.sessions.insert(s.id, s);
@@ -754,8 +867,13 @@ impl<E: Engine> Scheduler<E> {
         m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.positions() as u64).sum(), Relaxed);
         m.kv_bytes_used.store(self.sessions.values().map(|s| s.kv.bytes() as u64).sum(), Relaxed);
         m.queue_depth.store(self.sessions.values().map(|s| s.pending.len() as u64).sum(), Relaxed);
+        m.prefix_blocks.store(self.prefix.blocks() as u64, Relaxed);
+        m.prefix_bytes.store(self.prefix.bytes() as u64, Relaxed);
     }
 }
+
+#[cfg(test)]
+mod prefix_tests;
 
 #[cfg(test)]
 mod tests {
@@ -816,7 +934,7 @@ mod tests {
             ..Default::default()
         };
         let next = next.map(|n| ("next".to_string(), n.clone()));
-        s.handle(Cmd::Open { conn: 1, uses: ConnUse::default(), open, reply, next, request_id: String::new() });
+        s.handle(Cmd::Open { conn: 1, uses: ConnUse::default(), open, reply, next, request_id: String::new(), tenant: String::new() });
         (inbox.try_recv().unwrap().body.unwrap(), inbox)
     }
 
@@ -869,12 +987,12 @@ mod tests {
 
         // Usage counts the session's layers; closing frees its reservation.
         let mut layer_tokens = |id: u8, inbox: &mut Inbox<Frame>| {
-            s.handle(Cmd::Close { id: vec![id; 16] });
+            s.handle(Cmd::Close { id: vec![id; 16], prefix_blocks: Vec::new() });
             let Body::Usage(u) = inbox.try_recv().unwrap().body.unwrap() else { panic!("expected usage") };
             u.layer_tokens
         };
         assert_eq!((layer_tokens(2, &mut back_inbox), layer_tokens(3, &mut whole_inbox)), (9, 18));
-        s.handle(Cmd::Close { id: vec![1; 16] });
+        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new() });
         assert_eq!(s.reserved, 0);
     }
 
@@ -1059,7 +1177,15 @@ mod tests {
             max_positions: 8,
             ..Default::default()
         };
-        s.handle(Cmd::Open { conn: 1, uses: driver.clone(), open, reply: reply.clone(), next: None, request_id: String::new() });
+        s.handle(Cmd::Open {
+            conn: 1,
+            uses: driver.clone(),
+            open,
+            reply: reply.clone(),
+            next: None,
+            request_id: String::new(),
+            tenant: String::new(),
+        });
         assert!(driver.in_use() && !feeder.in_use());
         let h = s.stage.config().hidden;
         let rows = |position: u64| Forward {
@@ -1074,7 +1200,7 @@ mod tests {
         // Rows from another connection move the hold there.
         s.handle(Cmd::Forward { f: rows(1), recv_us: 0, at: Instant::now(), reply: reply.clone(), conn: 3, uses: other.clone() });
         assert!(!feeder.in_use() && other.in_use());
-        s.handle(Cmd::Close { id: vec![1; 16] });
+        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new() });
         assert!(!driver.in_use() && !feeder.in_use() && !other.in_use());
     }
 
@@ -1106,7 +1232,7 @@ mod tests {
         assert!(matches!(open(&mut s, 2, 0..6, 8, None).0, Body::Opened(_)));
         assert_eq!(refused(open(&mut s, 3, 0..6, 1, None).0), ErrorKind::Overloaded, "past the session cap");
         assert_eq!(refused(open(&mut s, 1, 0..6, 1, None).0), ErrorKind::BadFrame, "an id already open");
-        s.handle(Cmd::Close { id: vec![1; 16] });
+        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new() });
         assert!(matches!(open(&mut s, 3, 0..6, 8, None).0, Body::Opened(_)), "a freed reservation is reusable");
     }
 

@@ -486,7 +486,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
         };
         let cmd = match body {
             Body::Open(open) => {
-                let (request_id, next_id) = match check_ticket(&shared, &open) {
+                let (request_id, next_id, tenant) = match check_ticket(&shared, &open) {
                     Ok(r) => r,
                     Err(why) => {
                         shared.metrics.ticket_refused(why);
@@ -496,7 +496,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                     }
                 };
                 if open.next.is_empty() {
-                    Cmd::Open { conn, uses: uses.clone(), open, reply: out.clone(), next: None, request_id }
+                    Cmd::Open { conn, uses: uses.clone(), open, reply: out.clone(), next: None, request_id, tenant }
                 } else {
                     // Off the read loop: the sessions beside it on this connection (a gateway's
                     // are all on one) go on while its next stage is dialled.
@@ -510,7 +510,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                             continue;
                         }
                     }
-                    let pending = PendingOpen { conn, uses: uses.clone(), open, reply: out.clone(), request_id, next_id };
+                    let pending = PendingOpen { conn, uses: uses.clone(), open, reply: out.clone(), request_id, next_id, tenant };
                     tokio::spawn(pending.open_after_dial(shared.clone(), opening.clone()));
                     continue;
                 }
@@ -539,7 +539,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             }
             Body::Close(r) => {
                 opening.lock().unwrap_or_else(PoisonError::into_inner).ids.remove(&r.session_id);
-                Cmd::Close { id: r.session_id }
+                Cmd::Close { id: r.session_id, prefix_blocks: r.prefix_blocks }
             }
             Body::Hello(_)
             | Body::Opened(_)
@@ -577,6 +577,7 @@ struct PendingOpen {
     request_id: String,
     /// The next stage's worker id as the ticket names it (None: ticketless).
     next_id: Option<String>,
+    tenant: String,
 }
 
 impl PendingOpen {
@@ -589,7 +590,7 @@ impl PendingOpen {
         if o.closed || !o.ids.remove(&self.open.session_id) {
             return;
         }
-        let PendingOpen { conn, uses, open, reply, request_id, next_id } = self;
+        let PendingOpen { conn, uses, open, reply, request_id, next_id, tenant } = self;
         // The ticket names the next stage by its key: the worker at that address must have
         // proven it in the secure channel's handshake (a plaintext link proves none).
         let next = match next {
@@ -601,7 +602,7 @@ impl PendingOpen {
         match next {
             Ok(tx) => {
                 let (id, next) = (open.session_id.clone(), Some((open.next.clone(), tx)));
-                if shared.cmds.try_send(Cmd::Open { conn, uses, open, reply: reply.clone(), next, request_id }).is_err() {
+                if shared.cmds.try_send(Cmd::Open { conn, uses, open, reply: reply.clone(), next, request_id, tenant }).is_err() {
                     send_refusal(&shared.metrics, &reply, &id, ErrorKind::Overloaded, "the worker's queue is full".into());
                 }
             }
@@ -615,16 +616,16 @@ impl PendingOpen {
     }
 }
 
-/// In tracker mode, checks the open's ticket and returns its request id and the next stage's
-/// worker id; ticketless, "" and None.
-fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<(String, Option<String>), TicketError> {
-    let Some(gate) = &shared.gate else { return Ok((String::new(), None)) };
+/// In tracker mode, checks the open's ticket and returns its request id, the next stage's
+/// worker id and the API key's name; ticketless, "", None and "".
+fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<(String, Option<String>, String), TicketError> {
+    let Some(gate) = &shared.gate else { return Ok((String::new(), None, String::new())) };
     let signed = open.ticket.as_ref().ok_or(TicketError::Missing)?;
     // Before the first join no key is known: nothing can be verified yet.
     let t = dgr_proto::verify_ticket(signed, |id| gate.key(id), unix_us() / 1000)?;
     dgr_proto::check_ticket_open(&t, open, &gate.worker_id)?;
     let next = t.stages.get(open.stage_index as usize + 1).map(|s| s.worker_id.clone());
-    Ok((t.request_id, next))
+    Ok((t.request_id, next, t.key_name))
 }
 
 /// The connection to a next stage, shared by every session that goes there; opened on first use.
