@@ -1,7 +1,7 @@
 """The gateway's acceptance suite: one `dgr up` swarm for the whole session.
 
 `dgr up --workers 2` starts a tracker, two workers and the OpenAI-compatible gateway on loopback,
-with its tracker state in a fresh `$DGR_STATE_DIR` (so the ledger and keys start empty) and three
+with its tracker state in a fresh `$DGR_STATE_DIR` (so the ledger and keys start empty) and four
 API keys registered from `--api-keys`. Every test talks to that swarm; the last one (`shutdown`)
 stops it with Ctrl-C and checks that no process is left behind.
 
@@ -46,6 +46,7 @@ KEYS = {
     "free": ("sk-free-0123456789abcdef0123456789", 0),
     "small": ("sk-small-0123456789abcdef012345678", SMALL_QUOTA),
     "stream": ("sk-stream-0123456789abcdef01234567", 0),
+    "cold": ("sk-cold-0123456789abcdef0123456789a", 0),
 }
 
 

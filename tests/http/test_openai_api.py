@@ -22,6 +22,11 @@ def assert_usage(usage, what: str, completion_max: int | None = None):
         assert usage.completion_tokens <= completion_max, f"{what}: {usage.completion_tokens} > max_tokens {completion_max}"
 
 
+def counts(usage):
+    """The token counts of a usage (its cached tokens differ once an earlier request filled the cache)."""
+    return (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+
 def test_models_list_has_the_served_model(swarm, client):
     ids = [m.id for m in client.models.list()]
     assert swarm.model in ids, f"{swarm.model!r} not in /v1/models: {ids}"
@@ -63,7 +68,7 @@ def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(swarm, cli
     assert last.usage is not None, f"the last chunk has no usage: {last}"
     assert last.choices == [], f"the usage chunk has choices: {last.choices}"
     assert_usage(last.usage, "stream's last chunk", 16)
-    assert last.usage == whole.usage, f"stream usage {last.usage} != whole usage {whole.usage}"
+    assert counts(last.usage) == counts(whole.usage), f"stream usage {last.usage} != whole usage {whole.usage}"
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert finishes == [whole.choices[0].finish_reason], f"finish reasons in the stream: {finishes}"
 
@@ -80,7 +85,7 @@ def test_streamed_chat_equals_the_whole_one_and_ends_with_usage(swarm, client):
     assert text == whole.choices[0].message.content, f"streamed {text!r} != whole {whole.choices[0].message.content!r}"
     last = chunks[-1]
     assert last.usage is not None and last.choices == [], f"the last chunk is not a usage chunk: {last}"
-    assert last.usage == whole.usage, f"stream usage {last.usage} != whole usage {whole.usage}"
+    assert counts(last.usage) == counts(whole.usage), f"stream usage {last.usage} != whole usage {whole.usage}"
 
 
 def test_completion_logprobs_shapes_and_chosen_token_among_the_top(swarm, client):
@@ -163,3 +168,43 @@ def test_greedy_output_equals_dgr_generate_token_for_token(swarm, client):
         "logprobs differ: " + ", ".join(f"#{i}: {a} vs {b}" for i, (a, b) in enumerate(zip(api_lp.token_logprobs, one["logprobs"])) if a != b)
     )
 
+
+
+# A system prompt of about 120 tokens: the first turn's prompt fills seven blocks of 16.
+SYSTEM = (
+    "You answer questions about serving language models, briefly and precisely. A server that splits a model "
+    "across machines keeps, on every machine, the keys and values each token of a prompt left in the layers it "
+    "holds. When a later prompt starts with the same tokens, those keys and values can be copied instead of "
+    "computed again, which saves most of the time to the first token of a long conversation. Say so when you "
+    "do not know."
+)
+
+
+def test_a_chat_second_turn_attaches_the_first_and_equals_a_cold_run(swarm, client):
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does a prefix cache keep?"}]
+    r1 = client.chat.completions.create(model=swarm.model, messages=first, max_tokens=24, temperature=0)
+    second = first + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And what does it save?"},
+    ]
+    r2 = client.chat.completions.create(model=swarm.model, messages=second, max_tokens=16, temperature=0, logprobs=True)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    whole_blocks = r1.usage.prompt_tokens // 16 * 16
+    assert cached >= whole_blocks > 0, f"the second turn attached {cached} tokens; the first turn's prompt holds {whole_blocks} in full blocks"
+    assert cached < r2.usage.prompt_tokens, r2.usage
+    # Another key is another tenant: it sees none of these blocks, computes the whole prompt, and
+    # must get the same tokens and logprobs.
+    cold = swarm.client("cold").chat.completions.create(model=swarm.model, messages=second, max_tokens=16, temperature=0, logprobs=True)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0, cold.usage
+    assert cold.choices[0].message.content == r2.choices[0].message.content, f"cold {cold.choices[0].message.content!r} != hit {r2.choices[0].message.content!r}"
+    lps = lambda r: [t.logprob for t in r.choices[0].logprobs.content]
+    assert lps(cold) == lps(r2), f"logprobs: cold {lps(cold)} != hit {lps(r2)}"
+    # Streamed, the usage chunk reports the cached tokens too.
+    chunks = list(
+        client.chat.completions.create(
+            model=swarm.model, messages=second, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    last = chunks[-1].usage
+    assert last.prompt_tokens_details.cached_tokens >= cached, f"streamed usage {last}"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r2.choices[0].message.content

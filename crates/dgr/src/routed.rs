@@ -141,6 +141,7 @@ pub fn generate(
             "seams": out.seams,
             "stages": out.stages,
             "usage": out.usage,
+            "cached_tokens": out.cached_tokens,
         });
         Ok((out, extra))
     }))

@@ -610,7 +610,8 @@ fn usage_and_metrics_count_exactly_the_rows_each_session_computed() {
             if generated != want_generated {
                 failures.push(format!("{shape}: session {}: {generated} tokens ({:?}), want {want_generated}", s.name, c.finish_reason));
             }
-            let (prefilled, decoded) = (s.prompt.len() as u64, generated as u64 - 1);
+            // Prompt tokens attached from the prefix cache were not computed.
+            let (prefilled, decoded) = ((s.prompt.len() - c.cached_tokens) as u64, generated as u64 - 1);
             sum_prefilled += prefilled;
             sum_decoded += decoded;
             let stages: Vec<u32> = c.usage.iter().map(|u| u.stage).collect();

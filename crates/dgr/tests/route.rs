@@ -819,3 +819,53 @@ fn a_prompt_prefilled_in_chunks_gives_the_same_output_and_a_full_seam_report() {
     }
     assert!(wrong.is_empty(), "the seam report misses rows that crossed the seams:\n{}", wrong.join("\n"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// 9. The prefix cache
+
+#[test]
+fn a_second_request_sharing_a_long_prefix_attaches_it_and_equals_the_cold_run() {
+    let _serial = serial();
+    let long = prompt("long");
+    let second = format!("{} So, in short,", long.text);
+    let args = |text: &str| {
+        vec![
+            "--prompt".to_string(),
+            text.to_string(),
+            "--max-tokens".into(),
+            "4".into(),
+            "--ignore-eos".into(),
+            "--top-logprobs".into(),
+            "5".into(),
+        ]
+    };
+    let run = |text: &str, extra: &[&str]| {
+        let mut a = args(text);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        generate_json(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let cold = run(&second, &["--threads", "1"]);
+    let w = Workers::start(SPLITS[0], &[]);
+    let route = w.route();
+    let first = run(&long.text, &["--route", &route]);
+    assert_eq!(first["cached_tokens"], 0, "a cold cache: {first}");
+    let hit = run(&second, &["--route", &route]);
+    let cached = hit["cached_tokens"].as_u64().expect("cached_tokens");
+    // The long prompt's full blocks, but for a block its last tokens may tokenize into with the
+    // text after them.
+    let blocks = long.tokens.len() as u64 / 16 * 16;
+    println!(
+        "the second request attached {cached} of its {} prompt tokens ({} in the first prompt)",
+        hit["prompt_tokens"].as_array().map_or(0, Vec::len),
+        long.tokens.len()
+    );
+    assert!(cached + 16 >= blocks && cached > 0, "only {cached} tokens cached of the first prompt's {blocks} in full blocks");
+    assert_same_generation(&hit, &cold, "a request attaching a cached prefix");
+    // The cache off (--prefix-cache-mb 0) computes it all, the same.
+    let off = Workers::start(SPLITS[0], &["--prefix-cache-mb", "0"]);
+    let route = off.route();
+    run(&long.text, &["--route", &route]);
+    let miss = run(&second, &["--route", &route]);
+    assert_eq!(miss["cached_tokens"], 0);
+    assert_same_generation(&miss, &cold, "the same request with the cache off");
+}
