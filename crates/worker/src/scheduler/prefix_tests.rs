@@ -61,7 +61,7 @@ impl Route {
         let (mut inboxes, mut replies) = (Vec::new(), Vec::new());
         for (i, s) in self.stages.iter_mut().enumerate() {
             let (reply, mut inbox) = channel(1024);
-            let schema = BoundarySchema { ..s.schema.clone() };
+            let schema = s.schema.clone();
             let last = i + 1 == n;
             let open = OpenSession {
                 session_id: id.clone(),
