@@ -20,6 +20,8 @@ use tokio::sync::mpsc;
 /// Frames waiting to be written on one connection.
 const OUTBOX: usize = 1024;
 
+// Nearly every event is a frame: boxing it would allocate once per frame to shrink the rare `Lost`.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {
     /// A frame for the session, from its stage `.0`.
     Frame(u32, Body),
