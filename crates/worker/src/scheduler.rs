@@ -551,7 +551,7 @@ impl<E: Engine> Scheduler<E> {
         let pinned = std::mem::take(&mut s.pinned);
         let p = position as usize;
         let blocks = p / PREFIX_BLOCK;
-        let result = if p % PREFIX_BLOCK != 0 || blocks > pinned {
+        let result = if !p.is_multiple_of(PREFIX_BLOCK) || blocks > pinned {
             Err((
                 ErrorKind::BadInput,
                 format!("a first forward at position {position}: not a multiple of {PREFIX_BLOCK} within the {pinned} blocks cached here"),
