@@ -85,6 +85,10 @@ def test_dashboard_charts_a_32_stream_load_and_counts_tokens_while_they_run(swar
     import threading
 
     client = swarm.client()
+    # A prompt of several 16-token blocks, twice: the second is served from the prefix caches.
+    shared = "The committee met on Tuesday to review the quarterly figures and the plans for next year. " * 4
+    for _ in range(2):
+        client.completions.create(model=swarm.model, prompt=shared, max_tokens=2, temperature=0)
     done: list[int] = []
     errors: list[BaseException] = []
 
@@ -120,7 +124,7 @@ def test_dashboard_charts_a_32_stream_load_and_counts_tokens_while_they_run(swar
     page = Charts()
     page.feed(dom)
     assert page.drawn == "1", "the dashboard drew no charts (no data-charts=1 on body)"
-    expected = {"c-tps", "c-ttft", "c-itl", "c-queue", "c-kv", "c-step"}
+    expected = {"c-tps", "c-ttft", "c-itl", "c-queue", "c-kv", "c-step", "c-cache"}
     assert set(page.points) == expected, f"charts on the page: {page.points}"
     empty = [c for c, n in page.points.items() if n == 0]
     assert not empty, f"charts without data under a 32-stream load: {empty} ({page.points})"
@@ -135,6 +139,7 @@ def test_dashboard_charts_a_32_stream_load_and_counts_tokens_while_they_run(swar
     assert any(v is not None and v > 0 for v in h["ttft_p50_ms"]), f"no TTFT in the history: {h['ttft_p50_ms']}"
     assert any(v is not None and v > 0 for v in h["itl_p50_ms"]), f"no inter-token latency in the history: {h['itl_p50_ms']}"
     assert any(v is not None and v > 0 for v in h["kv_used_frac"]), f"the history never saw KV in use: {h['kv_used_frac']}"
+    assert any(v is not None and v > 0 for v in h["cache_hit_frac"]), f"the history never saw a cache hit: {h['cache_hit_frac']}"
     assert len(h["workers"]) == 2 and all(any(v for v in w["step_ms"] if v) for w in h["workers"]), h["workers"]
     total = sum(done)
     generated = sum(v * h["step_s"] for v in h["tokens_per_s"])

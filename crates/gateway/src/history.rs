@@ -1,5 +1,5 @@
 //! The dashboard's history: every `STEP` the gateway samples itself (tokens generated, latency
-//! quantiles of that step, admission) and its swarm (each worker's load from its heartbeats), and
+//! quantiles of that step, admission, the prefix caches' share of the prompts that ended) and its swarm (each worker's load from its heartbeats), and
 //! keeps the last `WINDOW`, so the charts show the last 15 minutes without a time-series database.
 
 use crate::service::Gateway;
@@ -21,6 +21,9 @@ const LATENCY_CAP: usize = 1 << 17;
 #[derive(Default)]
 pub struct Feed {
     tokens: AtomicU64,
+    /// Prompt tokens of the requests that ended, and of those the prefix caches held.
+    prompt: AtomicU64,
+    cached: AtomicU64,
     ttft: Mutex<Vec<f32>>,
     itl: Mutex<Vec<f32>>,
 }
@@ -34,6 +37,12 @@ impl Feed {
         if v.len() < LATENCY_CAP {
             v.push(since.as_secs_f32());
         }
+    }
+
+    /// A request ended: its prompt's tokens, and how many of them the route's caches held.
+    pub fn ended(&self, prompt: usize, cached: usize) {
+        self.prompt.fetch_add(prompt as u64, Relaxed);
+        self.cached.fetch_add(cached as u64, Relaxed);
     }
 
     fn take(m: &Mutex<Vec<f32>>) -> Vec<f32> {
@@ -60,6 +69,9 @@ struct Sample {
     itl: Option<(f64, f64)>,
     queued: usize,
     running: usize,
+    /// The share of the prompt tokens of the requests that ended in the step that came from the
+    /// prefix caches; `None` when none ended.
+    cache_hit: Option<f64>,
     /// By worker id; absent when the tracker was not reachable.
     workers: Option<BTreeMap<String, WorkerPoint>>,
 }
@@ -125,6 +137,7 @@ impl History {
             "queued": col(&|s| json!(s.queued)),
             "running": col(&|s| json!(s.running)),
             "kv_used_frac": col(&|s| kv(s).map_or(Value::Null, |x| json!(x))),
+            "cache_hit_frac": col(&|s| s.cache_hit.map_or(Value::Null, |x| json!(x))),
             "workers": workers,
         })
     }
@@ -152,6 +165,7 @@ pub async fn run(gw: Arc<Gateway>) {
         let now = Instant::now();
         let feed = &gw.metrics.feed;
         let tokens = feed.tokens.swap(0, Relaxed);
+        let (prompt, cached) = (feed.prompt.swap(0, Relaxed), feed.cached.swap(0, Relaxed));
         let workers = swarm.map(|r| {
             r.workers
                 .iter()
@@ -176,6 +190,7 @@ pub async fn run(gw: Arc<Gateway>) {
             itl: quantiles(Feed::take(&feed.itl)),
             queued: gw.admission.waiting(),
             running: gw.admission.running(gw.cfg.max_running),
+            cache_hit: (prompt > 0).then(|| cached as f64 / prompt as f64),
             workers,
         });
         last = now;
@@ -194,6 +209,7 @@ mod tests {
             itl: Some((0.010, 0.030)),
             queued: 1,
             running: 2,
+            cache_hit: (tps > 15.0).then_some(0.5),
             workers: workers.map(|ws| {
                 ws.into_iter()
                     .map(|(id, used, cap)| {
@@ -219,6 +235,9 @@ mod tests {
         f.token(Duration::from_millis(20), false);
         f.token(Duration::from_millis(30), false);
         assert_eq!(f.tokens.load(Relaxed), 3);
+        f.ended(100, 64);
+        f.ended(20, 0);
+        assert_eq!((f.prompt.load(Relaxed), f.cached.load(Relaxed)), (120, 64));
         assert_eq!(Feed::take(&f.ttft), vec![0.25]);
         assert_eq!(Feed::take(&f.itl), vec![0.02, 0.03]);
         assert!(Feed::take(&f.itl).is_empty(), "taking empties the step");
@@ -236,6 +255,7 @@ mod tests {
         assert_eq!(j["ttft_p50_ms"], json!([null, null, null]));
         assert_eq!(j["itl_p50_ms"], json!([10.0, 10.0, 10.0]));
         assert_eq!(j["kv_used_frac"], json!([null, 0.1, 0.4]));
+        assert_eq!(j["cache_hit_frac"], json!([null, 0.5, 0.5]));
         assert_eq!(j["workers"][0]["id"], "a");
         assert_eq!(j["workers"][0]["kv_used_frac"], json!([null, 0.1, 0.3]));
         assert_eq!(j["workers"][1]["queue_depth"], json!([null, null, 0]));

@@ -348,6 +348,7 @@ impl Gateway {
         self.metrics.finished(&job.model.name, &key, job.prompt.len(), completion, end.as_ref().err().map(|e| e.metric_kind()));
         let tail = if stopped_by_text { String::new() } else { text.finish() };
         let cached_tokens = result.as_ref().map_or(0, |c| c.cached_tokens);
+        self.metrics.feed.ended(job.prompt.len(), cached_tokens);
         let _ = tx.send(Piece::Done { text: tail, end, prompt_tokens: job.prompt.len(), completion_tokens: completion, cached_tokens });
         if let (true, Ok(c), [attempt]) = (check, &result, rec.attempts.as_slice()) {
             let sample = verify::Sample {
