@@ -116,7 +116,10 @@ def test_chat_completes_and_streams_over_https_with_the_ca_trusted(https):
     )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == whole.choices[0].message.content, f"streamed {text!r} != whole {whole.choices[0].message.content!r}"
-    assert chunks[-1].usage == whole.usage, f"stream usage {chunks[-1].usage} != whole usage {whole.usage}"
+    # The counts, not `cached_tokens`: the repeated prompt is served from the prefix caches.
+    counts = lambda u: (u.prompt_tokens, u.completion_tokens, u.total_tokens)  # noqa: E731
+    assert counts(chunks[-1].usage) == counts(whole.usage), f"stream usage {chunks[-1].usage} != whole usage {whole.usage}"
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, f"the repeated prompt hit no cache: {chunks[-1].usage}"
     # /metrics is served over the same TLS.
     with urllib.request.urlopen(f"{s.root}/metrics", context=ssl.create_default_context(cafile=str(certs.ca)), timeout=10) as r:
         assert r.status == 200 and b"dgr_gateway_requests_total" in r.read()
