@@ -891,6 +891,11 @@ mod tests {
 
     /// As `scheduler`, over the model in `file`.
     fn scheduler_on(file: Vec<u8>, held: Range<usize>, budget: usize) -> Scheduler {
+        scheduler_with(file, held, |cfg| cfg.kv_budget_tokens = budget)
+    }
+
+    /// A scheduler over layers `held` of the model in `file`, its config set by `set`.
+    pub(super) fn scheduler_with(file: Vec<u8>, held: Range<usize>, set: impl FnOnce(&mut WorkerConfig)) -> Scheduler {
         let gguf = Arc::new(dgr_gguf::Gguf::from_bytes(file).unwrap());
         let stage = open_engine(gguf, held.clone(), EngineSpec::threads(1)).unwrap();
         let schema = BoundarySchema {
@@ -903,7 +908,7 @@ mod tests {
             engine: stage.engine().to_string(),
         };
         let mut cfg = WorkerConfig::new("m.gguf".into(), held);
-        cfg.kv_budget_tokens = budget;
+        set(&mut cfg);
         Scheduler::new(stage, cfg, schema, Arc::new(Metrics::default()), None)
     }
 

@@ -4,7 +4,7 @@
 
 use super::*;
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::{open_engine, Arch, EngineSpec};
+use dgr_engine::Arch;
 use dgr_proto::prefix_chain_bytes;
 use std::ops::Range;
 use tokio::sync::mpsc::{channel, Receiver as Inbox};
@@ -12,21 +12,10 @@ use tokio::sync::mpsc::{channel, Receiver as Inbox};
 const LAYERS: usize = 6;
 
 fn stage(spec: &SynthSpec, held: Range<usize>, cache: Option<usize>) -> Scheduler {
-    let gguf = Arc::new(dgr_gguf::Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap());
-    let stage = open_engine(gguf, held.clone(), EngineSpec::threads(1)).unwrap();
-    let schema = BoundarySchema {
-        protocol_version: dgr_proto::PROTOCOL_VERSION,
-        model_id: "m".into(),
-        layer_start: held.start as u32,
-        layer_end: held.end as u32,
-        hidden: stage.config().hidden as u32,
-        seam_dtype: SeamDtype::F32 as i32,
-        engine: stage.engine().to_string(),
-    };
-    let mut cfg = WorkerConfig::new("m.gguf".into(), held);
-    cfg.kv_budget_tokens = 4096;
-    cfg.prefix_cache_bytes = cache;
-    Scheduler::new(stage, cfg, schema, Arc::new(Metrics::default()), None)
+    super::tests::scheduler_with(spec.to_gguf().unwrap(), held, |cfg| {
+        cfg.kv_budget_tokens = 4096;
+        cfg.prefix_cache_bytes = cache;
+    })
 }
 
 /// A route of schedulers over the model's layers cut at `cuts`, with the hops between them.
