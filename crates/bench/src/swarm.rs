@@ -123,6 +123,8 @@ pub struct LocalTracker {
     dir: std::path::PathBuf,
     pub addr: String,
     pub token_file: std::path::PathBuf,
+    /// The key the tracker proves on its links, in hex (`--tracker-key`).
+    pub link_key: String,
     temporary: bool,
 }
 
@@ -160,8 +162,8 @@ impl LocalTracker {
         let v: serde_json::Value = serde_json::from_str(&line).context("reading the tracker's ready line")?;
         let field =
             |k: &str| v[k].as_str().map(str::to_string).ok_or_else(|| BenchError::Local(format!("the tracker's ready line has no {k}")));
-        let (addr, token_file) = (field("listening")?, field("join_token_file")?.into());
-        Ok(LocalTracker { child, dir, addr, token_file, temporary: false })
+        let (addr, token_file, link_key) = (field("listening")?, field("join_token_file")?.into(), field("link_key")?);
+        Ok(LocalTracker { child, dir, addr, token_file, link_key, temporary: false })
     }
 
     /// The tracker process's id.
@@ -169,9 +171,10 @@ impl LocalTracker {
         self.child.id()
     }
 
-    /// The flags that make a worker join this tracker.
+    /// The flags that make a worker join this tracker (and no other proving another key).
     pub fn join_flags(&self) -> Vec<String> {
-        vec!["--tracker".into(), self.addr.clone(), "--join-token-file".into(), self.token_file.display().to_string()]
+        let token = self.token_file.display().to_string();
+        vec!["--tracker".into(), self.addr.clone(), "--join-token-file".into(), token, "--tracker-key".into(), self.link_key.clone()]
     }
 }
 

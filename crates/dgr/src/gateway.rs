@@ -29,7 +29,9 @@ pub struct Args {
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]
-    pub plaintext: crate::plaintext::PlaintextArg,
+    pub plaintext: crate::links::PlaintextArg,
+    #[command(flatten)]
+    pub tracker_key: crate::links::TrackerKeyArg,
 }
 
 #[derive(clap::Args, Clone)]
@@ -179,6 +181,7 @@ pub async fn register_keys(gw: &Gateway, keys: &KeysArgs) -> Result<usize> {
 
 pub fn run(a: Args) -> Result<()> {
     a.plaintext.apply("gateway");
+    a.tracker_key.apply();
     let tls = a.tls.load()?;
     let models = if a.model.is_empty() { vec![crate::model::ModelArg { model: None }.path()?] } else { a.model.clone() };
     let mut cfg = a.limits.config(a.tracker.clone(), models)?;

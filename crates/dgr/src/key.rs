@@ -14,6 +14,10 @@ pub enum Command {
 
 #[derive(clap::Args)]
 pub struct AddArgs {
+    #[command(flatten)]
+    pub tracker_key: crate::links::TrackerKeyArg,
+    #[command(flatten)]
+    pub plaintext: crate::links::PlaintextArg,
     /// The tracker's address (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated (the first that answers)
     #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     tracker: String,
@@ -30,6 +34,8 @@ pub struct AddArgs {
 
 pub fn run(c: Command) -> Result<()> {
     let Command::Add(a) = c;
+    a.plaintext.apply("key");
+    a.tracker_key.apply();
     let join_token = read_secret(&a.join_token_file.unwrap_or_else(|| state_dir().join("join-token")))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let add = KeyAdd { join_token, name: a.name.clone(), quota_tokens: a.quota_tokens, key: String::new() };

@@ -33,7 +33,9 @@ pub struct RouteArgs {
     #[arg(long, default_value = "f32")]
     pub seam_dtype: String,
     #[command(flatten)]
-    pub plaintext: crate::plaintext::PlaintextArg,
+    pub plaintext: crate::links::PlaintextArg,
+    #[command(flatten)]
+    pub tracker_key: crate::links::TrackerKeyArg,
 }
 
 /// Runs the request along the route. The outer error is a local problem (bad options, workers
@@ -51,6 +53,7 @@ pub fn generate(
     let step_timeout =
         Duration::try_from_secs_f64(a.step_timeout).ok().filter(|d| !d.is_zero()).context("--step-timeout must be positive")?;
     a.plaintext.apply("generate");
+    a.tracker_key.apply();
     let worker_flags: Vec<String> = if a.plaintext.insecure_plaintext { vec!["--insecure-plaintext".into()] } else { Vec::new() };
     let swarm;
     let addrs: Vec<String> = match (&a.route, a.split) {

@@ -7,6 +7,10 @@ use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct SwarmArgs {
+    #[command(flatten)]
+    pub tracker_key: crate::links::TrackerKeyArg,
+    #[command(flatten)]
+    pub plaintext: crate::links::PlaintextArg,
     /// The tracker's address (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated (the first that answers)
     #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     tracker: String,
@@ -17,6 +21,10 @@ pub struct SwarmArgs {
 
 #[derive(clap::Args)]
 pub struct UsageArgs {
+    #[command(flatten)]
+    pub tracker_key: crate::links::TrackerKeyArg,
+    #[command(flatten)]
+    pub plaintext: crate::links::PlaintextArg,
     /// The tracker's address (host:port, [v6]:port, or dgr://, tcp://, http:// before either), or the swarm's trackers, comma-separated (the first that answers)
     #[arg(long, env = "DGR_TRACKER", value_parser = crate::addr::list)]
     tracker: String,
@@ -41,6 +49,8 @@ fn ask(tracker: &str, q: TrackerBody) -> Result<TrackerBody> {
 }
 
 pub fn swarm(a: SwarmArgs) -> Result<()> {
+    a.plaintext.apply("swarm");
+    a.tracker_key.apply();
     check_format(&a.format)?;
     let TrackerBody::SwarmReply(r) = ask(&a.tracker, TrackerBody::SwarmQuery(SwarmQuery {}))? else {
         bail!("the tracker answered something else");
@@ -90,6 +100,8 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
 }
 
 pub fn usage(a: UsageArgs) -> Result<()> {
+    a.plaintext.apply("usage");
+    a.tracker_key.apply();
     check_format(&a.format)?;
     if a.by != "key" && a.by != "worker" {
         bail!("--by {:?}: use key or worker", a.by);

@@ -43,9 +43,12 @@ pub struct Args {
     /// and is billed the tokens it actually used
     #[arg(long, default_value_t = 300)]
     reservation_ttl_s: u64,
+    #[command(flatten)]
+    plaintext: crate::links::PlaintextArg,
 }
 
 pub fn run(a: Args) -> Result<()> {
+    a.plaintext.apply("tracker");
     let ledger = match (a.ledger, a.db) {
         (Some(l), _) => LedgerSpec::parse(&l),
         (None, Some(path)) => LedgerSpec::Sqlite(path),
@@ -74,10 +77,15 @@ pub fn run(a: Args) -> Result<()> {
                 "ledger": ledger.to_string(),
                 "join_token_file": token_file,
                 "key_id": tracker.key_id(),
+                "link_key": tracker.link_key(),
                 "api_keys_required": tracker.requires_keys()?,
             })
         );
-        eprintln!("dgr tracker: serving on {addr} (GET http://{addr}/metrics); workers join with the token in {}", token_file.display());
+        eprintln!(
+            "dgr tracker: serving on {addr} (GET http://{addr}/metrics); workers join with the token in {}; clients pin this tracker with --tracker-key {}",
+            token_file.display(),
+            tracker.link_key()
+        );
         tracker.serve(listener, advertise, shutdown).await?;
         eprintln!("dgr tracker: stopped");
         Ok(())

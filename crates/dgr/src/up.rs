@@ -38,7 +38,7 @@ pub struct Args {
     #[command(flatten)]
     limits: LimitArgs,
     #[command(flatten)]
-    plaintext: crate::plaintext::PlaintextArg,
+    plaintext: crate::links::PlaintextArg,
     /// Each worker's prefix cache in MiB (0: off) [default: the worker's, a quarter of its KV budget]
     #[arg(long)]
     prefix_cache_mb: Option<usize>,
@@ -66,15 +66,19 @@ pub fn run(a: Args) -> Result<()> {
     let micro_batches = a.workers.max(1);
     let started = Instant::now();
     eprint!("dgr up: tracker … ");
-    let tracker = LocalTracker::start_in(&crate::state::state_dir().join("up"), &a.tracker_listen, &["--heartbeat-ms", "1000"])?;
+    a.plaintext.apply("up");
+    let tracker_flags: &[&str] =
+        if a.plaintext.insecure_plaintext { &["--heartbeat-ms", "1000", "--insecure-plaintext"] } else { &["--heartbeat-ms", "1000"] };
+    let tracker = LocalTracker::start_in(&crate::state::state_dir().join("up"), &a.tracker_listen, tracker_flags)?;
     eprintln!("{}", tracker.addr);
+    // The gateway runs in this process: its tracker links accept this tracker's key alone.
+    dgr_proto::pin_tracker_keys(vec![dgr_proto::parse_tracker_key(&tracker.link_key).map_err(anyhow::Error::msg)?]);
     let mut flags = tracker.join_flags();
     flags.extend(numerics);
     flags.extend(["--micro-batches".to_string(), micro_batches.to_string()]);
     if let Some(mb) = a.prefix_cache_mb {
         flags.extend(["--prefix-cache-mb".to_string(), mb.to_string()]);
     }
-    a.plaintext.apply("up");
     if a.plaintext.insecure_plaintext {
         flags.push("--insecure-plaintext".into());
     }
@@ -128,6 +132,7 @@ pub fn run(a: Args) -> Result<()> {
              -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"
         );
         eprintln!("  join token:  {}", tracker.token_file.display());
+        eprintln!("  tracker key: {} (clients and workers pin it with --tracker-key)", tracker.link_key);
         eprintln!("  add a worker from another host (copy the join token file and the model there first):");
         eprintln!("    {}", add_worker_command(&tracker, &model, n_layers));
         if tracker.addr.starts_with("127.") || tracker.addr.starts_with("[::1]") || tracker.addr.starts_with("localhost:") {
@@ -155,7 +160,8 @@ fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path, n_layers:
         tracker.addr.clone()
     };
     format!(
-        "dgr worker --tracker {addr} --join-token-file {} --model {} --layers 0..{n_layers} --listen 0.0.0.0:7401 --advertise THAT_HOST:7401",
+        "dgr worker --tracker {addr} --tracker-key {} --join-token-file {} --model {} --layers 0..{n_layers} --listen 0.0.0.0:7401 --advertise THAT_HOST:7401",
+        tracker.link_key,
         tracker.token_file.display(),
         model.display()
     )

@@ -12,7 +12,9 @@ pub struct Args {
     #[command(flatten)]
     numerics: NumericsArg,
     #[command(flatten)]
-    plaintext: crate::plaintext::PlaintextArg,
+    plaintext: crate::links::PlaintextArg,
+    #[command(flatten)]
+    tracker_key: crate::links::TrackerKeyArg,
     /// The layer range to serve, A..B (layers A to B-1; the first stage starts at 0, the last ends at the model's layer count)
     #[arg(long)]
     layers: String,
@@ -127,6 +129,7 @@ fn positive(v: f64, name: &str) -> Result<Duration> {
 
 pub fn run(a: Args) -> Result<()> {
     a.plaintext.apply("worker");
+    a.tracker_key.apply();
     let identity = match (&a.key_file, a.tracker.is_empty()) {
         (_, true) => None,
         (Some(f), false) => Some(dgr_worker::load_or_create_identity(f).with_context(|| format!("identity key {}", f.display()))?),

@@ -229,3 +229,96 @@ fn a_next_hop_the_ticket_does_not_name_is_refused_by_the_previous_stage() {
     assert!(e.to_string().contains("the ticket names"), "{e}");
     println!("next hop refused: {e}");
 }
+
+/// A worker of every layer joined to the tracker at `addr` (a tap in front of `t`, say), with
+/// `extra` flags; it does not wait for the join.
+fn worker_via(t: &Tracker, addr: &str, key: &str, extra: &[&str]) -> Proc {
+    let mut cmd = dgr();
+    cmd.args(["worker", "--threads", "1", "--layers", "0..30", "--listen", "127.0.0.1:0", "--tracker", addr, "--join-token-file"])
+        .arg(&t.token_file)
+        .arg("--key-file")
+        .arg(t.dir.join(format!("{key}.key")))
+        .arg("--model")
+        .arg(model())
+        .args(extra);
+    Proc::spawn(cmd)
+}
+
+/// `dgr generate --tracker addr` with `extra` flags, four greedy tokens.
+fn generate_via(addr: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["--format", "json", "--threads", "1", "--prompt", "Hello", "--tracker", addr, "--max-tokens", "4", "--ignore-eos"];
+    args.extend_from_slice(extra);
+    Proc::spawn(generate_cmd(&args)).wait_within(Duration::from_secs(60))
+}
+
+/// `dgr key add` at `t` through `addr`: the new key's secret.
+fn add_key_via(t: &Tracker, addr: &str, extra: &[&str]) -> String {
+    let out = dgr()
+        .args(["key", "add", "--tracker", addr, "--name", "tenant", "--join-token-file"])
+        .arg(&t.token_file)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "key add: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<Value>(&out.stdout).unwrap()["key"].as_str().unwrap().to_string()
+}
+
+/// Waits until `t` lists a live worker, asking with `flags`.
+fn wait_joined(t: &Tracker, flags: &[&str], what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let live = || {
+        let out = dgr().args(["swarm", "--format", "json", "--tracker", &t.addr]).args(flags).output().unwrap();
+        assert!(out.status.success(), "{what}: dgr swarm: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).contains("\"live\":true")
+    };
+    while !live() {
+        assert!(Instant::now() < deadline, "{what}: no worker joined within 30 s: {}", t.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The tracker's links: a recording proxy in front of a tracker, with a worker joining and a
+/// client adding an API key, routing and reporting usage through it, captures neither the join
+/// token nor the API key — while the same run against a tracker and clients that all asked for
+/// `--insecure-plaintext` shows both, so the search can find them. A client or worker pinning
+/// another tracker's key is refused with a line saying so, and a client in the other link mode
+/// than the tracker's is refused.
+#[test]
+fn tracker_links_are_encrypted_and_the_tracker_proves_its_key() {
+    let _g = serial();
+    for plain in [false, true] {
+        let flags: &[&str] = if plain { &["--insecure-plaintext"] } else { &[] };
+        let t = Tracker::start(if plain { "tracker-link-plain" } else { "tracker-link" }, flags);
+        let tap = Tap::start(&t.addr, None);
+        let api_key = add_key_via(&t, &tap.addr, flags);
+        let w = worker_via(&t, &tap.addr, "w", flags);
+        wait_joined(&t, flags, "through the tap");
+        let out = generate_via(&tap.addr, &[flags, &["--api-key", &api_key]].concat());
+        let v = ok_json(&out, "a ticketed generation through the tap");
+        assert_eq!(v["tokens"].as_array().map(Vec::len), Some(4));
+        let capture = tap.captured();
+        let token = std::fs::read_to_string(&t.token_file).unwrap();
+        let seen = (contains(&capture, token.trim().as_bytes()), contains(&capture, api_key.as_bytes()));
+        assert_eq!(seen, (plain, plain), "(join token, API key) in the capture of {} bytes, plaintext {plain}", capture.len());
+        println!("tracker links, plaintext {plain}: {} bytes captured; join token and API key seen: {seen:?}", capture.len());
+        drop(w);
+    }
+
+    let t = Tracker::start("tracker-link-pins", &[]);
+    let other = Tracker::start("tracker-link-other", &[]);
+    let out = generate_via(&t.addr, &["--tracker-key", &other.link_key]);
+    let said = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && said.contains("not a pinned one"), "a client pinning another key: {said}");
+    let out = generate_via(&t.addr, &["--insecure-plaintext"]);
+    let said = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && said.contains("--insecure-plaintext"), "a plaintext client, encrypted tracker: {said}");
+    let out = generate_via(&other.addr, &["--tracker-key", &other.link_key]);
+    let said = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!said.contains("not a pinned one") && !said.contains("secure link"), "the right pin is accepted: {said}");
+
+    let w = worker_via(&t, &t.addr, "pinned-wrong", &["--tracker-key", &other.link_key, "--join-timeout", "2"]);
+    let out = w.wait_within(Duration::from_secs(30));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && log.contains("not a pinned one"), "a worker pinning another key: {log}");
+    assert!(t.live_ids().is_empty(), "it never joined");
+}

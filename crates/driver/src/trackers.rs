@@ -92,7 +92,7 @@ pub fn fails_over(e: &TrackerCallError) -> bool {
         TrackerCallError::Refused(r) => {
             matches!(r.refusal_kind(), RefusalKind::Internal | RefusalKind::Overloaded | RefusalKind::Unavailable)
         }
-        TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. } => true,
+        TrackerCallError::Io { .. } | TrackerCallError::Protocol { .. } | TrackerCallError::Key { .. } => true,
     }
 }
 

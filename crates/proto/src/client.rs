@@ -1,7 +1,8 @@
-//! A client's connection to a tracker: Hello and the tracker's challenge, then one request and
-//! its answer at a time.
+//! A client's connection to a tracker: the secure channel (the tracker proves a key the client
+//! accepts, `trust`), Hello and the tracker's challenge, then one request and its answer at a
+//! time.
 
-use crate::{codec, Challenge, Join, Joined, Refused, Registration, SigningKey, TrackerBody, TrackerFrame};
+use crate::{codec, Challenge, Join, Joined, Refused, Registration, SecureStream, SigningKey, TrackerBody, TrackerFrame};
 use bytes::Bytes;
 use ed25519_dalek::Signer;
 use futures::{SinkExt, StreamExt};
@@ -9,6 +10,9 @@ use prost::Message;
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
+
+/// What a call's error says when the tracker closed the link.
+const CLOSED: &str = "connection closed";
 
 /// Tracker frames are small; this caps what a client will buffer.
 pub const TRACKER_MAX_FRAME: usize = 16 << 20;
@@ -21,11 +25,13 @@ pub enum TrackerCallError {
     Refused(Refused),
     #[error("tracker {addr}: unexpected answer")]
     Protocol { addr: String },
+    #[error("tracker {addr}: {why}")]
+    Key { addr: String, why: String },
 }
 
 pub struct TrackerClient {
     addr: String,
-    framed: Framed<TcpStream, LengthDelimitedCodec>,
+    framed: Framed<SecureStream, LengthDelimitedCodec>,
     timeout: Duration,
     pub challenge: Challenge,
 }
@@ -38,12 +44,23 @@ impl TrackerClient {
             std::io::ErrorKind::ConnectionRefused => io("connection refused: nothing listens there (check the address and port)".into()),
             _ => io(e.to_string()),
         })?;
-        let _ = s.set_nodelay(true);
+        // The process's own identity: a worker proves the key it joins with, a driver a random one.
+        let s = crate::initiate(s, timeout).await.map_err(|e| io(format!("secure link: {e}")))?;
+        if let Some(peer) = s.peer() {
+            crate::trust::check(addr, peer).map_err(|why| TrackerCallError::Key { addr: addr.into(), why })?;
+        }
         let mut c =
             TrackerClient { addr: addr.into(), framed: Framed::new(s, codec(TRACKER_MAX_FRAME)), timeout, challenge: Challenge::default() };
-        match c.call(crate::TrackerHello::body()).await? {
-            TrackerBody::Challenge(ch) => c.challenge = ch,
-            _ => return Err(TrackerCallError::Protocol { addr: addr.into() }),
+        match c.call(crate::TrackerHello::body()).await {
+            Ok(TrackerBody::Challenge(ch)) => c.challenge = ch,
+            Ok(_) => return Err(TrackerCallError::Protocol { addr: addr.into() }),
+            // A tracker that refuses the link's mode closes it before its challenge.
+            Err(TrackerCallError::Io { why, .. }) if why == CLOSED => {
+                return Err(io(
+                    "the tracker closed the link before its challenge (encrypted on one end and --insecure-plaintext on the other? both must ask)".into(),
+                ))
+            }
+            Err(e) => return Err(e),
         }
         Ok(c)
     }
@@ -57,7 +74,7 @@ impl TrackerClient {
     /// The next frame; a `Refused` becomes an error.
     pub async fn recv(&mut self) -> Result<TrackerBody, TrackerCallError> {
         let next = tokio::time::timeout(self.timeout, self.framed.next()).await.map_err(|_| self.io("no answer in time"))?;
-        let bytes = next.ok_or_else(|| self.io("connection closed"))?.map_err(|e| self.io(&e.to_string()))?;
+        let bytes = next.ok_or_else(|| self.io(CLOSED))?.map_err(|e| self.io(&e.to_string()))?;
         match TrackerFrame::decode(bytes).map(|f| f.body) {
             Ok(Some(TrackerBody::Refused(r))) => Err(TrackerCallError::Refused(r)),
             Ok(Some(b)) => Ok(b),
@@ -86,7 +103,7 @@ impl TrackerClient {
     }
 
     /// The framed connection, for a long-lived exchange (a worker's control connection).
-    pub fn into_framed(self) -> Framed<TcpStream, LengthDelimitedCodec> {
+    pub fn into_framed(self) -> Framed<SecureStream, LengthDelimitedCodec> {
         self.framed
     }
 

@@ -16,6 +16,7 @@ mod seam;
 mod secure;
 mod ticket;
 mod tracker;
+mod trust;
 
 pub use addr::{parse_addr, parse_addrs, AddrError, SCHEMES};
 pub use check::{check_forward, check_open, session_id, ProtoError, SessionId};
@@ -26,14 +27,18 @@ pub use messages::*;
 pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
 pub use prefix::{check_prefix_blocks, prefix_chain, prefix_chain_bytes, PREFIX_BLOCK};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
-pub use secure::{initiate, insecure_plaintext, local_key, respond, set_identity, set_insecure_plaintext, SecureError, SecureStream};
+pub use secure::{
+    initiate, insecure_plaintext, is_preamble, local_key, respond, respond_as, set_identity, set_insecure_plaintext, Identity, SecureError,
+    SecureStream,
+};
 pub use ticket::{
     check_ticket_open, key_id, new_signing_key, sign_ticket, verify_ticket, verifying_key, worker_id, SignedTicket, Ticket, TicketError,
 };
 pub use tracker::*;
+pub use trust::{parse_tracker_key, pin_tracker_keys};
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

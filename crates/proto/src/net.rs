@@ -7,7 +7,7 @@ use crate::{RelayConnect, RelayDial, TrackerBody, TrackerFrame};
 use prost::Message;
 use std::io::{Error, ErrorKind};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// The largest frame exchanged before a relayed socket is spliced.
@@ -79,16 +79,17 @@ async fn connect(addr: &str) -> std::io::Result<TcpStream> {
 }
 
 /// Writes one length-prefixed frame.
-pub async fn write_frame(s: &mut TcpStream, f: &TrackerFrame) -> std::io::Result<()> {
+pub async fn write_frame<S: AsyncWrite + Unpin>(s: &mut S, f: &TrackerFrame) -> std::io::Result<()> {
     let body = f.encode_to_vec();
     let mut buf = (body.len() as u32).to_be_bytes().to_vec();
     buf.extend_from_slice(&body);
-    s.write_all(&buf).await
+    s.write_all(&buf).await?;
+    s.flush().await
 }
 
 /// Reads exactly one length-prefixed frame of at most `max` bytes and not a byte more, so that
 /// the socket can be handed on (spliced, or framed anew) with nothing left in a buffer.
-pub async fn read_frame(s: &mut TcpStream, max: usize) -> std::io::Result<TrackerFrame> {
+pub async fn read_frame<S: AsyncRead + Unpin>(s: &mut S, max: usize) -> std::io::Result<TrackerFrame> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;

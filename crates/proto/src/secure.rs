@@ -58,9 +58,9 @@ impl SecureError {
     }
 }
 
-/// This process's identity on its links: an Ed25519 key (a worker's admitted one, or a random
-/// one for a driver), the Noise static key it signs, and that signature.
-struct Identity {
+/// An identity on links: an Ed25519 key (a worker's admitted one, a tracker's signing key, or a
+/// random one for a driver), the Noise static key it signs, and that signature.
+pub struct Identity {
     key: SigningKey,
     noise_private: Vec<u8>,
     proof: Vec<u8>,
@@ -68,6 +68,17 @@ struct Identity {
 
 static IDENTITY: OnceLock<Identity> = OnceLock::new();
 static PLAINTEXT: AtomicBool = AtomicBool::new(false);
+
+impl Identity {
+    /// The identity `key` proves on the links it answers (`respond_as`).
+    pub fn new(key: &SigningKey) -> Result<Identity, SecureError> {
+        make_identity(key.clone())
+    }
+
+    pub fn public(&self) -> VerifyingKey {
+        self.key.verifying_key()
+    }
+}
 
 fn make_identity(key: SigningKey) -> Result<Identity, SecureError> {
     let builder = snow::Builder::new(NOISE_PARAMS.parse().map_err(|e| SecureError::Handshake(format!("{e}")))?);
@@ -196,30 +207,44 @@ pub async fn respond(mut io: TcpStream, timeout: Duration) -> std::io::Result<Se
     let run = async {
         let mut preamble = [0u8; 4];
         io.read_exact(&mut preamble).await?;
-        match (&preamble, insecure_plaintext()) {
-            (PREAMBLE_PLAIN, true) => return Ok(SecureStream::wrap(io, None, None)),
-            (PREAMBLE_PLAIN, false) => return Err(SecureError::Plaintext("this end was not started with --insecure-plaintext".into()).io()),
-            (PREAMBLE_NOISE, true) => {
-                return Err(SecureError::Plaintext("this end runs --insecure-plaintext and takes only plaintext".into()).io())
-            }
-            (PREAMBLE_NOISE, false) => {}
-            _ => return Err(SecureError::Handshake("not a dgr link (no preamble)".into()).io()),
-        }
-        let id = identity().map_err(SecureError::io)?;
-        let mut hs = builder(id)?.build_responder().map_err(handshake)?;
-        let mut payload = vec![0u8; MAX_MESSAGE];
-        let msg = read_message(&mut io).await?;
-        hs.read_message(&msg, &mut payload).map_err(handshake)?;
-        let mut buf = vec![0u8; MAX_MESSAGE];
-        let n = hs.write_message(&id.proof, &mut buf).map_err(handshake)?;
-        write_message(&mut io, &buf[..n]).await?;
-        let msg = read_message(&mut io).await?;
-        let p = hs.read_message(&msg, &mut payload).map_err(handshake)?;
-        let peer = check_proof(&hs, &payload[..p])?;
-        let transport = hs.into_transport_mode().map_err(handshake)?;
-        Ok::<_, Error>(SecureStream::wrap(io, Some(transport), Some(peer)))
+        answer(io, preamble, identity().map_err(SecureError::io)?).await
     };
     tokio::time::timeout(timeout, run).await.map_err(|_| SecureError::Handshake("timed out".into()).io())?
+}
+
+/// Answers the secure channel as `id` (not this process's identity) on a connection whose
+/// preamble was read already: a tracker proves its signing key on its links.
+pub async fn respond_as(id: &Identity, preamble: [u8; 4], io: TcpStream, timeout: Duration) -> std::io::Result<SecureStream> {
+    tokio::time::timeout(timeout, answer(io, preamble, id)).await.map_err(|_| SecureError::Handshake("timed out".into()).io())?
+}
+
+/// Whether `head`, a connection's first 4 bytes, opens a secure channel (or a plaintext one).
+pub fn is_preamble(head: &[u8; 4]) -> bool {
+    head == PREAMBLE_NOISE || head == PREAMBLE_PLAIN
+}
+
+async fn answer(mut io: TcpStream, preamble: [u8; 4], id: &Identity) -> std::io::Result<SecureStream> {
+    match (&preamble, insecure_plaintext()) {
+        (PREAMBLE_PLAIN, true) => return Ok(SecureStream::wrap(io, None, None)),
+        (PREAMBLE_PLAIN, false) => return Err(SecureError::Plaintext("this end was not started with --insecure-plaintext".into()).io()),
+        (PREAMBLE_NOISE, true) => {
+            return Err(SecureError::Plaintext("this end runs --insecure-plaintext and takes only plaintext".into()).io())
+        }
+        (PREAMBLE_NOISE, false) => {}
+        _ => return Err(SecureError::Handshake("not a dgr link (no preamble)".into()).io()),
+    }
+    let mut hs = builder(id)?.build_responder().map_err(handshake)?;
+    let mut payload = vec![0u8; MAX_MESSAGE];
+    let msg = read_message(&mut io).await?;
+    hs.read_message(&msg, &mut payload).map_err(handshake)?;
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let n = hs.write_message(&id.proof, &mut buf).map_err(handshake)?;
+    write_message(&mut io, &buf[..n]).await?;
+    let msg = read_message(&mut io).await?;
+    let p = hs.read_message(&msg, &mut payload).map_err(handshake)?;
+    let peer = check_proof(&hs, &payload[..p])?;
+    let transport = hs.into_transport_mode().map_err(handshake)?;
+    Ok(SecureStream::wrap(io, Some(transport), Some(peer)))
 }
 
 fn builder(id: &Identity) -> std::io::Result<snow::Builder<'_>> {

@@ -4,22 +4,21 @@
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
 use crate::store::{key_hash, Grant, StoreError};
 use dgr_proto::{
-    codec, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply, RouteRequest, Suspect, SwarmReply, Ticket,
-    TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, TRACKER_MAX_FRAME,
+    codec, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply, RouteRequest, SecureStream, Suspect,
+    SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, TRACKER_MAX_FRAME,
 };
 use futures::StreamExt;
 use prost::Message;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 
 /// A client connection with no request for this long is closed.
 const CLIENT_IDLE: Duration = Duration::from_secs(120);
 
 /// One request and its answer at a time, until the client goes or idles out.
-pub(crate) async fn client_session(stream: TcpStream, first: TrackerBody, sh: &Arc<Shared>) {
+pub(crate) async fn client_session(stream: SecureStream, first: TrackerBody, sh: &Arc<Shared>) {
     let mut conn = Framed::new(stream, codec(TRACKER_MAX_FRAME));
     let mut next = Some(first);
     loop {

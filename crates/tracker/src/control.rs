@@ -7,21 +7,20 @@ use crate::registry::Joining;
 use crate::server::{lock, refused, send, unix_ms, Conn, Shared};
 use bytes::Bytes;
 use dgr_proto::{
-    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, TrackerBody, TrackerFrame,
-    TRACKER_MAX_FRAME,
+    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, SecureStream, TrackerBody,
+    TrackerFrame, TRACKER_MAX_FRAME,
 };
 use ed25519_dalek::Signature;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
 
 /// A worker's control connection: checks its join, then keeps its record live until it leaves,
 /// the connection drops, or it re-joins on another connection.
-pub(crate) async fn worker_session(mut stream: TcpStream, j: Join, nonce: &[u8], sh: &Arc<Shared>) {
+pub(crate) async fn worker_session(mut stream: SecureStream, j: Join, nonce: &[u8], sh: &Arc<Shared>) {
     let reg = match check_join(&j, nonce, sh) {
         Ok(reg) => reg,
         Err((kind, msg)) => {

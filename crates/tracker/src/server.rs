@@ -1,21 +1,27 @@
-//! The tracker's network side: accepting connections (capped), the opening (the client's Hello,
-//! the tracker's `Challenge`), and the dispatch on the first frame: a worker joining (`control`),
-//! a relay leg (`relay`), or a client's first request (`answers`). A connection that starts with
-//! "GET " is HTTP (/metrics, /health).
+//! The tracker's network side: accepting connections (capped), the secure channel (the tracker
+//! proves its signing key; `--insecure-plaintext` on both ends for clear), the opening (the
+//! client's Hello, the tracker's `Challenge`), and the dispatch on the first frame: a worker
+//! joining (`control`) or a client's first request (`answers`). A relay leg (`relay`) opens
+//! with a Hello in clear instead, since its socket is spliced to a worker's and carries that
+//! link's own end-to-end channel. A connection that starts with "GET " is HTTP (/metrics,
+//! /health).
 
 use crate::keys::KeySet;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::store::{Ledger, LedgerSpec, StoreError};
 use bytes::Bytes;
-use dgr_proto::{read_frame, write_frame, Challenge, RefusalKind, Refused, SigningKey, TrackerBody, TrackerFrame, PROTOCOL_VERSION};
+use dgr_proto::{
+    is_preamble, read_frame, respond_as, write_frame, Challenge, Identity, RefusalKind, Refused, SecureError, SecureStream, SigningKey,
+    TrackerBody, TrackerFrame, PROTOCOL_VERSION,
+};
 use futures::SinkExt;
 use prost::Message;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio_util::codec::Framed;
@@ -59,6 +65,8 @@ pub enum TrackerError {
     Store(#[from] StoreError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error("the link identity: {0}")]
+    Link(#[from] SecureError),
 }
 
 pub struct Tracker {
@@ -70,6 +78,8 @@ pub(crate) struct Shared {
     pub(crate) store: Ledger,
     pub(crate) registry: Mutex<Registry>,
     pub(crate) keys: KeySet,
+    /// What the tracker proves on its links: the key it signs tickets with.
+    pub(crate) link: Identity,
     pub(crate) metrics: Metrics,
     /// Where clients reach this tracker (relayed workers' addresses point here).
     pub(crate) advertise: Mutex<String>,
@@ -107,6 +117,7 @@ impl Tracker {
         let (current, others) = stored.split_first().ok_or_else(|| StoreError::Decode("no signing key".into()))?;
         let others: Vec<SigningKey> = others.iter().map(|k| k.key.clone()).collect();
         let keys = KeySet::new(current.key.clone(), &others);
+        let link = Identity::new(&current.key)?;
         let mut registry = Registry::new(cfg.heartbeat);
         registry.quarantined = store.call_blocking(|s| s.quarantined())?.into_iter().collect();
         let shared = Shared {
@@ -114,6 +125,7 @@ impl Tracker {
             cfg,
             store,
             keys,
+            link,
             metrics: Metrics::default(),
             advertise: Mutex::new(String::new()),
             relays: Mutex::new(HashMap::new()),
@@ -125,6 +137,12 @@ impl Tracker {
     /// The id of the key this tracker signs tickets with, in hex.
     pub fn key_id(&self) -> String {
         format!("{:016x}", self.shared.keys.current_id())
+    }
+
+    /// The key this tracker proves on its links (its signing key's public half), in hex: what
+    /// clients pin with `--tracker-key`.
+    pub fn link_key(&self) -> String {
+        hex::encode(self.shared.link.public().as_bytes())
     }
 
     /// Whether API keys are required (any key was ever added).
@@ -191,7 +209,8 @@ async fn expire_reservations(sh: Arc<Shared>) {
 }
 
 async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
-    // Every client speaks first: HTTP with "GET ", the tracker protocol with a Hello frame.
+    // Every client speaks first: HTTP with "GET ", the secure channel with its preamble, a relay
+    // leg with a Hello frame in clear.
     let mut head = [0u8; 4];
     if !matches!(tokio::time::timeout(HANDSHAKE, stream.read_exact(&mut head)).await, Ok(Ok(_))) {
         return;
@@ -199,35 +218,40 @@ async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
     if &head == b"GET " {
         return http(stream, head.to_vec(), sh).await;
     }
-    let hello = tokio::time::timeout(HANDSHAKE, read_body(&mut stream, u32::from_be_bytes(head) as usize)).await;
-    match hello {
-        Ok(Ok(TrackerFrame { body: Some(TrackerBody::Hello(h)) })) if h.protocol_version == PROTOCOL_VERSION => {}
-        Ok(Ok(TrackerFrame { body: Some(TrackerBody::Hello(h)) })) => {
-            let msg = format!("protocol version {} (this tracker speaks {PROTOCOL_VERSION})", h.protocol_version);
-            let _ = write_frame(&mut stream, &TrackerFrame::new(refused(RefusalKind::BadRequest, msg))).await;
-            return;
-        }
-        Ok(_) => {
-            sh.metrics.refused("bad_frame");
-            let _ = write_frame(&mut stream, &TrackerFrame::new(refused(RefusalKind::BadRequest, "expected Hello first"))).await;
-            return;
-        }
-        Err(_) => return,
+    if !is_preamble(&head) {
+        return relay_leg(stream, head, sh).await;
     }
-    let nonce = random::<32>().to_vec();
-    let challenge = Challenge { protocol_version: PROTOCOL_VERSION, nonce: nonce.clone(), keys: sh.keys.public().to_vec() };
-    if write_frame(&mut stream, &TrackerFrame::new(TrackerBody::Challenge(challenge))).await.is_err() {
+    let mut link = match respond_as(&sh.link, head, stream, HANDSHAKE).await {
+        Ok(link) => link,
+        Err(e) => {
+            sh.metrics.refused("link");
+            eprintln!("dgr tracker: refused a link: {e}");
+            return;
+        }
+    };
+    let mut len = [0u8; 4];
+    if !matches!(tokio::time::timeout(HANDSHAKE, link.read_exact(&mut len)).await, Ok(Ok(_))) {
         return;
     }
-    let first = match tokio::time::timeout(HANDSHAKE, read_frame(&mut stream, FIRST_FRAME)).await {
-        Ok(Ok(TrackerFrame { body: Some(b) })) => b,
-        Ok(Ok(_)) | Ok(Err(_)) => {
+    let Some((nonce, first)) = opening(&mut link, len, sh).await else { return };
+    match first {
+        // The join's signature of this connection's nonce proves its key, whatever key the link
+        // proved (a load generator joins many workers over links of its own one key).
+        TrackerBody::Join(j) => crate::control::worker_session(link, j, &nonce, sh).await,
+        TrackerBody::RelayConnect(_) | TrackerBody::RelayAccept(_) => {
             sh.metrics.refused("bad_frame");
-            let _ = write_frame(&mut stream, &TrackerFrame::new(refused(RefusalKind::BadRequest, "unreadable first frame"))).await;
-            return;
+            let msg = "a relay leg opens with a Hello in clear: its socket is spliced as it is";
+            let _ = write_frame(&mut link, &TrackerFrame::new(refused(RefusalKind::BadRequest, msg))).await;
         }
-        Err(_) => return,
-    };
+        other => crate::answers::client_session(link, other, sh).await,
+    }
+}
+
+/// A relay leg: a Hello in clear (its length prefix in `head`), then RelayConnect or
+/// RelayAccept; its socket is then spliced to a worker's as it is, carrying that link's own
+/// end-to-end channel. Anything else needs the secure channel.
+async fn relay_leg(mut stream: TcpStream, head: [u8; 4], sh: &Arc<Shared>) {
+    let Some((_, first)) = opening(&mut stream, head, sh).await else { return };
     match first {
         TrackerBody::RelayConnect(rc) => crate::relay::relay_client(stream, rc, sh).await,
         TrackerBody::RelayAccept(d) => {
@@ -235,19 +259,55 @@ async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
                 let _ = tx.send(stream);
             }
         }
-        TrackerBody::Join(j) => crate::control::worker_session(stream, j, &nonce, sh).await,
-        other => crate::answers::client_session(stream, other, sh).await,
+        _ => {
+            sh.metrics.refused("plaintext");
+            let msg = "this tracker takes requests on encrypted links only (both ends need --insecure-plaintext for clear)";
+            let _ = write_frame(&mut stream, &TrackerFrame::new(refused(RefusalKind::BadRequest, msg))).await;
+        }
     }
 }
 
-pub(crate) type Conn = Framed<TcpStream, tokio_util::codec::LengthDelimitedCodec>;
+/// The opening after the Hello's length prefix `len`: the Hello, the tracker's challenge, and
+/// the client's first frame (read exactly, so a relay leg's socket holds nothing more), with
+/// the challenge's nonce; None once the connection is refused or gone.
+async fn opening<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, len: [u8; 4], sh: &Arc<Shared>) -> Option<(Vec<u8>, TrackerBody)> {
+    let hello = tokio::time::timeout(HANDSHAKE, read_body(s, u32::from_be_bytes(len) as usize)).await;
+    match hello {
+        Ok(Ok(TrackerFrame { body: Some(TrackerBody::Hello(h)) })) if h.protocol_version == PROTOCOL_VERSION => {}
+        Ok(Ok(TrackerFrame { body: Some(TrackerBody::Hello(h)) })) => {
+            let msg = format!("protocol version {} (this tracker speaks {PROTOCOL_VERSION})", h.protocol_version);
+            let _ = write_frame(s, &TrackerFrame::new(refused(RefusalKind::BadRequest, msg))).await;
+            return None;
+        }
+        Ok(_) => {
+            sh.metrics.refused("bad_frame");
+            let _ = write_frame(s, &TrackerFrame::new(refused(RefusalKind::BadRequest, "expected Hello first"))).await;
+            return None;
+        }
+        Err(_) => return None,
+    }
+    let nonce = random::<32>().to_vec();
+    let challenge = Challenge { protocol_version: PROTOCOL_VERSION, nonce: nonce.clone(), keys: sh.keys.public().to_vec() };
+    write_frame(s, &TrackerFrame::new(TrackerBody::Challenge(challenge))).await.ok()?;
+    match tokio::time::timeout(HANDSHAKE, read_frame(s, FIRST_FRAME)).await {
+        Ok(Ok(TrackerFrame { body: Some(b) })) => Some((nonce, b)),
+        Ok(Ok(_)) | Ok(Err(_)) => {
+            sh.metrics.refused("bad_frame");
+            let _ = write_frame(s, &TrackerFrame::new(refused(RefusalKind::BadRequest, "unreadable first frame"))).await;
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+pub(crate) type Conn = Framed<SecureStream, tokio_util::codec::LengthDelimitedCodec>;
 
 pub(crate) async fn send(conn: &mut Conn, body: TrackerBody) -> bool {
     conn.send(Bytes::from(TrackerFrame::new(body).encode_to_vec())).await.is_ok()
 }
 
 /// The body of a frame whose length prefix was read already, `len` ≤ FIRST_FRAME bytes.
-async fn read_body(s: &mut TcpStream, len: usize) -> std::io::Result<TrackerFrame> {
+async fn read_body<S: AsyncRead + Unpin>(s: &mut S, len: usize) -> std::io::Result<TrackerFrame> {
     if len > FIRST_FRAME {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "first frame too long"));
     }

@@ -43,6 +43,8 @@ pub struct Tracker {
     pub addr: String,
     pub dir: PathBuf,
     pub token_file: PathBuf,
+    /// The key it proves on its links (`--tracker-key`), in hex.
+    pub link_key: String,
     log: Arc<Mutex<Vec<u8>>>,
 }
 
@@ -101,7 +103,8 @@ impl Tracker {
             .env("DGR_STATE_DIR", dir);
         let (child, v, log) = spawn_ready(cmd, "tracker");
         let addr = v["listening"].as_str().expect("listening").to_string();
-        Tracker { child, addr, dir: dir.to_path_buf(), token_file, log }
+        let link_key = v["link_key"].as_str().expect("link_key").to_string();
+        Tracker { child, addr, dir: dir.to_path_buf(), token_file, link_key, log }
     }
 
     pub fn kill(&mut self) {
