@@ -16,11 +16,12 @@
 
 use dgr_gguf::{quant, GgmlType, Gguf, GgufWriter, ModelIdentity, Value};
 use dgr_proto::{
-    check_forward, check_open, check_ticket_open, decode_rows, encode_rows, key_id, session_id, sign_ticket, verify_ticket, verifying_key,
-    worker_id, Body, BoundarySchema, Challenge, Embed, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hello, Hop, Join, Joined,
-    OpenSession, Ping, Pooling, RefusalKind, Refused, Registration, Role, RouteReply, RouteRequest, RouteStage, Sampling, SeamDtype,
-    SessionRef, SignedTicket, SigningKey, StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello,
-    TrackerKey, Usage, VerifyingKey, MAX_CHUNK, PROTOCOL_VERSION,
+    check_forward, check_open, check_prefix_probes, check_ticket_open, decode_rows, encode_rows, key_id, session_id, sign_ticket,
+    verify_ticket, verifying_key, worker_id, Body, BoundarySchema, Challenge, Embed, Embedding, ErrorKind, ErrorMsg, Forward, Frame,
+    Heartbeat, Hello, Hop, Join, Joined, Load, OpenSession, Ping, Pooling, PrefixHeld, PrefixProbe, RefusalKind, Refused, Registration,
+    Role, RouteReply, RouteRequest, RouteStage, Sampling, SeamDtype, SessionRef, SignedTicket, SigningKey, StageInfo, Ticket, TicketError,
+    TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage, VerifyingKey, MAX_CHUNK, MAX_HELD_DIGESTS,
+    PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, Signer};
 use prost::Message;
@@ -344,7 +345,8 @@ const JOIN_NONCE: &[u8] = b"fuzz-nonce-0123456789abcdef";
 
 /// Decodes the bytes as a `TrackerFrame` and checks what a receiver checks with no state: a
 /// join's identity key and its signature of the challenge (as the tracker's `check_join` does),
-/// a challenge's tracker key, a route reply's signed ticket.
+/// a challenge's tracker key, a route reply's signed ticket, a route request's prefix probes and
+/// the size of a heartbeat's held prefix blocks.
 pub fn tracker_frame(data: &[u8]) -> bool {
     let Ok(frame) = TrackerFrame::decode(data) else {
         return false;
@@ -362,6 +364,9 @@ pub fn tracker_frame(data: &[u8]) -> bool {
             let Some(signed) = &r.ticket else { return false };
             verify_ticket(signed, key_of, NOW_MS).is_ok()
         }
+        // What the tracker checks of a route request's probes and of a heartbeat's held blocks.
+        Some(TrackerBody::RouteRequest(r)) => check_prefix_probes(&r.prefix).is_ok(),
+        Some(TrackerBody::Heartbeat(h)) => h.prefix.as_ref().is_none_or(|p| p.digests.len() <= MAX_HELD_DIGESTS),
         Some(TrackerBody::Refused(r)) => {
             black_box((r.refusal_kind().name(), &r.message));
             true
@@ -705,7 +710,12 @@ fn tracker_seeds() -> Vec<(&'static str, TrackerFrame)> {
         api_key: "sk-test".into(),
         request_id: "req-1".into(),
         exclude: vec!["w2".into()],
+        prefix: (1..=40).map(|blocks| PrefixProbe { blocks, chain: 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(u64::from(blocks)) }).collect(),
         ..Default::default()
+    };
+    let beat = Heartbeat {
+        load: Some(Load { sessions: 3, queue_depth: 1, kv_used_tokens: 900, recent_step_us: 812.5 }),
+        prefix: Some(PrefixHeld { digests: (0..300).map(|i| 0x5851_f42d_4c95_7f2du64.wrapping_mul(i + 1)).collect() }),
     };
     vec![
         ("hello", TrackerFrame::new(TrackerHello::body())),
@@ -728,6 +738,7 @@ fn tracker_seeds() -> Vec<(&'static str, TrackerFrame)> {
             })),
         ),
         ("route-request", TrackerFrame::new(TrackerBody::RouteRequest(ask))),
+        ("heartbeat", TrackerFrame::new(TrackerBody::Heartbeat(beat))),
         ("route-reply", TrackerFrame::new(TrackerBody::RouteReply(reply))),
         ("refused", TrackerFrame::new(TrackerBody::Refused(Refused::new(RefusalKind::NoRoute, "no worker serves layers 6..12")))),
     ]

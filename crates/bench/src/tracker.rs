@@ -85,7 +85,8 @@ pub fn run(a: Args) -> Result<()> {
         rt.block_on(async {
             let started = Instant::now();
             let budget = 1 + a.gen_tokens as u64;
-            let (route, ticket) = tracker::route(&t.addr, &model_id, "", budget, "", &tracker::new_request_id(), &[avoid.into()]).await?;
+            let (route, ticket) =
+                tracker::route(&t.addr, &model_id, "", budget, "", &tracker::new_request_id(), &[avoid.into()], &[]).await?;
             let route_ms = started.elapsed().as_secs_f64() * 1e3;
             let c = dgr_driver::generate(&route, &req(Some(ticket)), &opts, |_| Flow::Continue).await?;
             Ok((sample(c, route_ms), route.addrs()))

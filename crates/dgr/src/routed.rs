@@ -76,7 +76,8 @@ pub fn generate(
         let (route, ticket, request_id) = match &a.tracker {
             Some(t) => {
                 let request_id = tracker::new_request_id();
-                let (route, ticket) = tracker::route(t, &model_id, &engine.to_string(), budget, &a.api_key, &request_id, &[]).await?;
+                let (route, ticket) =
+                    tracker::route(t, &model_id, &engine.to_string(), budget, &a.api_key, &request_id, &[], &req.prompt_tokens).await?;
                 (route, Some(ticket), request_id)
             }
             None => (Route::discover(&addrs, opts.connect_timeout).await?, None, String::new()),
@@ -116,9 +117,10 @@ pub fn generate(
         // route has no one to ask.
         let replan = |exclude: Vec<String>, budget: u64, engine: String| {
             let (tracker, model_id, key, request_id) = (a.tracker.clone(), model_id.clone(), a.api_key.clone(), request_id.clone());
+            let prompt = req.prompt_tokens.clone();
             async move {
                 let t = tracker.ok_or_else(|| DriveError::new(FailKind::Route, None, None, "no tracker"))?;
-                tracker::route(&t, &model_id, &engine, budget, &key, &request_id, &exclude).await.map(|(r, t)| (r, Some(t)))
+                tracker::route(&t, &model_id, &engine, budget, &key, &request_id, &exclude, &prompt).await.map(|(r, t)| (r, Some(t)))
             }
         };
         let replays = if a.tracker.is_some() { 3 } else { 0 };

@@ -43,7 +43,7 @@ fn run_with_fault(
     rt.block_on(async {
         let request_id = tracker::new_request_id();
         let budget = (prompt.len() + TOKENS) as u64;
-        let (route, ticket) = tracker::route(&t.addr, &model_id, "", budget, "", &request_id, &[]).await.unwrap();
+        let (route, ticket) = tracker::route(&t.addr, &model_id, "", budget, "", &request_id, &[], &[]).await.unwrap();
         let victim = workers.iter().find(|w| w.id == route.stages[stage].worker_id).expect("the route's worker");
         let req = GenRequest {
             prompt_tokens: prompt.to_vec(),
@@ -66,7 +66,7 @@ fn run_with_fault(
         let addr = t.addr.clone();
         let replan = |exclude: Vec<String>, budget: u64, engine: String| {
             let (addr, model_id, request_id) = (addr.clone(), model_id.clone(), request_id.clone());
-            async move { tracker::route(&addr, &model_id, &engine, budget, "", &request_id, &exclude).await.map(|(r, t)| (r, Some(t))) }
+            async move { tracker::route(&addr, &model_id, &engine, budget, "", &request_id, &exclude, &[]).await.map(|(r, t)| (r, Some(t))) }
         };
         let opts = DriveOptions { step_timeout: Duration::from_secs(10), ..DriveOptions::default() };
         let rec = generate_recovering(&Links::new(), (route, Some(ticket)), &req, &opts, on_token, replan, 3).await;

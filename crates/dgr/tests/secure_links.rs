@@ -173,7 +173,7 @@ fn drive_ticketed(t: &Tracker, what: &str) -> Result<dgr_driver::Completion, dgr
     let model_id = dgr_gguf::model_identity(&model()).unwrap().id;
     let rt = runtime();
     rt.block_on(async {
-        let (route, ticket) = dgr_driver::tracker::route(&t.addr, &model_id, "", 64, "", what, &[]).await.expect("a route");
+        let (route, ticket) = dgr_driver::tracker::route(&t.addr, &model_id, "", 64, "", what, &[], &[]).await.expect("a route");
         let req = dgr_driver::GenRequest {
             prompt_tokens: prompt("capital").tokens,
             max_tokens: 2,

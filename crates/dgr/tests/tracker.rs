@@ -319,7 +319,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
         use dgr_driver::{tracker, DriveOptions, Flow, GenRequest};
         let request_id = tracker::new_request_id();
         let prompt: Vec<u32> = vec![504, 2365, 6354, 16438];
-        let (route, ticket) = tracker::route(&t.addr, &model_id, "", 64, &alice, &request_id, &[]).await.unwrap();
+        let (route, ticket) = tracker::route(&t.addr, &model_id, "", 64, &alice, &request_id, &[], &[]).await.unwrap();
         let session = ticket.1;
         let req = GenRequest {
             prompt_tokens: prompt.clone(),

@@ -1,11 +1,12 @@
 //! Acceptance: the tracker's load balancing, join refusal and liveness, against a real
 //! `dgr tracker` process. The workers are fakes in this test: they speak the tracker protocol
 //! (join, heartbeats carrying the sessions they count as open) and serve nothing, so the figures
-//! measure the tracker's decisions alone.
+//! measure the tracker's decisions alone. The last test checks the prefix reports and probes of
+//! cache-aware routing the same way.
 
 use dgr_proto::{
-    Heartbeat, Load, RefusalKind, Registration, RouteRequest, SigningKey, SwarmQuery, TrackerBody, TrackerCallError, TrackerClient,
-    TrackerFrame,
+    tenant_mask, Heartbeat, Load, PrefixHeld, PrefixProbe, RefusalKind, Registration, RouteRequest, SigningKey, SwarmQuery, SwarmReply,
+    TrackerBody, TrackerCallError, TrackerClient, TrackerFrame, MAX_HELD_DIGESTS,
 };
 use futures::{SinkExt, StreamExt};
 use prost::bytes::Bytes;
@@ -182,7 +183,7 @@ impl FakeWorker {
                             continue;
                         }
                         let load = Load { sessions: o.load(Relaxed), ..Default::default() };
-                        let frame = TrackerFrame::new(TrackerBody::Heartbeat(Heartbeat { load: Some(load) }));
+                        let frame = TrackerFrame::new(TrackerBody::Heartbeat(Heartbeat { load: Some(load), prefix: None }));
                         if conn.send(Bytes::from(frame.encode_to_vec())).await.is_err() {
                             return;
                         }
@@ -460,4 +461,85 @@ async fn dropped_or_silent_workers_leave_routes_and_rejoins_are_listed_once() {
     assert!(routed.iter().any(|(_, w)| *w == second.id), "the re-joined worker gets no routes");
     println!("re-join: listed once among {} workers, still routed after the old connection closed", ids.len());
     drop(keep);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefix reports and probes
+
+/// Requests for one prompt go to the replica that reported holding it (counted at /metrics);
+/// a heartbeat naming more prefix blocks than the protocol allows, and a route request with
+/// too many or disordered probes, are typed refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_holders_are_preferred_and_oversized_reports_are_refused() {
+    let _serial = serial().await;
+    // Heartbeats a second apart: the holder, beating once, stays live for the test.
+    let tracker = TrackerProc::start(1000);
+    let mut c = client(&tracker.addr).await;
+    let probes: Vec<PrefixProbe> = (1..=8).map(|b| PrefixProbe { blocks: b, chain: 0xabc0 + u64::from(b) }).collect();
+    // Without API keys routes are billed to (and cached under) "anonymous".
+    let mask = tenant_mask("anonymous");
+    let held: Vec<u64> = probes.iter().map(|p| p.chain ^ mask).collect();
+
+    let (holder, holder_id) = try_join(&tracker.addr, &new_key(), TOKEN, registration(4, 100.0), false).await.unwrap();
+    let other = FakeWorker::join(&tracker.addr, &new_key(), registration(4, 100.0), Duration::from_secs(1)).await;
+    let beat = |digests: Vec<u64>| {
+        let prefix = Some(PrefixHeld { digests });
+        Bytes::from(TrackerFrame::new(TrackerBody::Heartbeat(Heartbeat { load: Some(Load::default()), prefix })).encode_to_vec())
+    };
+    let mut conn = holder.into_framed();
+    conn.send(beat(held.clone())).await.unwrap();
+    let listed = |r: &SwarmReply| r.workers.iter().find(|w| w.worker_id == holder_id).map(|w| w.prefix_blocks);
+    let deadline = Instant::now() + CALL;
+    loop {
+        let TrackerBody::SwarmReply(r) = c.call(TrackerBody::SwarmQuery(SwarmQuery {})).await.unwrap() else { panic!("no swarm") };
+        if listed(&r) == Some(8) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the holder's report never showed: {:?}", listed(&r));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ask = |request_id: &str, prefix: Vec<PrefixProbe>| {
+        TrackerBody::RouteRequest(RouteRequest {
+            model_id: "m".into(),
+            budget_tokens: 100,
+            request_id: request_id.into(),
+            prefix,
+            ..Default::default()
+        })
+    };
+    // One route at a time with the holder idle: each goes to the holder (one route in its load
+    // is under twice the idle other's).
+    let TrackerBody::RouteReply(r) = c.call(ask("hit", probes.clone())).await.unwrap() else { panic!("no route") };
+    assert_eq!(r.route.unwrap().stages[0].worker_id, holder_id);
+    let text = metrics(&tracker.addr).await;
+    assert!(text.contains("dgr_tracker_routes_prefix_total 1"), "{text}");
+    // A second one at once: the holder now counts the first, twice the other's load.
+    let TrackerBody::RouteReply(r) = c.call(ask("spread", probes.clone())).await.unwrap() else { panic!("no route") };
+    assert_eq!(r.route.unwrap().stages[0].worker_id, other.id);
+
+    for (what, bad) in [
+        ("too many", (1..=65).map(|b| PrefixProbe { blocks: b, chain: 0 }).collect::<Vec<_>>()),
+        ("disordered", vec![PrefixProbe { blocks: 2, chain: 0 }, PrefixProbe { blocks: 1, chain: 0 }]),
+    ] {
+        match c.call(ask(what, bad)).await {
+            Err(TrackerCallError::Refused(r)) => assert_eq!(r.refusal_kind(), RefusalKind::BadRequest, "{what}: {r:?}"),
+            other => panic!("{what} probes answered with {other:?}"),
+        }
+    }
+
+    // 1,025 digests: refused, and the connection ends (the worker is out of the registry).
+    conn.send(beat((0..MAX_HELD_DIGESTS as u64 + 1).collect())).await.unwrap();
+    let answer = tokio::time::timeout(CALL, conn.next()).await.expect("an answer in time");
+    let frame = TrackerFrame::decode(answer.expect("a refusal before the close").unwrap()).unwrap();
+    match frame.body {
+        Some(TrackerBody::Refused(r)) => assert_eq!(r.refusal_kind(), RefusalKind::BadRequest, "{r:?}"),
+        other => panic!("an oversized heartbeat answered with {other:?}"),
+    }
+    assert!(tokio::time::timeout(CALL, conn.next()).await.expect("closed in time").is_none());
+    let deadline = Instant::now() + CALL;
+    while swarm(&mut c).await.contains(&holder_id) {
+        assert!(Instant::now() < deadline, "the worker that sent an oversized report is still listed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(other);
 }

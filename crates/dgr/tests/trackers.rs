@@ -212,7 +212,7 @@ fn generate_fails_over_to_the_surviving_tracker() {
     let model_id = dgr_gguf::model_identity(&common::model()).unwrap().id;
     let list = format!("{},{}", a.addr, b.addr);
     let rt = common::runtime();
-    let routed = rt.block_on(dgr_driver::tracker::route(&list, &model_id, "", 64, "", "after-kill", &[]));
+    let routed = rt.block_on(dgr_driver::tracker::route(&list, &model_id, "", 64, "", "after-kill", &[], &[]));
     let took = killed.elapsed();
     assert!(routed.is_ok(), "no route from the survivor: {:?}", routed.err());
     assert!(took < Duration::from_secs(2), "the survivor routed {took:?} after the kill");

@@ -5,7 +5,7 @@
 use crate::reporter::{report_until, ReportStats};
 use crate::trackers::Trackers;
 use crate::{Attempt, Completion, DriveError, FailKind, FinishReason, Route};
-use dgr_proto::{RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, UsageStatus};
+use dgr_proto::{PrefixProbe, RequestUsage, RouteRequest, SignedTicket, StageUsage, TrackerBody, TrackerCallError, UsageStatus};
 use std::time::{Duration, Instant};
 
 const CONNECT: Duration = Duration::from_secs(5);
@@ -27,7 +27,9 @@ pub fn new_request_id() -> String {
 }
 
 /// A route for `model_id` from the tracker, on `engine` (empty: any), avoiding the workers in
-/// `exclude`, with its ticket and the session id it names.
+/// `exclude`, preferring workers that hold `prompt`'s prefix cached, with its ticket and the
+/// session id it names.
+#[allow(clippy::too_many_arguments)]
 pub async fn route(
     tracker: &str,
     model_id: &str,
@@ -36,6 +38,7 @@ pub async fn route(
     api_key: &str,
     request_id: &str,
     exclude: &[String],
+    prompt: &[u32],
 ) -> Result<(Route, (SignedTicket, [u8; 16])), DriveError> {
     let ask = RouteRequest {
         model_id: model_id.into(),
@@ -44,9 +47,15 @@ pub async fn route(
         api_key: api_key.into(),
         request_id: request_id.into(),
         exclude: exclude.to_vec(),
+        prefix: prompt_probes(prompt),
         ..Default::default()
     };
     routed(Trackers::new(tracker, CONNECT).call(TrackerBody::RouteRequest(ask)).await.map_err(tracker_error)?)
+}
+
+/// What a route request names of `prompt` for cache-aware routing (`prefix_probes`).
+pub fn prompt_probes(prompt: &[u32]) -> Vec<PrefixProbe> {
+    dgr_proto::prefix_probes(&dgr_proto::prefix_chain(prompt))
 }
 
 /// The route, ticket and session id in a tracker's answer to a RouteRequest.

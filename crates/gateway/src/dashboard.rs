@@ -35,6 +35,7 @@ pub fn swarm_json(r: &SwarmReply) -> Value {
             "recent_step_us": load.recent_step_us,
             "threads": reg.threads,
             "routes_total": w.routes_total,
+            "prefix_blocks": w.prefix_blocks,
             "quarantined": !w.quarantined.is_empty(),
             "quarantine_evidence": w.quarantined,
         }));

@@ -244,6 +244,7 @@ impl Gateway {
             budget_tokens: (job.prompt.len() + job.max_tokens) as u64,
             api_key: job.api_key.clone(),
             request_id: request_id.clone(),
+            prefix: tracker::prompt_probes(&job.prompt),
             ..Default::default()
         };
         let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(refusal)?;
@@ -319,7 +320,10 @@ impl Gateway {
             Flow::Continue
         };
         // A failed stage is replaced by a route that avoids it; the session's tokens replay.
-        let replan = |exclude, budget, engine| self.reroute(&job.model.model_id, &job.api_key, &request_id, exclude, budget, engine);
+        let replan = |exclude, budget, engine| {
+            let route = (&job.model.model_id[..], &job.api_key[..], &request_id[..], &job.prompt[..]);
+            self.reroute(route, exclude, budget, engine)
+        };
         let rec = generate_recovering(&self.links, first, &req, &self.cfg.drive, on_token, replan, MAX_REPLAYS).await;
         self.log_recoveries(&request_id, &rec);
         let result = rec.result;
@@ -367,16 +371,16 @@ impl Gateway {
 }
 
 impl Gateway {
-    /// A route for a request's replay that avoids the workers in `exclude`, on `engine`.
+    /// A route for a request's replay that avoids the workers in `exclude`, on `engine`: `of` is
+    /// the request's model id, API key, request id and prompt (empty: none cached).
     async fn reroute(
         &self,
-        model_id: &str,
-        api_key: &str,
-        request_id: &str,
+        of: (&str, &str, &str, &[u32]),
         exclude: Vec<String>,
         budget: u64,
         engine: String,
     ) -> Result<Ticketed, DriveError> {
+        let (model_id, api_key, request_id, prompt) = of;
         let ask = RouteRequest {
             model_id: model_id.into(),
             engine,
@@ -384,6 +388,7 @@ impl Gateway {
             api_key: api_key.into(),
             request_id: request_id.into(),
             exclude,
+            prefix: tracker::prompt_probes(prompt),
             ..Default::default()
         };
         let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(tracker::tracker_error)?;
@@ -428,7 +433,7 @@ impl Gateway {
         };
         let (route, ticket) = tracker::routed(answer).map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "api_error", e.message))?;
         let req = EmbedRequest { prompt_tokens: prompt, pooling: Pooling::Model, seam_dtype: SeamDtype::F32, ticket: None };
-        let replan = |exclude, budget, engine| self.reroute(&model.model_id, api_key, &request_id, exclude, budget, engine);
+        let replan = |exclude, budget, engine| self.reroute((&model.model_id, api_key, &request_id, &[]), exclude, budget, engine);
         let rec = embed_recovering(&self.links, (route, Some(ticket)), &req, &self.cfg.drive, replan, MAX_REPLAYS).await;
         self.log_recoveries(&request_id, &rec);
         let usage = tracker::request_usage(&request_id, api_key, &model.model_id, req.prompt_tokens.len(), &rec.result, &rec.attempts);

@@ -25,7 +25,10 @@ pub use codec::{codec, DEFAULT_MAX_FRAME};
 pub use ed25519_dalek::{SigningKey, VerifyingKey};
 pub use messages::*;
 pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
-pub use prefix::{check_prefix_blocks, prefix_chain, prefix_chain_bytes, PREFIX_BLOCK};
+pub use prefix::{
+    check_prefix_blocks, check_prefix_probes, prefix_chain, prefix_chain_bytes, prefix_probes, route_digest, tenant_mask, MAX_HELD_DIGESTS,
+    MAX_PREFIX_PROBES, PREFIX_BLOCK,
+};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
 pub use secure::{
     initiate, insecure_plaintext, is_preamble, local_key, respond, respond_as, set_identity, set_insecure_plaintext, Identity, SecureError,

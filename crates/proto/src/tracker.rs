@@ -200,10 +200,34 @@ pub struct Load {
     pub recent_step_us: f64,
 }
 
-#[derive(Clone, Copy, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, prost::Message)]
 pub struct Heartbeat {
     #[prost(message, optional, tag = "1")]
     pub load: Option<Load>,
+    /// The prefix blocks it holds, when that changed since its last heartbeat to this tracker
+    /// (absent: unchanged). At most `MAX_HELD_DIGESTS`.
+    #[prost(message, optional, tag = "2")]
+    pub prefix: Option<PrefixHeld>,
+}
+
+/// The route digests (`prefix::route_digest`) of the prefix-cache blocks a worker holds, most
+/// recently used first: what it had, replaced whole.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PrefixHeld {
+    #[prost(fixed64, repeated, tag = "1")]
+    pub digests: Vec<u64>,
+}
+
+/// One block of a request's prompt, for routing it to where its prefix is cached.
+#[derive(Clone, Copy, PartialEq, Eq, prost::Message)]
+pub struct PrefixProbe {
+    /// Full blocks of the prompt up to and including this one (1 for the first).
+    #[prost(uint32, tag = "1")]
+    pub blocks: u32,
+    /// The first 8 bytes (little-endian) of the block's chain hash; the tracker mixes in the
+    /// tenant it bills the request under.
+    #[prost(fixed64, tag = "2")]
+    pub chain: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, prost::Message)]
@@ -250,6 +274,10 @@ pub struct RouteRequest {
     /// or, where the id is empty, by the cheapest live one holding them (a spot check's route).
     #[prost(message, repeated, tag = "7")]
     pub fixed: Vec<RouteStage>,
+    /// Some of the prompt's full blocks (`prefix::prefix_probes`), blocks ascending, at most
+    /// `MAX_PREFIX_PROBES`: the planner prefers workers that hold them cached.
+    #[prost(message, repeated, tag = "8")]
+    pub prefix: Vec<PrefixProbe>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -391,6 +419,9 @@ pub struct WorkerStatus {
     /// Caught by a spot check: never routed to again.
     #[prost(string, tag = "8")]
     pub quarantined: String,
+    /// Prefix blocks it said it holds in its last report of them.
+    #[prost(uint32, tag = "9")]
+    pub prefix_blocks: u32,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

@@ -1,7 +1,8 @@
 //! Route planning over many registered workers holding random overlapping ranges of an 80-layer
 //! model: the planner given every worker (`plan`), and the registry's whole route (`registry`:
 //! one candidate per registered range from its index, the plan, and counting the issue in each
-//! chosen worker's load). Each `plan` size cycles through several seeded instances so one lucky
+//! chosen worker's load; `plan_route_prefix`: the same with every worker holding four of 2,000
+//! cached 64-block prompts and each route asking for one of them). Each `plan` size cycles through several seeded instances so one lucky
 //! layout cannot skew it.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -64,13 +65,44 @@ fn registry(n: usize, seed: u64) -> Registry {
     r
 }
 
+/// Cached prompts in the prefix benchmark, and blocks each.
+const PROMPTS: u64 = 2_000;
+const PROMPT_BLOCKS: u32 = 64;
+
+/// Block `b` (from 0) of cached prompt `p`'s route digests.
+fn digest(p: u64, b: u32) -> u64 {
+    SplitMix64(p << 8 | u64::from(b)).next_u64()
+}
+
+/// A request for prompt `p`: every one of its blocks, as the tracker probes the index.
+fn probes(p: u64) -> Vec<(u32, u64)> {
+    (0..PROMPT_BLOCKS).map(|b| (b + 1, digest(p, b))).collect()
+}
+
 fn bench_registry(c: &mut Criterion) {
     let mut group = c.benchmark_group("registry");
     for n in [1_000, 10_000] {
         let mut r = registry(n, 0);
-        assert!(r.plan_route("m", "", &[]).is_some(), "the instance must be routable");
+        assert!(r.plan_route("m", "", &[], &[]).is_some(), "the instance must be routable");
         // Each route counts in its workers' load, so successive routes spread as under real load.
-        group.bench_function(BenchmarkId::new("plan_route", n), |b| b.iter(|| r.plan_route("m", "", &[]).map(|p| p.stages.len())));
+        group.bench_function(BenchmarkId::new("plan_route", n), |b| b.iter(|| r.plan_route("m", "", &[], &[]).map(|p| p.stages.len())));
+        let mut rng = SplitMix64(n as u64);
+        for i in 0..n {
+            let held = (0..4).flat_map(|_| {
+                let p = rng.below(PROMPTS as u32) as u64;
+                (0..PROMPT_BLOCKS).map(move |b| digest(p, b))
+            });
+            r.heartbeat(&format!("w{i}"), Default::default(), Some(held.collect()));
+        }
+        let asks: Vec<_> = (0..INSTANCES).map(|_| probes(rng.below(PROMPTS as u32) as u64)).collect();
+        assert!(asks.iter().any(|a| r.plan_route("m", "", &[], a).is_some_and(|p| p.prefix_stages > 0)), "holders are found");
+        let mut i = 0;
+        group.bench_function(BenchmarkId::new("plan_route_prefix", n), |b| {
+            b.iter(|| {
+                i = (i + 1) % asks.len();
+                r.plan_route("m", "", &[], black_box(&asks[i])).map(|p| p.stages.len())
+            })
+        });
     }
     group.finish();
 }

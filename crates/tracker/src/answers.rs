@@ -1,11 +1,12 @@
 //! A client's requests: routes and their tickets, usage reports, the swarm, the ledger, keys,
 //! and quarantines. One request and its answer at a time per connection.
 
+use crate::registry::Probe;
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
 use crate::store::{key_hash, Grant, StoreError};
 use dgr_proto::{
-    codec, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply, RouteRequest, SecureStream, Suspect,
-    SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, TRACKER_MAX_FRAME,
+    check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply,
+    RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus, TRACKER_MAX_FRAME,
 };
 use futures::StreamExt;
 use prost::Message;
@@ -82,6 +83,7 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
     if r.exclude.len() > 1024 {
         return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 excluded workers"));
     }
+    check_prefix_probes(&r.prefix).map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
     let (api_key, request_id, budget) = (r.api_key.clone(), r.request_id.clone(), r.budget_tokens);
     let expires = unix_ms() + sh.cfg.reservation_ttl.as_millis() as u64;
     let grant = sh.store.call(move |s| s.reserve(&api_key, &request_id, budget, expires)).await.map_err(store_err)?;
@@ -96,10 +98,13 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
         Grant::Settled => return Err(Refused::new(RefusalKind::BadRequest, "this request id's usage is recorded already")),
     };
     let started = Instant::now();
+    // The workers cached the prompt's blocks under the tenant the ticket will name.
+    let mask = tenant_mask(&key_name);
+    let probes: Vec<Probe> = r.prefix.iter().map(|p| (p.blocks, p.chain ^ mask)).collect();
     let planned = {
         let mut reg = lock(&sh.registry);
         if r.fixed.is_empty() {
-            reg.plan_route(&r.model_id, &r.engine, &r.exclude)
+            reg.plan_route(&r.model_id, &r.engine, &r.exclude, &probes)
         } else {
             reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude)
         }
@@ -125,6 +130,9 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
         key_name: key_name.clone(),
     };
     sh.metrics.routes_issued.fetch_add(1, Relaxed);
+    if p.prefix_stages > 0 {
+        sh.metrics.routes_prefix.fetch_add(1, Relaxed);
+    }
     Ok(TrackerBody::RouteReply(RouteReply {
         ticket: Some(sh.keys.sign(&ticket)),
         route: Some(ticket),
@@ -170,6 +178,7 @@ fn swarm(sh: &Shared) -> TrackerBody {
             recent_routes: w.unseen_routes() as u32,
             routes_total: w.routes_total,
             quarantined: reg.quarantined.get(&w.id).cloned().unwrap_or_default(),
+            prefix_blocks: w.prefix_blocks() as u32,
         })
         .collect();
     workers.sort_by(|a, b| {

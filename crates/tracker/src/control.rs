@@ -1,14 +1,15 @@
 //! A worker's control connection: its join (join token, identity, registration), then its
 //! heartbeats and usage reports up and relay dial requests down, until it leaves or the
-//! connection drops.
+//! connection drops. A heartbeat naming more prefix blocks than the protocol allows is refused
+//! and ends the connection (no worker of ours sends one).
 
 use crate::answers::{store_err, token_ok};
 use crate::registry::Joining;
 use crate::server::{lock, refused, send, unix_ms, Conn, Shared};
 use bytes::Bytes;
 use dgr_proto::{
-    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, SecureStream, TrackerBody,
-    TrackerFrame, TRACKER_MAX_FRAME,
+    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, SecureStream, TrackerBody, TrackerFrame,
+    MAX_HELD_DIGESTS, TRACKER_MAX_FRAME,
 };
 use ed25519_dalek::Signature;
 use futures::{SinkExt, StreamExt};
@@ -75,7 +76,14 @@ async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>
                 };
                 match body {
                     TrackerBody::Heartbeat(h) => {
-                        lock(&sh.registry).heartbeat(id, h.load.unwrap_or_default());
+                        let held = h.prefix.map(|p| p.digests);
+                        if held.as_ref().is_some_and(|d| d.len() > MAX_HELD_DIGESTS) {
+                            let msg = format!("a heartbeat may name at most {MAX_HELD_DIGESTS} prefix blocks");
+                            sh.metrics.refused(RefusalKind::BadRequest.name());
+                            let _ = send(conn, refused(RefusalKind::BadRequest, msg)).await;
+                            return;
+                        }
+                        lock(&sh.registry).heartbeat(id, h.load.unwrap_or_default(), held);
                     }
                     TrackerBody::WorkerUsage(u) => {
                         let (wid, engine, model) = (id.to_string(), reg.engine.clone(), reg.model_id.clone());

@@ -10,6 +10,8 @@ pub struct Metrics {
     pub workers_live: AtomicU64,
     pub joins: AtomicU64,
     pub routes_issued: AtomicU64,
+    /// Routes with a stage on a worker holding part of the request's prefix.
+    pub routes_prefix: AtomicU64,
     pub route_plan_us_total: AtomicU64,
     pub route_plan_us_max: AtomicU64,
     pub usage_reports: AtomicU64,
@@ -39,6 +41,12 @@ impl Metrics {
         t.metric("dgr_tracker_workers_live", "Workers connected and heard from within three heartbeats.", Gauge, get(&self.workers_live));
         t.metric("dgr_tracker_joins_total", "Workers admitted (joins and re-joins).", Counter, get(&self.joins));
         t.metric("dgr_tracker_routes_issued_total", "Route tickets signed.", Counter, get(&self.routes_issued));
+        t.metric(
+            "dgr_tracker_routes_prefix_total",
+            "Routes with a stage on a worker that holds part of the request's prompt in its prefix cache.",
+            Counter,
+            get(&self.routes_prefix),
+        );
         t.metric("dgr_tracker_route_plan_us_total", "Microseconds spent planning routes.", Counter, get(&self.route_plan_us_total));
         t.metric("dgr_tracker_route_plan_us_max", "Longest route planning, microseconds.", Gauge, get(&self.route_plan_us_max));
         t.metric("dgr_tracker_usage_reports_total", "Usage reports stored.", Counter, get(&self.usage_reports));

@@ -8,6 +8,14 @@
 //! same, so of the workers holding one range the cheapest serves any hop at least as cheaply as
 //! the others: a plan offers the planner one usable worker per cell, the first in its order,
 //! however many replicas registered that range.
+//!
+//! Cache-aware routing: workers report the route digests of the prefix blocks they hold, and the
+//! registry indexes them (digest → a few holders), so a plan looks up the holders of a request's
+//! prompt blocks (at most `MAX_PREFIX_PROBES` lookups) instead of scanning workers. A holder is
+//! offered besides its cell's head, its expected time divided by up to `PREFIX_FAVOUR`: the
+//! holder of the deepest match gets all of it, a shallower one a share in proportion to its
+//! depth. So, of two replicas, the holder serves unless its load is at least `PREFIX_FAVOUR`
+//! times the other's, and a hot prefix spreads once its holders are that loaded.
 
 use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
 use dgr_proto::{Load, Registration, RouteStage, TrackerFrame};
@@ -24,6 +32,14 @@ const OPEN_GRACE: Duration = Duration::from_millis(250);
 /// where a second replica of its range would do: a route uses more replicas of one range than
 /// this only in contrived layouts.
 const REPAIR_DEPTH: usize = 4;
+/// How much cheaper a stage holding the request's (deepest matched) prefix counts: its expected
+/// time is divided by this, so it loses only at this many times another's load.
+const PREFIX_FAVOUR: f64 = 2.0;
+/// Workers listed per digest: enough replicas of a hot prefix to spread over; a worker that
+/// reports it past that replaces the one listed longest.
+const HOLDERS_PER_DIGEST: usize = 32;
+/// (holder, depth) pairs a plan reads from the index at most, deepest probes first.
+const MAX_HOLDER_READS: usize = 256;
 
 pub struct LiveWorker {
     pub id: String,
@@ -41,6 +57,8 @@ pub struct LiveWorker {
     /// How many of `issued` its last heartbeat may not show yet.
     unseen: usize,
     pub routes_total: u64,
+    /// The route digests of the prefix blocks it last said it holds, sorted.
+    held: Vec<u64>,
     /// Frames to its control connection (relay dial requests).
     pub control: mpsc::Sender<TrackerFrame>,
     /// Its place in the index: group, cell, and its key in the cell's order.
@@ -105,6 +123,8 @@ pub struct Registry {
     pub heartbeat: Duration,
     /// Jitter state for breaking ties between equal chains.
     rng: u64,
+    /// Route digest → slots of workers holding that prefix block, longest listed first.
+    holders: HashMap<u64, Vec<u32>>,
 }
 
 /// A planned route: the chain, and the model's shape and engine as the workers registered them.
@@ -114,7 +134,13 @@ pub struct Planned {
     pub hidden: u32,
     pub n_layers: u32,
     pub vocab: u32,
+    /// Stages served by a worker holding (part of) the request's prefix.
+    pub prefix_stages: usize,
 }
+
+/// A request's prompt blocks as the index names them: (blocks up to it, route digest), blocks
+/// ascending.
+pub type Probe = (u32, u64);
 
 /// What a worker's control connection brings to its record.
 pub struct Joining {
@@ -144,6 +170,11 @@ impl LiveWorker {
         self.unseen
     }
 
+    /// How many prefix blocks it said it holds.
+    pub fn prefix_blocks(&self) -> usize {
+        self.held.len()
+    }
+
     fn load_factor(&self) -> f64 {
         1.0 + self.load.sessions as f64 + self.unseen as f64
     }
@@ -167,6 +198,26 @@ impl LiveWorker {
     }
 }
 
+/// Takes `slot` off the holders of `digest`.
+fn unlist(holders: &mut HashMap<u64, Vec<u32>>, digest: u64, slot: u32) {
+    if let Some(list) = holders.get_mut(&digest) {
+        list.retain(|&s| s != slot);
+        if list.is_empty() {
+            holders.remove(&digest);
+        }
+    }
+}
+
+/// The divisors of the holders `held` (slot, blocks) that `ours` accepts, by slot: the deepest
+/// gets `PREFIX_FAVOUR`, a shallower one in proportion to its depth. Set just past it, so that
+/// exactly `PREFIX_FAVOUR` times another's load loses (the tie jitter is far smaller).
+fn favour(held: &[(u32, u32)], ours: impl Fn(u32) -> bool) -> Vec<(u32, f64)> {
+    let mine: Vec<(u32, u32)> = held.iter().copied().filter(|&(slot, _)| ours(slot)).collect();
+    let Some(deepest) = mine.iter().map(|h| h.1).max() else { return Vec::new() };
+    let most = PREFIX_FAVOUR * (1.0 - 1e-6);
+    mine.into_iter().map(|(slot, blocks)| (slot, 1.0 + (most - 1.0) * f64::from(blocks) / f64::from(deepest))).collect()
+}
+
 /// xorshift64: only to break exact ties, so equal replicas share arrivals in any order.
 fn next_random(state: &mut u64) -> u64 {
     *state ^= *state << 13;
@@ -187,6 +238,7 @@ impl Registry {
             quarantined: HashMap::new(),
             heartbeat,
             rng: u64::from_le_bytes(seed) | 1,
+            holders: HashMap::new(),
         }
     }
 
@@ -240,6 +292,7 @@ impl Registry {
             issued: VecDeque::new(),
             unseen: 0,
             routes_total: 0,
+            held: Vec::new(),
             control: j.control,
             group,
             cell,
@@ -259,8 +312,9 @@ impl Registry {
     }
 
     /// A heartbeat: the worker is live, with this load, and the routes issued before it (less
-    /// those that may not have opened yet) are counted in it.
-    pub fn heartbeat(&mut self, id: &str, load: Load) {
+    /// those that may not have opened yet) are counted in it. `held`, when given, replaces the
+    /// prefix blocks it holds (the caller bounds its length).
+    pub fn heartbeat(&mut self, id: &str, load: Load, held: Option<Vec<u64>>) {
         let Some(&slot) = self.by_id.get(id) else { return };
         let (hb, now) = (self.heartbeat, Instant::now());
         if let Some(w) = self.slots[slot as usize].as_mut() {
@@ -268,7 +322,39 @@ impl Registry {
             w.load = load;
             w.forget_old(hb, now);
         }
+        if let Some(mut held) = held {
+            held.sort_unstable();
+            held.dedup();
+            self.reindex(slot, held);
+        }
         self.rerank(slot);
+    }
+
+    /// Replaces the worker's held digests, indexing only the difference.
+    fn reindex(&mut self, slot: u32, held: Vec<u64>) {
+        let Some(w) = self.slots[slot as usize].as_mut() else { return };
+        let old = std::mem::replace(&mut w.held, held);
+        let new = &w.held;
+        // Both sorted: one merge walk.
+        let (mut i, mut j) = (0, 0);
+        loop {
+            match (old.get(i).copied(), new.get(j).copied()) {
+                (Some(a), Some(b)) if a == b => (i, j) = (i + 1, j + 1),
+                (Some(a), b) if b.is_none_or(|b| a < b) => {
+                    unlist(&mut self.holders, a, slot);
+                    i += 1;
+                }
+                (_, Some(b)) => {
+                    let list = self.holders.entry(b).or_default();
+                    if list.len() >= HOLDERS_PER_DIGEST {
+                        list.remove(0);
+                    }
+                    list.push(slot);
+                    j += 1;
+                }
+                _ => break,
+            }
+        }
     }
 
     /// Takes a worker out of every route from now on.
@@ -287,6 +373,9 @@ impl Registry {
         let Some(slot) = self.by_id.remove(id) else { return };
         let Some(w) = self.slots[slot as usize].take() else { return };
         self.free.push(slot);
+        for &d in &w.held {
+            unlist(&mut self.holders, d, slot);
+        }
         let g = &mut self.groups[w.group];
         g.cells[w.cell].order.remove(&w.rank);
         self.refresh_head(w.group, w.cell);
@@ -351,43 +440,68 @@ impl Registry {
     /// The cheapest chain of live workers of `model_id` (and `engine`, unless empty) covering
     /// every layer exactly once, avoiding `exclude`. A stage's expected time is its measured time
     /// per layer × layers served × (1 + its load: sessions it reported plus routes issued to it
-    /// since), plus a per-hop latency. Records the issue on each chosen worker.
-    pub fn plan_route(&mut self, model_id: &str, engine: &str, exclude: &[String]) -> Option<Planned> {
+    /// since), plus a per-hop latency; a stage holding the prompt's `prefix` counts cheaper (see
+    /// `PREFIX_FAVOUR`). Records the issue on each chosen worker.
+    pub fn plan_route(&mut self, model_id: &str, engine: &str, exclude: &[String], prefix: &[Probe]) -> Option<Planned> {
         let now = Instant::now();
         let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
+        let held = self.holders_of(prefix, &excluded, now);
         let mut best: Option<(usize, Chain)> = None;
         for group in 0..self.groups.len() {
             let key = &self.groups[group].key;
             if key.model_id != model_id || !(engine.is_empty() || key.engine == engine) {
                 continue;
             }
-            let Some(found) = self.plan_in(group, &excluded, now) else { continue };
+            let favoured = favour(&held, |slot| self.slots[slot as usize].as_ref().is_some_and(|w| w.group == group));
+            let Some(found) = self.plan_in(group, &excluded, now, &favoured) else { continue };
             if best.as_ref().is_none_or(|(_, b)| found.cost < b.cost) {
                 best = Some((group, found));
             }
         }
         let (group, Chain { hops, .. }) = best?;
         let mut stages = Vec::with_capacity(hops.len());
+        let mut prefix_stages = 0;
         for (slot, layer_start, layer_end) in hops {
+            prefix_stages += usize::from(held.binary_search_by_key(&slot, |h| h.0).is_ok());
             let w = self.issue(slot, now);
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end });
         }
         let key = &self.groups[group].key;
-        Some(Planned { stages, engine: key.engine.clone(), hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab })
+        Some(Planned { stages, engine: key.engine.clone(), hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab, prefix_stages })
+    }
+
+    /// The usable workers holding some of `prefix`, each with the most blocks it holds, by slot.
+    /// Deepest probes first, and at most `MAX_HOLDER_READS` index entries read.
+    fn holders_of(&self, prefix: &[Probe], excluded: &HashSet<u32>, now: Instant) -> Vec<(u32, u32)> {
+        let mut held: Vec<(u32, u32)> = Vec::new();
+        for &(blocks, digest) in prefix.iter().rev() {
+            if held.len() >= MAX_HOLDER_READS {
+                break;
+            }
+            let Some(list) = self.holders.get(&digest) else { continue };
+            held.extend(list.iter().map(|&slot| (slot, blocks)));
+        }
+        // Deepest per worker: sorted by slot, then blocks descending, the first of each slot kept.
+        held.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        held.dedup_by_key(|h| h.0);
+        held.retain(|&(slot, _)| {
+            self.usable(slot, excluded, now) && self.slots[slot as usize].as_ref().is_some_and(|w| !self.quarantined.contains_key(&w.id))
+        });
+        held
     }
 
     /// The cheapest route in one group. One usable worker per cell first; if the shortest path
     /// over those uses one twice, the first `REPAIR_DEPTH` of each cell and the planner's search
     /// (a second replica of that range usually serves). Those are a superset of the first, so
     /// the search's route is no dearer than a repair of the first would be.
-    fn plan_in(&mut self, group: usize, excluded: &HashSet<u32>, now: Instant) -> Option<Chain> {
-        let (candidates, slots) = self.offer(group, 1, excluded, now);
+    fn plan_in(&mut self, group: usize, excluded: &HashSet<u32>, now: Instant, favoured: &[(u32, f64)]) -> Option<Chain> {
+        let (candidates, slots) = self.offer(group, 1, excluded, now, favoured);
         let n_layers = self.groups[group].key.n_layers;
         let (candidates, slots, hops) = match shortest(n_layers, &candidates) {
             Shortest::Route(hops) => (candidates, slots, hops),
             Shortest::Uncovered => return None,
             Shortest::Repeats => {
-                let (candidates, slots) = self.offer(group, REPAIR_DEPTH, excluded, now);
+                let (candidates, slots) = self.offer(group, REPAIR_DEPTH, excluded, now, favoured);
                 let hops = plan(n_layers, &candidates)?;
                 (candidates, slots, hops)
             }
@@ -396,25 +510,47 @@ impl Registry {
         Some(Chain { cost, hops: hops.iter().map(|h| (slots[h.candidate], h.start, h.end)).collect() })
     }
 
-    /// The first `depth` usable workers of each cell of the group as candidates, and their slots.
-    fn offer(&mut self, group: usize, depth: usize, excluded: &HashSet<u32>, now: Instant) -> (Vec<Candidate>, Vec<u32>) {
+    /// The first `depth` usable workers of each cell of the group as candidates, and their slots;
+    /// then the `favoured` ones (usable, by slot, with their divisors) not offered yet. A favoured
+    /// worker's time per layer is divided by its divisor.
+    fn offer(
+        &mut self,
+        group: usize,
+        depth: usize,
+        excluded: &HashSet<u32>,
+        now: Instant,
+        favoured: &[(u32, f64)],
+    ) -> (Vec<Candidate>, Vec<u32>) {
         let g = &self.groups[group];
         let (mut candidates, mut slots) = (Vec::new(), Vec::new());
         let mut rng = self.rng;
         let hb = self.heartbeat;
-        let mut offer = |cell: &Cell, rank: &Rank| {
+        let mut offered = vec![false; favoured.len()];
+        let mut offer = |cell: &Cell, rank: &Rank, offered: &mut [bool]| {
             // Jitter below any real difference breaks ties between equal chains at random.
             let tie = 1.0 + 1e-9 * (next_random(&mut rng) >> 11) as f64 / (1u64 << 53) as f64;
-            let per_layer = f64::from_bits(rank.per_layer) * tie;
+            let mut per_layer = f64::from_bits(rank.per_layer) * tie;
+            if let Ok(i) = favoured.binary_search_by_key(&rank.slot, |f| f.0) {
+                per_layer /= favoured[i].1;
+                offered[i] = true;
+            }
             candidates.push(Candidate { start: cell.start, end: cell.end, per_layer, fixed: HOP_MS });
             slots.push(rank.slot);
         };
         for cell in &g.cells {
             match cell.head {
                 Some(h) if depth == 1 && h.room && now.duration_since(h.beat) <= 3 * hb && !excluded.contains(&h.rank.slot) => {
-                    offer(cell, &h.rank)
+                    offer(cell, &h.rank, &mut offered)
                 }
-                _ => cell.order.iter().filter(|r| self.usable(r.slot, excluded, now)).take(depth).for_each(|r| offer(cell, r)),
+                _ => {
+                    cell.order.iter().filter(|r| self.usable(r.slot, excluded, now)).take(depth).for_each(|r| offer(cell, r, &mut offered))
+                }
+            }
+        }
+        for (i, &(slot, _)) in favoured.iter().enumerate() {
+            let w = self.slots[slot as usize].as_ref().expect("favoured workers are live");
+            if !offered[i] {
+                offer(&g.cells[w.cell], &w.rank, &mut offered);
             }
         }
         self.rng = rng;
@@ -477,7 +613,7 @@ impl Registry {
             let w = self.issue(slot, now);
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start: s.layer_start, layer_end: s.layer_end });
         }
-        Some(Planned { stages, engine, hidden, n_layers, vocab })
+        Some(Planned { stages, engine, hidden, n_layers, vocab, prefix_stages: 0 })
     }
 }
 
@@ -504,7 +640,7 @@ mod tests {
     }
 
     fn route(r: &mut Registry) -> Vec<(String, u32, u32)> {
-        let p = r.plan_route("m", "", &[]).expect("a route");
+        let p = r.plan_route("m", "", &[], &[]).expect("a route");
         p.stages.into_iter().map(|s| (s.worker_id, s.layer_start, s.layer_end)).collect()
     }
 
@@ -521,7 +657,7 @@ mod tests {
         }
         let mut swapped_in = Vec::new();
         for _ in 0..4 {
-            assert_eq!(r.plan_route("m", "", &[]).unwrap().stages[0].worker_id, "fast");
+            assert_eq!(r.plan_route("m", "", &[], &[]).unwrap().stages[0].worker_id, "fast");
             let fixed = [stage("", 0, 2), stage("tail", 2, 4)];
             let p = r.plan_fixed("m", &fixed, &["fast".to_string()]).unwrap();
             assert_eq!(p.stages[1].worker_id, "tail");
@@ -548,7 +684,7 @@ mod tests {
             assert!(n.values().max().unwrap() - n.values().min().unwrap() <= 1 || i < 2, "{n:?}");
         }
         assert_eq!(n.values().copied().collect::<Vec<_>>(), [8, 8, 8]);
-        assert!(r.plan_route("m", "", &[]).is_none());
+        assert!(r.plan_route("m", "", &[], &[]).is_none());
         // Equal replicas are chosen in no fixed order.
         let mut seen = std::collections::HashSet::new();
         for _ in 0..64 {
@@ -579,26 +715,163 @@ mod tests {
         join(&mut r, "tail", reg((2, 4), 10.0));
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(route(&mut r).len(), 2);
-        let without_tail = r.plan_route("m", "", &["tail".into()]).unwrap().stages;
+        let without_tail = r.plan_route("m", "", &["tail".into()], &[]).unwrap().stages;
         assert_eq!((without_tail[1].worker_id.as_str(), without_tail[1].layer_start), ("whole", 2));
         r.quarantine("whole".into(), "caught".into());
-        assert!(r.plan_route("m", "", &["tail".into()]).is_none());
+        assert!(r.plan_route("m", "", &["tail".into()], &[]).is_none());
         // A re-join under a quarantined identity is listed, never routed.
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(r.workers().count(), 3);
-        assert!(r.plan_route("m", "", &["tail".into()]).is_none());
+        assert!(r.plan_route("m", "", &["tail".into()], &[]).is_none());
         // A late close of an older connection leaves the record; the current one removes it.
         r.leave("tail", 7);
         assert!(r.worker("tail").is_some());
         r.leave("tail", 0);
-        assert!(r.worker("tail").is_none() && r.plan_route("m", "", &[]).is_none());
+        assert!(r.worker("tail").is_none() && r.plan_route("m", "", &[], &[]).is_none());
         join(&mut r, "tail2", reg((2, 4), 10.0));
         assert_eq!(route(&mut r), [("head".to_string(), 0, 2), ("tail2".to_string(), 2, 4)]);
         // Another model, or another engine asked for, has no route.
-        assert!(r.plan_route("other", "", &[]).is_none() && r.plan_route("m", "gguf", &[]).is_none());
+        assert!(r.plan_route("other", "", &[], &[]).is_none() && r.plan_route("m", "gguf", &[], &[]).is_none());
         for id in ["head", "tail2", "whole"] {
             r.leave(id, 0);
         }
         assert!(r.groups.is_empty() && r.workers().count() == 0);
+    }
+
+    /// A prompt's probes as the tracker makes them: blocks 1..=n, digest = prompt tag and block.
+    fn probes(tag: u64, n: u32) -> Vec<Probe> {
+        (1..=n).map(|b| (b, tag << 32 | u64::from(b))).collect()
+    }
+
+    fn holds(r: &mut Registry, id: &str, sessions: u32, held: &[Probe]) {
+        let load = Load { sessions, ..Default::default() };
+        r.heartbeat(id, load, Some(held.iter().map(|p| p.1).collect()));
+    }
+
+    fn whole(max_sessions: u32) -> Registration {
+        Registration { max_sessions, ..reg((0, 4), 100.0) }
+    }
+
+    #[test]
+    fn the_prefix_holder_serves_unless_twice_as_loaded() {
+        let p = probes(7, 6);
+        for holder_sessions in 0..7 {
+            for other_sessions in 0..7 {
+                let mut r = Registry::new(Duration::from_secs(60));
+                join(&mut r, "holder", whole(64));
+                join(&mut r, "other", whole(64));
+                holds(&mut r, "holder", holder_sessions, &p);
+                holds(&mut r, "other", other_sessions, &probes(8, 6));
+                let got = r.plan_route("m", "", &[], &p).unwrap();
+                // The rule: load is 1 + sessions (the planner's load factor); the holder loses
+                // at twice the other's.
+                let want = if 1 + holder_sessions < 2 * (1 + other_sessions) { "holder" } else { "other" };
+                assert_eq!(got.stages[0].worker_id, want, "holder {holder_sessions} sessions, other {other_sessions}");
+                assert_eq!(got.prefix_stages, usize::from(want == "holder"));
+            }
+        }
+        // No probes, or probes nobody holds: load alone decides (the other, even with the
+        // routes it is issued still counted).
+        let mut r = Registry::new(Duration::from_secs(60));
+        join(&mut r, "holder", whole(64));
+        join(&mut r, "other", whole(64));
+        holds(&mut r, "holder", 5, &p);
+        holds(&mut r, "other", 0, &[]);
+        for ask in [vec![], probes(9, 6)] {
+            let got = r.plan_route("m", "", &[], &ask).unwrap();
+            assert_eq!((got.stages[0].worker_id.as_str(), got.prefix_stages), ("other", 0));
+            holds(&mut r, "other", 0, &[]);
+        }
+        // Excluded, quarantined or full, a holder is not favoured.
+        assert_eq!(r.plan_route("m", "", &["other".into()], &p).unwrap().stages[0].worker_id, "holder");
+        holds(&mut r, "holder", 0, &p);
+        assert_eq!(r.plan_route("m", "", &["holder".into()], &p).unwrap().stages[0].worker_id, "other");
+        holds(&mut r, "holder", 64, &p);
+        holds(&mut r, "other", 0, &[]);
+        assert_eq!(r.plan_route("m", "", &[], &p).unwrap().stages[0].worker_id, "other");
+        holds(&mut r, "holder", 0, &p);
+        r.quarantine("holder".into(), "caught".into());
+        assert_eq!(r.plan_route("m", "", &[], &p).unwrap().stages[0].worker_id, "other");
+    }
+
+    #[test]
+    fn a_deeper_match_beats_a_shallower_one_on_every_stage() {
+        let p = probes(3, 8);
+        // Two replicas of a two-stage chain: a holds all 8 blocks on both stages, b the first 4.
+        let chains = |a_sessions: u32, b_sessions: u32| {
+            let mut r = Registry::new(Duration::from_secs(60));
+            for (id, range) in [("a0", (0, 2)), ("a1", (2, 4)), ("b0", (0, 2)), ("b1", (2, 4))] {
+                join(&mut r, id, reg(range, 100.0));
+            }
+            for (id, sessions, n) in [("a0", a_sessions, 8), ("a1", a_sessions, 8), ("b0", b_sessions, 4), ("b1", b_sessions, 4)] {
+                holds(&mut r, id, sessions, &p[..n]);
+            }
+            r
+        };
+        for a_sessions in 0..5 {
+            for b_sessions in 0..5 {
+                let (la, lb) = (1 + a_sessions, 1 + b_sessions);
+                // a's time counts 1 / 2, b's 1 / 1.5 (half as deep): a serves while its load is
+                // under 4 / 3 of b's (an exact tie left out).
+                if 3 * la != 4 * lb {
+                    let want = if 3 * la < 4 * lb { ["a0", "a1"] } else { ["b0", "b1"] };
+                    assert_eq!(route_with(&mut chains(a_sessions, b_sessions), &p), want, "a at {la}, b at {lb}");
+                }
+                // Probes that stop at block 4 match both alike: the less loaded serves.
+                if la != lb {
+                    let want = if la < lb { ["a0", "a1"] } else { ["b0", "b1"] };
+                    assert_eq!(route_with(&mut chains(a_sessions, b_sessions), &p[..4]), want, "4 blocks asked, a at {la}, b at {lb}");
+                }
+            }
+        }
+    }
+
+    fn route_with(r: &mut Registry, p: &[Probe]) -> Vec<String> {
+        r.plan_route("m", "", &[], p).unwrap().stages.into_iter().map(|s| s.worker_id).collect()
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_to_the_other_replica_by_the_rule() {
+        let p = probes(5, 4);
+        let mut r = Registry::new(Duration::from_secs(60));
+        join(&mut r, "holder", whole(1000));
+        join(&mut r, "other", whole(1000));
+        holds(&mut r, "holder", 0, &p);
+        // Routes issued since the last heartbeat count in the load: each one follows the rule.
+        let (mut h, mut o) = (0u32, 0u32);
+        for _ in 0..60 {
+            let want = if 1 + h < 2 * (1 + o) { "holder" } else { "other" };
+            assert_eq!(route_with(&mut r, &p), [want], "after {h} to the holder and {o} to the other");
+            *(if want == "holder" { &mut h } else { &mut o }) += 1;
+        }
+        assert!(o >= 15 && h > o, "holder {h}, other {o}");
+    }
+
+    #[test]
+    fn the_index_follows_reports_and_stays_bounded() {
+        let p = probes(1, 2);
+        let mut r = Registry::new(Duration::from_secs(60));
+        for i in 0..HOLDERS_PER_DIGEST + 8 {
+            join(&mut r, &format!("w{i}"), whole(64));
+            holds(&mut r, &format!("w{i}"), 0, &p);
+        }
+        // Each digest lists the latest reporters, at most HOLDERS_PER_DIGEST.
+        assert_eq!(r.holders.len(), 2);
+        assert!(r.holders.values().all(|l| l.len() == HOLDERS_PER_DIGEST));
+        assert!(r.holders.values().all(|l| !l.contains(&r.by_id["w0"])), "the longest listed made room");
+        // A report replaces the last: a dropped digest leaves the index, a repeat is listed once.
+        let last = format!("w{}", HOLDERS_PER_DIGEST + 7);
+        r.heartbeat(&last, Load::default(), Some(vec![p[0].1, p[0].1, 99]));
+        let slot = r.by_id[&last];
+        assert_eq!(r.holders[&p[0].1].iter().filter(|&&s| s == slot).count(), 1);
+        assert!(!r.holders[&p[1].1].contains(&slot) && r.holders[&99] == [slot]);
+        assert_eq!(r.worker(&last).unwrap().prefix_blocks(), 2);
+        // No report (None) keeps what it had; leaving takes it out.
+        r.heartbeat(&last, Load::default(), None);
+        assert_eq!(r.holders[&99], [slot]);
+        for i in 0..HOLDERS_PER_DIGEST + 8 {
+            r.leave(&format!("w{i}"), 0);
+        }
+        assert!(r.holders.is_empty());
     }
 }

@@ -3,7 +3,8 @@
 //! tracker is joined, until one acknowledges it), and dial back for relayed sessions. A lost
 //! tracker is re-joined with backoff capped below its heartbeat interval, so a restarted one
 //! lists this worker again within one interval; running sessions never notice (the data path
-//! does not touch a tracker). On shutdown the worker leaves them all at once. Every failed
+//! does not touch a tracker). A heartbeat carries the prefix blocks held when they changed since
+//! the last one on that connection (a re-joined tracker hears them at once). On shutdown the worker leaves them all at once. Every failed
 //! attempt is said with its reason (refused connection, bad join token, bad key, version), so a
 //! wrong address or token is visible at once; `serve` gives up after the join timeout when no
 //! tracker was ever joined.
@@ -16,8 +17,8 @@
 use crate::{Metrics, TrackerLink};
 use bytes::Bytes;
 use dgr_proto::{
-    Heartbeat, Join, Leave, Load, RefusalKind, Registration, TrackerBody, TrackerCallError, TrackerClient, TrackerFrame, TrackerKey,
-    VerifyingKey, WorkerUsage,
+    Heartbeat, Join, Leave, Load, PrefixHeld, RefusalKind, Registration, TrackerBody, TrackerCallError, TrackerClient, TrackerFrame,
+    TrackerKey, VerifyingKey, WorkerUsage,
 };
 use ed25519_dalek::Signer;
 use futures::{SinkExt, StreamExt};
@@ -245,6 +246,8 @@ impl Joiner {
         let outbox = self.outbox.clone();
         // No report is taken before this (a refused one waits a heartbeat before it is retried).
         let mut resume = Instant::now();
+        // The version of the held prefix digests this tracker has (0: none sent on this connection).
+        let mut held_sent = 0;
         loop {
             let (at, ob) = (resume, &outbox);
             tokio::select! {
@@ -253,7 +256,10 @@ impl Joiner {
                         return Ended::Retry(format!("no Ack for a usage report within {ACK_HEARTBEATS} heartbeats"));
                     }
                     let load = self.load(&mut last);
-                    if conn.send(send(TrackerBody::Heartbeat(Heartbeat { load: Some(load) }))).await.is_err() {
+                    let (version, held) = self.metrics.held();
+                    let prefix = (version != held_sent).then(|| PrefixHeld { digests: held.to_vec() });
+                    held_sent = version;
+                    if conn.send(send(TrackerBody::Heartbeat(Heartbeat { load: Some(load), prefix }))).await.is_err() {
                         return Ended::Retry("connection lost".into());
                     }
                 }

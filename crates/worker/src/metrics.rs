@@ -4,7 +4,7 @@ use crate::compat::Phase;
 use dgr_proto::{ErrorKind, SeamDtype, TicketError};
 use dgr_telemetry::prom::{Kind::*, Text};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 #[derive(Default)]
 pub struct Metrics {
@@ -50,6 +50,9 @@ pub struct Metrics {
     pub draining: AtomicU64,
     /// The engine id the stage computes with, set once it is open (the `dgr_worker_info` label).
     pub engine: OnceLock<String>,
+    /// The route digests of the prefix blocks held, most recently used first, and a count that
+    /// moves with each new list: what the heartbeats report (a tracker hears a list once).
+    held: Mutex<(u64, Arc<Vec<u64>>)>,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
     tickets_refused: Mutex<Vec<(TicketError, u64)>>,
     batches: Mutex<Vec<BatchCount>>,
@@ -59,6 +62,16 @@ pub struct Metrics {
 type BatchCount = ((Phase, SeamDtype), u64, u64);
 
 impl Metrics {
+    pub fn set_held(&self, digests: Vec<u64>) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        *h = (h.0 + 1, Arc::new(digests));
+    }
+
+    /// The current list of held digests and its version (0: none published yet).
+    pub fn held(&self) -> (u64, Arc<Vec<u64>>) {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     pub fn failure(&self, kind: ErrorKind) {
         let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         match f.iter_mut().find(|(k, _)| *k == kind) {

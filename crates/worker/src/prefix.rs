@@ -4,6 +4,8 @@
 //! the rest. Blocks are copied in and out, never shared with a session, so sessions stay
 //! independent; they are evicted least recently used under a byte budget, leaves first (a
 //! chain never has a hole), and never while a session that was told of them may still attach.
+//! Each block also carries its route digest (tenant and chain, no stage), so the worker can tell
+//! the trackers which prefixes it holds (`recent`).
 
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -40,9 +42,18 @@ pub(crate) fn keys(salt: &Key, tenant: &str, chain: &[[u8; 32]]) -> Vec<Key> {
         .collect()
 }
 
+/// The route digests of a chain for one tenant (`dgr_proto::route_digest`).
+pub(crate) fn route_digests(tenant: &str, chain: &[[u8; 32]]) -> Vec<u64> {
+    let mask = dgr_proto::tenant_mask(tenant);
+    chain.iter().map(|c| dgr_proto::route_digest(mask, c)).collect()
+}
+
 struct Entry {
     kv: Vec<f32>,
+    route: u64,
     parent: Option<Key>,
+    /// Blocks above it in its chain.
+    depth: u32,
     /// Blocks held whose parent this is: a block with children is not evicted.
     children: usize,
     /// Sessions told they may attach it.
@@ -54,13 +65,15 @@ pub(crate) struct PrefixCache {
     budget: usize,
     bytes: usize,
     tick: u64,
+    /// Bumped whenever what `recent` returns may have changed.
+    changes: u64,
     entries: HashMap<Key, Entry>,
 }
 
 impl PrefixCache {
     /// A cache of at most `budget` bytes of blocks; 0 turns it off.
     pub fn new(budget: usize) -> PrefixCache {
-        PrefixCache { budget, bytes: 0, tick: 0, entries: HashMap::new() }
+        PrefixCache { budget, bytes: 0, tick: 0, changes: 0, entries: HashMap::new() }
     }
 
     pub fn enabled(&self) -> bool {
@@ -89,7 +102,26 @@ impl PrefixCache {
             e.used = self.tick;
             n += 1;
         }
+        self.changes += u64::from(n > 0);
         n
+    }
+
+    /// A count that moves whenever the blocks held or their recency order changed.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// The route digests of the `n` most recently used blocks, most recent first: parents before
+    /// children on a tie (a chain used at once), so a cut keeps chains whole from their roots.
+    pub fn recent(&self, n: usize) -> Vec<u64> {
+        let mut all: Vec<(u64, u32, u64)> = self.entries.values().map(|e| (e.used, e.depth, e.route)).collect();
+        let order = |a: &(u64, u32, u64), b: &(u64, u32, u64)| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+        if all.len() > n {
+            all.select_nth_unstable_by(n, order);
+            all.truncate(n);
+        }
+        all.sort_unstable_by(order);
+        all.into_iter().map(|(_, _, route)| route).collect()
     }
 
     pub fn unpin(&mut self, keys: &[Key]) {
@@ -104,10 +136,10 @@ impl PrefixCache {
         self.entries.get(key).map(|e| e.kv.as_slice())
     }
 
-    /// Holds `kv` under `key`, a child of `parent` (None for a chain's first block), evicting
-    /// older leaves to make room. Refused (false) when the parent is not held (it would leave a
-    /// hole) or the room cannot be made.
-    pub fn insert(&mut self, key: Key, parent: Option<Key>, kv: Vec<f32>) -> bool {
+    /// Holds `kv` under `key` (route digest `route`), a child of `parent` (None for a chain's
+    /// first block), evicting older leaves to make room. Refused (false) when the parent is not
+    /// held (it would leave a hole) or the room cannot be made.
+    pub fn insert(&mut self, key: Key, route: u64, parent: Option<Key>, kv: Vec<f32>) -> bool {
         if self.entries.contains_key(&key) || parent.is_some_and(|p| !self.entries.contains_key(&p)) {
             return false;
         }
@@ -117,12 +149,15 @@ impl PrefixCache {
                 return false;
             }
         }
+        let mut depth = 0;
         if let Some(p) = parent.and_then(|p| self.entries.get_mut(&p)) {
             p.children += 1;
+            depth = p.depth + 1;
         }
         self.tick += 1;
+        self.changes += 1;
         self.bytes += size;
-        self.entries.insert(key, Entry { kv, parent, children: 0, pins: 0, used: self.tick });
+        self.entries.insert(key, Entry { kv, route, parent, depth, children: 0, pins: 0, used: self.tick });
         true
     }
 
@@ -136,6 +171,7 @@ impl PrefixCache {
             .map(|(k, _)| *k);
         let Some(k) = victim else { return false };
         if let Some(e) = self.entries.remove(&k) {
+            self.changes += 1;
             self.bytes -= e.kv.len() * std::mem::size_of::<f32>();
             if let Some(p) = e.parent.and_then(|p| self.entries.get_mut(&p)) {
                 p.children -= 1;
@@ -167,7 +203,7 @@ mod tests {
     fn fill(c: &mut PrefixCache, keys: &[Key]) -> usize {
         let mut n = 0;
         for (i, k) in keys.iter().enumerate() {
-            if c.insert(*k, i.checked_sub(1).map(|j| keys[j]), vec![i as f32; 4]) {
+            if c.insert(*k, k[0] as u64, i.checked_sub(1).map(|j| keys[j]), vec![i as f32; 4]) {
                 n += 1;
             }
         }
@@ -189,9 +225,34 @@ mod tests {
         assert_eq!(c.bytes(), 80);
         c.unpin(&a[..2]);
         assert_eq!(c.pin(&a), 2, "the longest held run");
-        assert!(!c.insert([9; 32], Some([8; 32]), vec![0.0; 4]), "a block whose parent is gone would be a hole");
+        assert!(!c.insert([9; 32], 9, Some([8; 32]), vec![0.0; 4]), "a block whose parent is gone would be a hole");
         let keys = keys(&[0; 32], "tenant", &[[1; 32]]);
         assert_ne!(keys, super::keys(&[0; 32], "other", &[[1; 32]]), "tenants name blocks apart");
+    }
+
+    #[test]
+    fn recent_lists_the_most_recently_used_blocks_first_and_changes_say_when_it_moved() {
+        let mut c = PrefixCache::new(1 << 20);
+        let (a, b) = (chain(1, 3), chain(2, 4));
+        let before = c.changes();
+        fill(&mut c, &a);
+        fill(&mut c, &b);
+        let digest = |k: &Key| k[0] as u64;
+        assert_eq!(c.recent(100), b.iter().rev().chain(a.iter().rev()).map(digest).collect::<Vec<_>>());
+        assert!(c.changes() > before);
+        // Using a's chain moves it to the front, roots first (one tick for the whole run).
+        let used = c.changes();
+        assert_eq!(c.pin(&a), 3);
+        assert!(c.changes() > used);
+        let root_first = [a[0], a[1], a[2], b[3], b[2]].iter().map(digest).collect::<Vec<_>>();
+        assert_eq!(c.recent(5), root_first);
+        assert_eq!(c.recent(0), Vec::<u64>::new());
+        let unchanged = c.changes();
+        assert_eq!(c.pin(&chain(9, 2)), 0);
+        assert_eq!(c.changes(), unchanged, "a miss moves nothing");
+        let r = route_digests("t", &[[1; 32], [2; 32]]);
+        assert_eq!(r.len(), 2);
+        assert_ne!(r, route_digests("u", &[[1; 32], [2; 32]]), "tenants differ");
     }
 
     #[test]

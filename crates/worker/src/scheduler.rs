@@ -9,8 +9,8 @@ use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Engine, EngineError, Input, LogitRows, Pooler, Pooling, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
     check_forward, check_open, check_prefix_blocks, session_id, Body, BoundarySchema, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hop,
-    OpenSession, Progress, ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, PREFIX_BLOCK,
-    STAGE_UNKNOWN,
+    OpenSession, Progress, ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, MAX_HELD_DIGESTS,
+    PREFIX_BLOCK, STAGE_UNKNOWN,
 };
 use dgr_telemetry::unix_us;
 use std::collections::{HashMap, VecDeque};
@@ -150,6 +150,8 @@ struct Session<K> {
     pooler: Option<Pooler>,
     /// The prefix cache's keys of the session's blocks (empty: it is not cached).
     prefix: Vec<Key>,
+    /// Their route digests, one per key.
+    routes: Vec<u64>,
     /// The stage salt and tenant its keys are made with (None: it is not cached).
     namer: Option<(Key, String)>,
     /// Leading blocks of `prefix` pinned for it until its first forward.
@@ -188,6 +190,8 @@ pub(crate) struct Scheduler<E: Engine = Stage> {
     /// Where each ended session's usage goes for the tracker's ledger (None when ticketless).
     ledger: Option<LedgerTx>,
     prefix: PrefixCache,
+    /// The cache's `changes` when its digests were last handed to the heartbeats, and when.
+    held: (u64, Instant),
 }
 
 pub(crate) type LedgerTx = tokio::sync::mpsc::Sender<WorkerUsage>;
@@ -229,6 +233,7 @@ impl<E: Engine> Scheduler<E> {
             last_step_end: Instant::now(),
             ledger,
             prefix: PrefixCache::new(prefix_budget),
+            held: (0, Instant::now()),
         }
     }
 
@@ -441,6 +446,7 @@ impl<E: Engine> Scheduler<E> {
             (prefix::stage_salt(&self.model_id, span, &engine, KV_LAYOUT.dtype, dtype.name()), tenant)
         });
         let keys = namer.as_ref().map_or_else(Vec::new, |(salt, tenant)| prefix::keys(salt, tenant, &chain));
+        let routes = namer.as_ref().map_or_else(Vec::new, |(_, tenant)| prefix::route_digests(tenant, &chain));
         let pinned = self.prefix.pin(&keys);
         let sampling = open.sampling.unwrap_or_default();
         let session = Session {
@@ -474,6 +480,7 @@ impl<E: Engine> Scheduler<E> {
             embedding: open.embed.is_some(),
             pooler,
             prefix: keys,
+            routes,
             namer,
             pinned,
             remembered: 0,
@@ -577,7 +584,8 @@ impl<E: Engine> Scheduler<E> {
             let i = s.remembered;
             if !cache.contains(&s.prefix[i]) {
                 let parent = i.checked_sub(1).map(|j| s.prefix[j]);
-                let taken = s.kv.read_block(i * PREFIX_BLOCK, PREFIX_BLOCK).is_some_and(|kv| cache.insert(s.prefix[i], parent, kv));
+                let taken =
+                    s.kv.read_block(i * PREFIX_BLOCK, PREFIX_BLOCK).is_some_and(|kv| cache.insert(s.prefix[i], s.routes[i], parent, kv));
                 if !taken {
                     s.remembered = s.prefix.len();
                     return;
@@ -593,6 +601,7 @@ impl<E: Engine> Scheduler<E> {
         let (Some((salt, tenant)), Ok(chain)) = (&s.namer, check_prefix_blocks(blocks, s.kv.capacity() as u64)) else { return };
         cache.unpin(&s.prefix[..std::mem::take(&mut s.pinned)]);
         s.prefix = prefix::keys(salt, tenant, &chain);
+        s.routes = prefix::route_digests(tenant, &chain);
         s.remembered = 0;
     }
 
@@ -861,7 +870,7 @@ impl<E: Engine> Scheduler<E> {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
         let m = &self.metrics;
         m.sessions_open.store(self.sessions.len() as u64, Relaxed);
         m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.positions() as u64).sum(), Relaxed);
@@ -869,6 +878,19 @@ impl<E: Engine> Scheduler<E> {
         m.queue_depth.store(self.sessions.values().map(|s| s.pending.len() as u64).sum(), Relaxed);
         m.prefix_blocks.store(self.prefix.blocks() as u64, Relaxed);
         m.prefix_bytes.store(self.prefix.bytes() as u64, Relaxed);
+        self.publish_held();
+    }
+
+    /// Hands the heartbeats the route digests of the blocks held, when they changed and at most
+    /// every `HELD_EVERY` (listing them is a pass over the cache).
+    fn publish_held(&mut self) {
+        const HELD_EVERY: Duration = Duration::from_millis(100);
+        let changes = self.prefix.changes();
+        if changes == self.held.0 || self.held.1.elapsed() < HELD_EVERY {
+            return;
+        }
+        self.held = (changes, Instant::now());
+        self.metrics.set_held(self.prefix.recent(MAX_HELD_DIGESTS));
     }
 }
 
