@@ -191,14 +191,14 @@ fn requests_go_to_the_replica_holding_their_prefix_unless_it_is_twice_as_loaded(
     settle(&t, &[(&x, 2), (&y, 1)], &x, "two sessions on the holders, one on the others");
     let third = generate(&t, &model_id, &with(&[4, 5, 6]));
     assert_eq!(third, expect(3.0, 2.0), "the holders at 1.5 times the others' load");
-    println!("holders at 1.5 times the others' load: {:?}", third.0 == x);
 
-    // Holders at 1 + 3: twice the others' load.
-    let more = Held::open(&t, &model_id, &x);
-    settle(&t, &[(&x, 3), (&y, 1)], &x, "three sessions on the holders, one on the others");
+    // Holders at 1 + 4: past twice the others' load (exactly twice is the unit tests' boundary:
+    // here the replicas' measured speeds, equal within noise, would settle it).
+    let more = [Held::open(&t, &model_id, &x), Held::open(&t, &model_id, &x)];
+    settle(&t, &[(&x, 4), (&y, 1)], &x, "four sessions on the holders, one on the others");
     let fourth = generate(&t, &model_id, &with(&[7, 8, 9]));
-    assert_eq!(fourth, expect(4.0, 2.0), "the holders at twice the others' load");
-    println!("holders at twice the others' load: the others served: {:?}", fourth.0 == y);
+    assert_eq!(fourth, expect(5.0, 2.0), "the holders at 2.5 times the others' load");
+    assert_eq!(fourth, (y.clone(), 0), "equal replicas measure within 25% of each other");
     for (s, id) in fourth.0.iter().enumerate() {
         // A stage the other replica served attached nothing: it never held the prompt.
         assert_eq!(hits(id) == 0.0, *id == y[s], "stage {s} on {id}");
