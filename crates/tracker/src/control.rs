@@ -8,8 +8,8 @@ use crate::registry::Joining;
 use crate::server::{lock, refused, send, unix_ms, Conn, Shared};
 use bytes::Bytes;
 use dgr_proto::{
-    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, SecureStream, TrackerBody, TrackerFrame,
-    MAX_HELD_DIGESTS, TRACKER_MAX_FRAME,
+    codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, SecureStream, TrackerBody,
+    TrackerFrame, MAX_HELD_DIGESTS, TRACKER_MAX_FRAME,
 };
 use ed25519_dalek::Signature;
 use futures::{SinkExt, StreamExt};

@@ -5,13 +5,14 @@
 use super::*;
 use dgr_proto::{codec, key_id, Ack, Challenge, Joined, Refused, TrackerKey, PROTOCOL_VERSION, TRACKER_MAX_FRAME};
 use std::collections::HashSet;
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 const HEARTBEAT_MS: u32 = 50;
 const DEADLINE: Duration = Duration::from_secs(10);
 
-type Conn = Framed<TcpStream, LengthDelimitedCodec>;
+type Conn = Framed<dgr_proto::SecureStream, LengthDelimitedCodec>;
 
 fn report(i: usize) -> WorkerUsage {
     WorkerUsage { session_id: format!("s{i}").into_bytes(), request_id: format!("r{i}"), layer_tokens: 1, ..Default::default() }
@@ -61,12 +62,17 @@ async fn next(c: &mut Conn) -> Option<TrackerBody> {
     }
 }
 
-/// Accepts one control connection and answers its hello and join, as a tracker does.
+/// Accepts one control connection and answers its secure channel, hello and join, as a tracker
+/// does.
 async fn accept_join(l: &TcpListener) -> Conn {
-    let (s, _) = tokio::time::timeout(DEADLINE, l.accept()).await.expect("no join").unwrap();
-    let mut c = Framed::new(s, codec(TRACKER_MAX_FRAME));
+    let (mut s, _) = tokio::time::timeout(DEADLINE, l.accept()).await.expect("no join").unwrap();
+    let signing = dgr_proto::SigningKey::from_bytes(&[7; 32]);
+    let mut head = [0u8; 4];
+    s.read_exact(&mut head).await.unwrap();
+    let link = dgr_proto::respond_as(&dgr_proto::Identity::new(&signing).unwrap(), head, s, DEADLINE).await.unwrap();
+    let mut c = Framed::new(link, codec(TRACKER_MAX_FRAME));
     assert!(matches!(next(&mut c).await, Some(TrackerBody::Hello(_))));
-    let key = dgr_proto::SigningKey::from_bytes(&[7; 32]).verifying_key();
+    let key = signing.verifying_key();
     let keys = vec![TrackerKey { key_id: key_id(&key), public_key: key.to_bytes().to_vec() }];
     send(&mut c, TrackerBody::Challenge(Challenge { protocol_version: PROTOCOL_VERSION, nonce: vec![1; 32], keys })).await;
     assert!(matches!(next(&mut c).await, Some(TrackerBody::Join(_))));
