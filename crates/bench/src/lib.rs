@@ -12,10 +12,12 @@ pub mod local;
 mod model;
 mod peer;
 mod plot;
+mod prefix;
 mod record;
 mod route;
 mod serve;
 mod serve_client;
+mod servers;
 pub mod swarm;
 mod tracker;
 mod tracker_load;
@@ -49,6 +51,11 @@ pub enum Command {
     /// N in flight, reporting output tok/s, TTFT and inter-token latency; with --peer-url,
     /// rounds alternate with a second endpoint and the report adds the ratios.
     Serve(serve::Args),
+    /// What the prefix caches buy: the second turn of chats with a long first message (its
+    /// TTFT over the first turn's) and requests sharing a long system message, N in flight
+    /// (aggregate throughput), through `dgr up` with its defaults, the same with
+    /// --prefix-cache-mb 0, and llama-server with its prompt cache, all started by the bench.
+    Prefix(prefix::Args),
 }
 
 /// Runs one benchmark; the local workers and trackers it starts are `dgr` processes of the
@@ -62,6 +69,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Links(a) => links::run(a),
         Command::Tracker(a) => tracker::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Prefix(a) => prefix::run(a),
     }
 }
 

@@ -262,21 +262,28 @@ fn json_object(s: &str) -> std::result::Result<Map<String, Value>, String> {
     }
 }
 
-fn request_body(model: Option<&str>, chat: bool, prompt: &str, max_tokens: usize, extra: &Map<String, Value>) -> Vec<u8> {
+/// The fields of a streamed, greedy request of `max_tokens` new tokens (exactly that many
+/// with `ignore_eos`, on a server that honours it), usage included.
+pub(crate) fn stream_body(model: Option<&str>, max_tokens: usize, ignore_eos: bool) -> Value {
     let mut b = json!({
         "stream": true,
         "stream_options": { "include_usage": true },
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "ignore_eos": true,
+        "ignore_eos": ignore_eos,
     });
+    if let Some(m) = model {
+        b["model"] = json!(m);
+    }
+    b
+}
+
+fn request_body(model: Option<&str>, chat: bool, prompt: &str, max_tokens: usize, extra: &Map<String, Value>) -> Vec<u8> {
+    let mut b = stream_body(model, max_tokens, true);
     if chat {
         b["messages"] = json!([{ "role": "user", "content": prompt }]);
     } else {
         b["prompt"] = json!(prompt);
-    }
-    if let Some(m) = model {
-        b["model"] = json!(m);
     }
     for (k, v) in extra {
         b[k] = v.clone();
@@ -307,16 +314,10 @@ impl Load {
     }
 }
 
-/// Sends requests `ids` to `ep`, `concurrency` at a time; returns the wall time and the
-/// samples in id order.
-async fn phase(
-    ep: &Endpoint,
-    load: &Load,
-    (model, extra): (Option<&str>, &Map<String, Value>),
-    ids: Range<usize>,
-    concurrency: usize,
-) -> (f64, Vec<Sample>) {
-    let (next, end) = (&Cell::new(ids.start), ids.end);
+/// Sends requests `ids` to `ep`, `concurrency` at a time, each the request `spec` makes of
+/// its id; returns the wall time and the samples in id order.
+pub(crate) async fn phase(ep: &Endpoint, ids: Range<usize>, concurrency: usize, spec: impl Fn(usize) -> RequestSpec) -> (f64, Vec<Sample>) {
+    let (next, end, spec) = (&Cell::new(ids.start), ids.end, &spec);
     let start = Instant::now();
     let workers = (0..concurrency.min(ids.len())).map(|_| async move {
         let mut out = Vec::new();
@@ -326,7 +327,7 @@ async fn phase(
                 return out;
             }
             next.set(id + 1);
-            out.push(client::measure(ep, &load.spec(model, extra, id), id, start).await);
+            out.push(client::measure(ep, &spec(id), id, start).await);
         }
     });
     let mut samples: Vec<Sample> = futures::future::join_all(workers).await.into_iter().flatten().collect();
@@ -393,11 +394,15 @@ impl Contender {
         }
     }
 
+    fn spec(&self, load: &Load, id: usize) -> RequestSpec {
+        load.spec(self.model.as_deref(), &self.extra, id)
+    }
+
     async fn warm_up(&self, load: &Load, n: usize, concurrency: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let (_, samples) = phase(&self.ep, load, (self.model.as_deref(), &self.extra), self.id_base..self.id_base + n, concurrency).await;
+        let (_, samples) = phase(&self.ep, self.id_base..self.id_base + n, concurrency, |id| self.spec(load, id)).await;
         if let Some(e) = samples.iter().map(|s| s.error.as_ref()).collect::<Option<Vec<_>>>().and_then(|e| e.first().copied()) {
             return Err(BenchError::Endpoint(format!(
                 "every warm-up request to {} failed; the first: {}: {}",
@@ -409,7 +414,7 @@ impl Contender {
 
     async fn measure_round(&mut self, load: &Load, round: usize, requests: usize, warmup: usize, concurrency: usize) {
         let first = self.id_base + warmup + round * requests;
-        let (wall_s, samples) = phase(&self.ep, load, (self.model.as_deref(), &self.extra), first..first + requests, concurrency).await;
+        let (wall_s, samples) = phase(&self.ep, first..first + requests, concurrency, |id| self.spec(load, id)).await;
         self.rounds.push(Round { round, wall_s, samples });
     }
 }
@@ -754,7 +759,7 @@ mod tests {
         let mut rounds = Vec::new();
         for (i, model) in ["busy", "cut"].iter().enumerate() {
             let ep = Endpoint::parse(&url, None).unwrap();
-            let (wall_s, samples) = phase(&ep, &load(), (Some(model), &Map::new()), 0..2, 2).await;
+            let (wall_s, samples) = phase(&ep, 0..2, 2, |id| load().spec(Some(model), &Map::new(), id)).await;
             rounds.push(Round { round: i, wall_s, samples });
         }
         let e = rounds[0].samples[0].error.as_ref().unwrap();
@@ -763,7 +768,7 @@ mod tests {
         // Nothing listens on a port just released.
         let free = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
         let ep = Endpoint::parse(&format!("http://{free}"), None).unwrap();
-        let (wall_s, samples) = phase(&ep, &load(), (None, &Map::new()), 0..1, 1).await;
+        let (wall_s, samples) = phase(&ep, 0..1, 1, |id| load().spec(None, &Map::new(), id)).await;
         rounds.push(Round { round: 2, wall_s, samples });
         let s = summarize(&rounds, 8);
         assert_eq!(s.errors, BTreeMap::from([("broken_stream".into(), 2), ("connect".into(), 1), ("http_503".into(), 2)]));

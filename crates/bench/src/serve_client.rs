@@ -17,6 +17,8 @@ use tokio::net::TcpStream;
 const MAX_SSE_LINE: usize = 1 << 20;
 const MAX_ERROR_BODY: usize = 64 << 10;
 const MAX_JSON_BODY: usize = 1 << 20;
+/// A response's content kept for the next turn of a chat: past this it is cut.
+const MAX_TEXT: usize = 1 << 20;
 
 /// Why a request failed; `kind` is what the report counts errors by.
 #[derive(Debug, Clone, PartialEq)]
@@ -335,7 +337,13 @@ pub struct Sample {
     pub chunks: usize,
     /// The server's own counts, from the stream's `usage`.
     pub prompt_tokens: Option<u64>,
+    /// Prompt tokens the server answered from its cache (`usage.prompt_tokens_details.
+    /// cached_tokens`, or llama-server's `timings.cache_n`).
+    pub cached_tokens: Option<u64>,
     pub completion_tokens: u64,
+    /// The content streamed (up to MAX_TEXT bytes), for a chat's next turn.
+    #[serde(skip)]
+    pub text: String,
     /// False when the stream carried no usage and `completion_tokens` counts chunks instead.
     pub tokens_from_usage: bool,
     pub error: Option<SampleError>,
@@ -353,7 +361,9 @@ struct Progress {
     itl_ms: Vec<f64>,
     chunks: usize,
     prompt_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
     completion_tokens: Option<u64>,
+    text: String,
     finished: bool,
 }
 
@@ -369,7 +379,10 @@ impl Progress {
         }
         if let Some(c) = v["choices"].get(0) {
             let text = if chat { c["delta"]["content"].as_str() } else { c["text"].as_str() };
-            if text.is_some_and(|t| !t.is_empty()) {
+            if let Some(t) = text.filter(|t| !t.is_empty()) {
+                if self.text.len() + t.len() <= MAX_TEXT {
+                    self.text.push_str(t);
+                }
                 if let Some(last) = self.last {
                     self.itl_ms.push(ms(now - last));
                 }
@@ -382,7 +395,9 @@ impl Progress {
         if v["usage"].is_object() {
             self.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().or(self.prompt_tokens);
             self.completion_tokens = v["usage"]["completion_tokens"].as_u64().or(self.completion_tokens);
+            self.cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().or(self.cached_tokens);
         }
+        self.cached_tokens = self.cached_tokens.or(v["timings"]["cache_n"].as_u64());
         Ok(false)
     }
 }
@@ -436,7 +451,9 @@ pub async fn measure(ep: &Endpoint, spec: &RequestSpec, id: usize, phase_start: 
         itl_ms: p.itl_ms,
         chunks: p.chunks,
         prompt_tokens: p.prompt_tokens,
+        cached_tokens: p.cached_tokens,
         completion_tokens: p.completion_tokens.unwrap_or(p.chunks as u64),
+        text: p.text,
         tokens_from_usage: p.completion_tokens.is_some(),
         error: result.err().map(|f| SampleError { kind: f.kind(), message: f.message() }),
     }
@@ -569,9 +586,21 @@ mod tests {
         assert!(p.first.is_none(), "an empty first delta is not a token");
         p.on_data(r#"{"choices":[{"delta":{"content":"Hi"}}]}"#, true, t + Duration::from_millis(5)).unwrap();
         p.on_data(r#"{"choices":[{"delta":{"content":" there"},"finish_reason":"length"}]}"#, true, t + Duration::from_millis(8)).unwrap();
-        p.on_data(r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3}}"#, true, t).unwrap();
+        p.on_data(
+            r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":8}}}"#,
+            true,
+            t,
+        )
+        .unwrap();
         assert!(p.on_data(" [DONE]", true, t).unwrap());
-        assert_eq!((p.chunks, p.itl_ms.clone(), p.prompt_tokens, p.completion_tokens, p.finished), (2, vec![3.0], Some(12), Some(3), true));
+        assert_eq!(
+            (p.chunks, p.itl_ms.clone(), p.prompt_tokens, p.cached_tokens, p.completion_tokens, p.finished, p.text.as_str()),
+            (2, vec![3.0], Some(12), Some(8), Some(3), true, "Hi there")
+        );
+        // llama-server's own count of the prompt tokens its slot cache held.
+        let mut q = Progress::default();
+        q.on_data(r#"{"choices":[{"text":"a"}],"timings":{"cache_n":1000}}"#, false, t).unwrap();
+        assert_eq!((q.cached_tokens, q.text.as_str()), (Some(1000), "a"));
         for bad in ["{", "[1,2]x", r#"{"error":{"message":"overloaded"}}"#] {
             assert!(p.on_data(bad, false, t).is_err());
         }

@@ -105,7 +105,7 @@ impl LocalSwarm {
 
 /// Has the child get SIGTERM when this process dies, however it dies, so no worker or tracker
 /// outlives the command that started it.
-fn die_with_parent(cmd: &mut Command) {
+pub(crate) fn die_with_parent(cmd: &mut Command) {
     use std::os::unix::process::CommandExt;
     // SAFETY: prctl is async-signal-safe; the closure touches nothing else between fork and exec.
     unsafe {
@@ -189,22 +189,26 @@ impl Drop for LocalTracker {
 }
 
 impl Drop for LocalSwarm {
-    /// SIGTERM, a short wait for a clean exit, then SIGKILL.
     fn drop(&mut self) {
-        for c in &self.children {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for c in self.children.iter_mut() {
-            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        terminate(&mut self.children);
         for log in &self.logs {
             let _ = std::fs::remove_file(log);
         }
+    }
+}
+
+/// Stops child processes: SIGTERM, a short wait for a clean exit, then SIGKILL.
+pub(crate) fn terminate(children: &mut [Child]) {
+    for c in children.iter() {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for c in children.iter_mut() {
+        while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }
