@@ -97,9 +97,15 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
         take.push((r, 1));
     }
     let busy = !take.is_empty();
+    // With nothing decoding, the prompts waiting share one chunk (oldest first), so that the step
+    // still takes about `chunk_time` however many arrived together and each one's progress
+    // reaches its driver before the step deadline; every prompt past that chunk runs
+    // `busy_chunk` rows, so it progresses too.
+    // `fit` is the rows of `chunk_time` at each one's rate, so a chunk of n takes n / fit of it.
+    let (mut shared_rows, mut shared_time) = (p.prefill_chunk, 1.0f64);
     for r in prefill {
         let chunk = match (busy, r.rows <= p.whole_prompt) {
-            (false, _) => p.prefill_chunk.min(r.fit),
+            (false, _) => shared_rows.min((shared_time * r.fit as f64) as usize).max(p.busy_chunk),
             (true, true) => r.rows,
             (true, false) => p.busy_chunk,
         };
@@ -108,6 +114,8 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
             break;
         }
         budget -= n;
+        shared_rows = shared_rows.saturating_sub(n);
+        shared_time = (shared_time - n as f64 / r.fit as f64).max(0.0);
         take.push((r, n));
     }
     let mut batches: Vec<Batch> = Vec::new();
@@ -202,8 +210,21 @@ mod tests {
         r.fit = p.fit(Some(Duration::from_millis(20)));
         assert_eq!(plan(vec![r.clone()], 0, &p)[0].items, vec![([9; 16], 50)]);
         // Beside decoding, the busy chunk caps it as before.
-        let b = plan(vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 2), r], 1, &p);
+        let b = plan(vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 2), r.clone()], 1, &p);
         assert_eq!(b[1].items, vec![([9; 16], 4)]);
+        // Prompts that arrive together share one chunk's time, the oldest first, whatever their
+        // rate and count; the others still progress by the busy chunk.
+        for (n, fit, want) in [(8, usize::MAX, 512), (8, 50, 50), (3, 100, 100), (1, usize::MAX, 512)] {
+            let r: Vec<Ready> = (0..n).map(|i| Ready { fit, ..ready(i, Phase::Prefill, SeamDtype::F32, 1100, 10 - i as u64) }).collect();
+            let b = plan(r, 0, &p);
+            let mut items = b[0].items.clone();
+            items.sort();
+            let expect: Vec<(SessionId, usize)> = (0..n).map(|i| ([i; 16], if i == 0 { want } else { p.busy_chunk })).collect();
+            assert_eq!(items, expect, "{n} prompts at fit {fit}");
+        }
+        // Short prompts arriving together fill the chunk whole, then progress by the busy chunk.
+        let r: Vec<Ready> = (0..6).map(|i| ready(i, Phase::Prefill, SeamDtype::F32, 200, 10 - i as u64)).collect();
+        assert_eq!(plan(r, 0, &p)[0].items.iter().map(|i| i.1).collect::<Vec<_>>(), vec![200, 200, 112, 4, 4, 4]);
     }
 
     #[test]
