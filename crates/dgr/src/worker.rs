@@ -53,7 +53,8 @@ pub struct Args {
     /// Most rows computed in one scheduler step (the token budget)
     #[arg(long, default_value_t = 8192)]
     step_tokens: usize,
-    /// Largest prompt chunk in a step when no session is decoding
+    /// Largest prompt chunk in a step when no session is decoding (prompts waiting together
+    /// share it, oldest first; the others run --busy-chunk rows)
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
     /// Milliseconds of compute a prompt chunk aims at: a long prompt's chunks shrink as its

@@ -1,8 +1,8 @@
 //! Planning one scheduler step: which rows of which sessions run, in which batches.
 //!
 //! Decode rows come first (every session that waits for its next token, oldest first); then
-//! chunks of waiting prompts, each capped so that a long prompt cannot stall decoding, while the
-//! step's token budget lasts. Sessions are grouped into one batch per compatibility key.
+//! chunks of waiting prompts, each capped so that a long prompt cannot stall decoding (and, while
+//! nothing decodes, sharing one chunk), while the step's token budget lasts. Sessions are grouped into one batch per compatibility key.
 
 use crate::compat::{CompatKey, Phase};
 use dgr_proto::SessionId;
