@@ -19,11 +19,12 @@ pub trait SeqState: Send {
     /// Whether positions can be copied out and in as blocks (a prefix cache's): false while a
     /// layer keeps only a window of them.
     fn blockable(&self) -> bool;
-    /// A copy of positions `at..at + n` of every layer, or None when they are not all held.
-    fn read_block(&self, at: usize, n: usize) -> Option<Vec<f32>>;
-    /// Appends `n` positions copied by `read_block` from a state over the same layers: the
-    /// sequence then computes on exactly as if it had computed them itself.
-    fn write_block(&mut self, n: usize, block: &[f32]) -> Result<(), EngineError>;
+    /// A copy of positions `at..at + n` of every layer as stored (bytes in the engine's KV
+    /// dtype, never re-rounded), or None when they are not all held.
+    fn read_block(&self, at: usize, n: usize) -> Option<Vec<u8>>;
+    /// Appends `n` positions copied by `read_block` from a state over the same layers of the
+    /// same engine: the sequence then computes on exactly as if it had computed them itself.
+    fn write_block(&mut self, n: usize, block: &[u8]) -> Result<(), EngineError>;
 }
 
 /// One stage's layers of a model, computed batched.
@@ -37,6 +38,8 @@ pub trait Engine: Send + 'static {
     fn layers(&self) -> Range<usize>;
     /// Bytes of weights the stage reads per forward.
     fn weight_bytes(&self) -> usize;
+    /// Bytes one position of a sequence over all of the stage's layers takes in its KV cache.
+    fn kv_position_bytes(&self) -> usize;
     /// Fresh state for a sequence running layers `sub` (a part of `layers`), holding at most
     /// `capacity` positions.
     fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<Self::State, EngineError>;
@@ -62,10 +65,10 @@ impl SeqState for crate::KvCache {
     fn blockable(&self) -> bool {
         crate::KvCache::blockable(self)
     }
-    fn read_block(&self, at: usize, n: usize) -> Option<Vec<f32>> {
+    fn read_block(&self, at: usize, n: usize) -> Option<Vec<u8>> {
         crate::KvCache::read_block(self, at, n)
     }
-    fn write_block(&mut self, n: usize, block: &[f32]) -> Result<(), EngineError> {
+    fn write_block(&mut self, n: usize, block: &[u8]) -> Result<(), EngineError> {
         crate::KvCache::write_block(self, n, block)
     }
 }
@@ -83,6 +86,9 @@ impl Engine for Stage {
     }
     fn weight_bytes(&self) -> usize {
         Stage::weight_bytes(self)
+    }
+    fn kv_position_bytes(&self) -> usize {
+        Stage::kv_position_bytes(self)
     }
     fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<Self::State, EngineError> {
         self.new_kv_for(capacity, sub)

@@ -1,7 +1,7 @@
-//! Which engine computes a stage: the model's format, the backend and the numerics. Its string
-//! (`gguf-cpu-exact`) is what registrations, tickets, the boundary schema, the compatibility key
-//! and the ledger carry; two stages share a batch or a route only when their ids are equal,
-//! because only then do they compute the same bits.
+//! Which engine computes a stage: the model's format, the backend, the numerics and the KV
+//! dtype. Its string (`gguf-cpu-exact`, `gguf-cpu-exact-q8_0`) is what registrations, tickets,
+//! the boundary schema, the compatibility key and the ledger carry; two stages share a batch or
+//! a route only when their ids are equal, because only then do they compute the same bits.
 
 use std::fmt;
 use std::str::FromStr;
@@ -27,12 +27,52 @@ pub enum Numerics {
     Fast,
 }
 
-/// A stage's engine, written `format-backend-numerics`.
+/// How a stage stores the keys and values it caches: `f32` as computed (the default); `f16`
+/// rounded to nearest even (half the bytes); `q8_0` in blocks of 32 int8 with one f16 scale
+/// (34 bytes per 32 values). Scores, softmax and sums stay f32 whatever it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    F16,
+    Q8_0,
+}
+
+impl KvDtype {
+    /// Bytes one position's keys (or values) of `width` floats take, quantized in blocks of
+    /// `block` values (q8_0's; see `q8_block`).
+    pub fn row_bytes(self, width: usize, block: usize) -> usize {
+        match self {
+            KvDtype::F32 => 4 * width,
+            KvDtype::F16 => 2 * width,
+            KvDtype::Q8_0 => width + 2 * width / block,
+        }
+    }
+
+    /// How many positions take the memory `positions` take in `other` (in blocks of 32).
+    pub fn positions_in(self, positions: usize, other: KvDtype) -> usize {
+        positions * other.row_bytes(32, 32) / self.row_bytes(32, 32)
+    }
+
+    /// The values one q8_0 scale covers in heads of `head_dim`: 32 (ggml's block) where heads
+    /// are whole blocks of 32, else the whole head, so a block never spans two heads.
+    pub fn q8_block(head_dim: usize) -> usize {
+        if head_dim % 32 == 0 {
+            32
+        } else {
+            head_dim
+        }
+    }
+}
+
+/// A stage's engine, written `format-backend-numerics`, then `-kv` when the KV dtype is not the
+/// default f32 (so every id from before KV dtypes keeps its spelling and meaning).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EngineId {
     pub format: Format,
     pub backend: BackendKind,
     pub numerics: Numerics,
+    pub kv: KvDtype,
 }
 
 /// A string that names no format, backend, numerics or engine.
@@ -84,22 +124,39 @@ impl Format {
 }
 names!(BackendKind, "backend", Cpu = "cpu");
 names!(Numerics, "numerics", Exact = "exact", Fast = "fast");
+names!(KvDtype, "KV dtype", F32 = "f32", F16 = "f16", Q8_0 = "q8_0");
 
 impl fmt::Display for EngineId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}-{}", self.format, self.backend, self.numerics)
+        write!(f, "{}-{}-{}", self.format, self.backend, self.numerics)?;
+        match self.kv {
+            KvDtype::F32 => Ok(()),
+            kv => write!(f, "-{kv}"),
+        }
     }
 }
 
 impl FromStr for EngineId {
     type Err = UnknownName;
     fn from_str(s: &str) -> Result<Self, UnknownName> {
-        let whole = || UnknownName { what: "engine", found: s.into(), known: "format-backend-numerics, e.g. gguf-cpu-exact" };
+        let whole = || UnknownName {
+            what: "engine",
+            found: s.into(),
+            known: "format-backend-numerics[-kv], e.g. gguf-cpu-exact or gguf-cpu-exact-q8_0 (f32 KV is written without -kv)",
+        };
         let mut parts = s.split('-');
-        let (Some(format), Some(backend), Some(numerics), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+        let (Some(format), Some(backend), Some(numerics), kv, None) =
+            (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+        else {
             return Err(whole());
         };
-        Ok(EngineId { format: format.parse()?, backend: backend.parse()?, numerics: numerics.parse()? })
+        let kv = match kv {
+            None => KvDtype::F32,
+            // One spelling per id: ids are compared as strings too (tickets, the ledger).
+            Some("f32") => return Err(whole()),
+            Some(kv) => kv.parse()?,
+        };
+        Ok(EngineId { format: format.parse()?, backend: backend.parse()?, numerics: numerics.parse()?, kv })
     }
 }
 
@@ -112,20 +169,28 @@ mod tests {
         for &format in Format::ALL {
             for &backend in BackendKind::ALL {
                 for &numerics in Numerics::ALL {
-                    let id = EngineId { format, backend, numerics };
-                    assert_eq!(id.to_string().parse::<EngineId>(), Ok(id));
+                    for &kv in KvDtype::ALL {
+                        let id = EngineId { format, backend, numerics, kv };
+                        assert_eq!(id.to_string().parse::<EngineId>(), Ok(id));
+                    }
                 }
             }
         }
-        let exact = EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact };
+        let exact = EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact, kv: KvDtype::F32 };
         assert_eq!(exact.to_string(), "gguf-cpu-exact");
+        assert_eq!(EngineId { kv: KvDtype::Q8_0, ..exact }.to_string(), "gguf-cpu-exact-q8_0");
+        assert_eq!(EngineId { kv: KvDtype::F16, ..exact }.to_string(), "gguf-cpu-exact-f16");
     }
 
     #[test]
     fn unknown_names_are_refused_with_the_known_ones() {
         let e = "gguf-cpu-f32".parse::<EngineId>().unwrap_err();
         assert_eq!(e.to_string(), "unknown numerics \"f32\" (known: exact fast)");
-        for bad in ["", "gguf", "gguf-cpu", "gguf-cpu-exact-x", "onnx-cpu-exact", "gguf-tpu-exact"] {
+        let e = "gguf-cpu-exact-q4".parse::<EngineId>().unwrap_err();
+        assert_eq!(e.to_string(), "unknown KV dtype \"q4\" (known: f32 f16 q8_0)");
+        for bad in
+            ["", "gguf", "gguf-cpu", "gguf-cpu-exact-x", "gguf-cpu-exact-f32", "gguf-cpu-exact-f16-x", "onnx-cpu-exact", "gguf-tpu-exact"]
+        {
             assert!(bad.parse::<EngineId>().is_err(), "{bad}");
         }
     }

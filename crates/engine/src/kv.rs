@@ -1,5 +1,8 @@
-//! Per-sequence state: the keys and values a sequence has cached in one stage's layers.
+//! Per-sequence state: the keys and values a sequence has cached in one stage's layers, stored
+//! in the stage's KV dtype.
 
+use crate::KvDtype;
+use half::f16;
 use std::ops::Range;
 
 /// The KV cache of one sequence for one stage, over the layers the sequence runs there (all of
@@ -7,15 +10,11 @@ use std::ops::Range;
 /// through that sequence's handle, never shared.
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per layer of `layers`: keys transposed, `kv_dim` rows of the layer's slots (`capacity`,
-    /// or the window's `slots`), so that a head's scores are sums of contiguous runs. Sized at
-    /// creation; the zeroed pages become resident only as positions are written.
-    pub(crate) k: Vec<Vec<f32>>,
-    /// Per layer: values, one row of `kv_dim` floats per slot in use.
-    pub(crate) v: Vec<Vec<f32>>,
+    /// Per layer of `layers`: its keys and values as the KV dtype stores them. Key rows are
+    /// sized at creation; the zeroed pages become resident only as positions are written.
+    pub(crate) store: Vec<Store>,
     pub(crate) len: usize,
     pub(crate) capacity: usize,
-    pub(crate) kv_dim: usize,
     pub(crate) stage_id: u64,
     /// The model's layers this sequence runs on the stage; a forward runs exactly these.
     pub(crate) layers: Range<usize>,
@@ -38,6 +37,234 @@ pub(crate) struct Window {
     pub base: usize,
 }
 
+/// One array of a layer's cache: keys transposed, `width` rows of the layer's slots, so that a
+/// head's scores are sums of contiguous runs; values one row of `width` per position held.
+#[derive(Debug)]
+pub(crate) struct Plane<T> {
+    pub k: Vec<T>,
+    pub v: Vec<T>,
+    pub width: usize,
+}
+
+/// One layer's keys and values as its KV dtype stores them. Each position is stored on its own
+/// (a q8_0 block never spans two positions or two heads), so appending never rewrites an
+/// earlier position and a position's bits never depend on what else was computed with it.
+#[derive(Debug)]
+pub(crate) enum Store {
+    F32(Plane<f32>),
+    /// f16 bits, rounded to nearest even.
+    F16(Plane<u16>),
+    /// Values `q * scale`: int8 `q`, and one f16 scale (bits) per `block` values of a row.
+    Q8_0 {
+        q: Plane<i8>,
+        scale: Plane<u16>,
+        block: usize,
+    },
+}
+
+/// An element of a plane, written little-endian in copied blocks.
+pub(crate) trait Elem: Copy + Default {
+    const SIZE: usize;
+    fn put(self, out: &mut Vec<u8>);
+    fn get(b: &[u8]) -> Self;
+}
+
+macro_rules! elem {
+    ($($t:ty),+) => {$(
+        impl Elem for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(b: &[u8]) -> Self {
+                let mut a = [0u8; std::mem::size_of::<$t>()];
+                a.copy_from_slice(&b[..Self::SIZE]);
+                <$t>::from_le_bytes(a)
+            }
+        }
+    )+};
+}
+elem!(f32, u16, i8);
+
+impl<T: Elem> Plane<T> {
+    fn new(width: usize, slots: usize) -> Plane<T> {
+        Plane { k: vec![T::default(); width * slots], v: Vec::new(), width }
+    }
+
+    fn position_bytes(&self) -> usize {
+        2 * self.width * T::SIZE
+    }
+
+    /// Stores the key and value rows of positions from slot `slot0` on, in a layer of `slots`.
+    fn put(&mut self, slots: usize, slot0: usize, keys: &[T], values: &[T]) {
+        for (r, row) in keys.chunks_exact(self.width).enumerate() {
+            for (c, x) in row.iter().enumerate() {
+                self.k[c * slots + slot0 + r] = *x;
+            }
+        }
+        self.v.extend_from_slice(values);
+    }
+
+    /// Moves `held` positions, from slot `drop` of `old` slots per key row, down to slot 0 of
+    /// `slots`, and drops the values of the first `drop`.
+    fn shift(&mut self, old: usize, slots: usize, drop: usize, held: usize) {
+        let w = self.width;
+        if slots == old {
+            for c in 0..w {
+                self.k.copy_within(c * slots + drop..c * slots + drop + held, c * slots);
+            }
+        } else {
+            let mut moved = vec![T::default(); w * slots];
+            for c in 0..w {
+                moved[c * slots..c * slots + held].copy_from_slice(&self.k[c * old + drop..c * old + drop + held]);
+            }
+            self.k = moved;
+        }
+        self.v.drain(..drop * w);
+    }
+
+    /// Positions `at..at + n` of a layer of `slots` (slot = position): keys untransposed, then values.
+    fn read(&self, slots: usize, at: usize, n: usize, out: &mut Vec<u8>) {
+        for p in at..at + n {
+            (0..self.width).for_each(|c| self.k[c * slots + p].put(out));
+        }
+        self.v[at * self.width..(at + n) * self.width].iter().for_each(|x| x.put(out));
+    }
+
+    /// Appends `n` positions `read` wrote, from the front of `bytes`; returns the rest.
+    fn write<'b>(&mut self, slots: usize, len: usize, n: usize, bytes: &'b [u8]) -> &'b [u8] {
+        let (mine, rest) = bytes.split_at(self.position_bytes() * n);
+        let elems: Vec<T> = mine.chunks_exact(T::SIZE).map(T::get).collect();
+        let (keys, values) = elems.split_at(n * self.width);
+        self.put(slots, len, keys, values);
+        rest
+    }
+}
+
+impl Store {
+    /// An empty layer of `slots` key slots of `width` floats each, in `dtype`, with q8_0
+    /// scales per `block` values.
+    pub(crate) fn new(dtype: KvDtype, width: usize, slots: usize, block: usize) -> Store {
+        match dtype {
+            KvDtype::F32 => Store::F32(Plane::new(width, slots)),
+            KvDtype::F16 => Store::F16(Plane::new(width, slots)),
+            KvDtype::Q8_0 => Store::Q8_0 { q: Plane::new(width, slots), scale: Plane::new(width / block, slots), block },
+        }
+    }
+
+    /// Bytes one position takes, keys and values.
+    pub(crate) fn position_bytes(&self) -> usize {
+        match self {
+            Store::F32(p) => p.position_bytes(),
+            Store::F16(p) => p.position_bytes(),
+            Store::Q8_0 { q, scale, .. } => q.position_bytes() + scale.position_bytes(),
+        }
+    }
+
+    /// Stores the keys and values of positions from slot `slot0` on, rounded to the dtype.
+    pub(crate) fn append(&mut self, slots: usize, slot0: usize, keys: &[f32], values: &[f32]) {
+        match self {
+            Store::F32(p) => p.put(slots, slot0, keys, values),
+            Store::F16(p) => {
+                let half = |x: &[f32]| x.iter().map(|&x| f16::from_f32(x).to_bits()).collect::<Vec<_>>();
+                p.put(slots, slot0, &half(keys), &half(values))
+            }
+            Store::Q8_0 { q, scale, block } => {
+                let (kq, ks) = quantize(keys, *block);
+                let (vq, vs) = quantize(values, *block);
+                q.put(slots, slot0, &kq, &vq);
+                scale.put(slots, slot0, &ks, &vs);
+            }
+        }
+    }
+
+    fn shift(&mut self, old: usize, slots: usize, drop: usize, held: usize) {
+        match self {
+            Store::F32(p) => p.shift(old, slots, drop, held),
+            Store::F16(p) => p.shift(old, slots, drop, held),
+            Store::Q8_0 { q, scale, .. } => {
+                q.shift(old, slots, drop, held);
+                scale.shift(old, slots, drop, held);
+            }
+        }
+    }
+
+    fn read(&self, slots: usize, at: usize, n: usize, out: &mut Vec<u8>) {
+        match self {
+            Store::F32(p) => p.read(slots, at, n, out),
+            Store::F16(p) => p.read(slots, at, n, out),
+            Store::Q8_0 { q, scale, .. } => {
+                q.read(slots, at, n, out);
+                scale.read(slots, at, n, out);
+            }
+        }
+    }
+
+    fn write<'b>(&mut self, slots: usize, len: usize, n: usize, bytes: &'b [u8]) -> &'b [u8] {
+        match self {
+            Store::F32(p) => p.write(slots, len, n, bytes),
+            Store::F16(p) => p.write(slots, len, n, bytes),
+            Store::Q8_0 { q, scale, .. } => {
+                let rest = q.write(slots, len, n, bytes);
+                scale.write(slots, len, n, rest)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+impl Store {
+    /// The f32 store of the values this one stands for.
+    pub(crate) fn dequantized(&self) -> Store {
+        let f32s = |k: Vec<f32>, v: Vec<f32>, width| Store::F32(Plane { k, v, width });
+        match self {
+            Store::F32(p) => f32s(p.k.clone(), p.v.clone(), p.width),
+            Store::F16(p) => f32s(p.k.iter().map(|&h| f16_value(h)).collect(), p.v.iter().map(|&h| f16_value(h)).collect(), p.width),
+            Store::Q8_0 { q, scale, block } => {
+                let slots = q.k.len() / q.width;
+                let k = (0..q.k.len()).map(|i| q.k[i] as f32 * f16_value(scale.k[(i / slots / block) * slots + i % slots])).collect();
+                let v =
+                    (0..q.v.len()).map(|i| q.v[i] as f32 * f16_value(scale.v[i / q.width * scale.width + i % q.width / block])).collect();
+                f32s(k, v, q.width)
+            }
+        }
+    }
+}
+
+/// Each `block` values of `x` as int8 with one f16 scale: scale = f16(max |x| / 127), rounded
+/// first so that the ints are chosen against the scale that is stored; q = round(x / scale),
+/// so a stored value `q * scale` is within half a scale of x.
+fn quantize(x: &[f32], block: usize) -> (Vec<i8>, Vec<u16>) {
+    let (mut q, mut scales) = (Vec::with_capacity(x.len()), Vec::with_capacity(x.len() / block));
+    for b in x.chunks_exact(block) {
+        let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = f16::from_f32((amax / 127.0).min(f16::MAX.to_f32()));
+        let d = scale.to_f32();
+        scales.push(scale.to_bits());
+        q.extend(b.iter().map(|v| if d == 0.0 { 0 } else { (v / d).round().clamp(-127.0, 127.0) as i8 }));
+    }
+    (q, scales)
+}
+
+/// The f32 value of f16 bits, exactly (subnormals, infinities and NaN included), in plain
+/// integer and float operations and selects, so that it vectorizes and is the same everywhere.
+#[inline(always)]
+pub(crate) fn f16_value(h: u16) -> f32 {
+    const SHIFTED_EXP: u32 = 0x7c00 << 13;
+    let magnitude = ((h & 0x7fff) as u32) << 13;
+    let exp = magnitude & SHIFTED_EXP;
+    let normal = magnitude + ((127 - 15) << 23);
+    let bits = if exp == SHIFTED_EXP {
+        normal + ((128 - 16) << 23)
+    } else if exp == 0 {
+        // A subnormal (or zero): its mantissa read as a float of exponent -14, less that float's 1.
+        (f32::from_bits(normal + (1 << 23)) - f32::from_bits(113 << 23)).to_bits()
+    } else {
+        normal
+    };
+    f32::from_bits(bits | ((h & 0x8000) as u32) << 16)
+}
+
 impl KvCache {
     /// Positions already cached (the next token's position).
     pub fn len(&self) -> usize {
@@ -57,10 +284,9 @@ impl KvCache {
         self.layers.clone()
     }
 
-    /// Bytes held for the cached positions.
+    /// Bytes held for the cached positions, as stored.
     pub fn bytes(&self) -> usize {
-        let positions: usize = (0..self.k.len()).map(|li| self.len - self.span(li).0).sum();
-        2 * positions * self.kv_dim * std::mem::size_of::<f32>()
+        self.store.iter().enumerate().map(|(li, s)| (self.len - self.span(li).0) * s.position_bytes()).sum()
     }
 
     /// Whether its positions can be copied out and in as blocks (`read_block`, `write_block`):
@@ -69,49 +295,43 @@ impl KvCache {
         self.window.is_none()
     }
 
-    /// Floats in a block of `n` positions: keys then values of every layer, a row per position.
-    pub fn block_len(&self, n: usize) -> usize {
-        2 * self.k.len() * n * self.kv_dim
+    /// Bytes in a block of `n` positions: every layer's keys and values as stored.
+    pub fn block_bytes(&self, n: usize) -> usize {
+        n * self.store.iter().map(Store::position_bytes).sum::<usize>()
     }
 
-    /// A copy of positions `at..at + n` of every layer (keys untransposed), or None when they
-    /// are not all held or the cache is not `blockable`.
-    pub fn read_block(&self, at: usize, n: usize) -> Option<Vec<f32>> {
+    /// A copy of positions `at..at + n` of every layer, as stored (keys untransposed), or None
+    /// when they are not all held or the cache is not `blockable`.
+    pub fn read_block(&self, at: usize, n: usize) -> Option<Vec<u8>> {
         if !self.blockable() || at + n > self.len {
             return None;
         }
-        let d = self.kv_dim;
-        let mut out = Vec::with_capacity(self.block_len(n));
-        for li in 0..self.k.len() {
-            let kt = &self.k[li];
-            for p in at..at + n {
-                out.extend((0..d).map(|c| kt[c * self.capacity + p]));
-            }
-            out.extend_from_slice(&self.v[li][at * d..(at + n) * d]);
+        let mut out = Vec::with_capacity(self.block_bytes(n));
+        for s in &self.store {
+            s.read(self.capacity, at, n, &mut out);
         }
         Some(out)
     }
 
-    /// Appends `n` positions copied by `read_block` from a cache over the same layers, as if
-    /// they had been computed here: the same bits in the same places.
-    pub fn write_block(&mut self, n: usize, block: &[f32]) -> Result<(), crate::EngineError> {
+    /// Appends `n` positions copied by `read_block` from a cache over the same layers in the
+    /// same KV dtype, as if they had been computed here: the same bits in the same places.
+    pub fn write_block(&mut self, n: usize, block: &[u8]) -> Result<(), crate::EngineError> {
         if !self.blockable() {
             return Err(crate::EngineError::BadInput("a sliding-window cache takes no copied blocks".into()));
         }
-        if block.len() != self.block_len(n) {
+        if block.len() != self.block_bytes(n) {
             return Err(crate::EngineError::BadInput(format!(
-                "a block of {} floats for {n} positions (want {})",
+                "a block of {} bytes for {n} positions (want {})",
                 block.len(),
-                self.block_len(n)
+                self.block_bytes(n)
             )));
         }
         if self.len + n > self.capacity {
             return Err(crate::EngineError::ContextFull { needed: self.len + n, capacity: self.capacity });
         }
-        let d = self.kv_dim;
-        for (li, layer) in block.chunks_exact(2 * n * d).enumerate() {
-            let (keys, values) = layer.split_at(n * d);
-            self.append(li, keys, values);
+        let mut rest = block;
+        for s in &mut self.store {
+            rest = s.write(self.capacity, self.len, n, rest);
         }
         self.len += n;
         Ok(())
@@ -136,21 +356,8 @@ impl KvCache {
         let keep = self.len.saturating_sub(w.size - 1).max(w.start);
         let (held, drop) = (self.len - keep, keep - w.start);
         let slots = w.base.max(held + rows);
-        let d = self.kv_dim;
-        for (li, _) in self.windowed.iter().enumerate().filter(|&(_, &on)| on) {
-            let k = &mut self.k[li];
-            if slots == w.slots {
-                for c in 0..d {
-                    k.copy_within(c * slots + drop..c * slots + drop + held, c * slots);
-                }
-            } else {
-                let mut moved = vec![0f32; d * slots];
-                for c in 0..d {
-                    moved[c * slots..c * slots + held].copy_from_slice(&k[c * w.slots + drop..c * w.slots + drop + held]);
-                }
-                *k = moved;
-            }
-            self.v[li].drain(..drop * d);
+        for (store, _) in self.store.iter_mut().zip(&self.windowed).filter(|&(_, &on)| on) {
+            store.shift(w.slots, slots, drop, held);
         }
         w.start = keep;
         w.slots = slots;
@@ -160,15 +367,7 @@ impl KvCache {
     /// advances `len` once every layer has its rows, and reserved room for them first).
     pub(crate) fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
         let (start, slots) = self.span(layer);
-        let d = self.kv_dim;
-        let kt = &mut self.k[layer];
-        for (r, row) in keys.chunks_exact(d).enumerate() {
-            let slot = self.len + r - start;
-            for (c, x) in row.iter().enumerate() {
-                kt[c * slots + slot] = *x;
-            }
-        }
-        self.v[layer].extend_from_slice(values);
+        self.store[layer].append(slots, self.len - start, keys, values);
     }
 }
 
@@ -177,14 +376,12 @@ mod tests {
     use super::*;
 
     /// A cache over three layers, the middle one windowed, of one float per position.
-    fn cache(size: usize, capacity: usize) -> KvCache {
+    fn cache(dtype: KvDtype, size: usize, capacity: usize) -> KvCache {
         let base = capacity.min(2 * size);
         KvCache {
-            k: vec![vec![0.0; capacity], vec![0.0; base], vec![0.0; capacity]],
-            v: vec![Vec::new(); 3],
+            store: [capacity, base, capacity].map(|slots| Store::new(dtype, 1, slots, 1)).into(),
             len: 0,
             capacity,
-            kv_dim: 1,
             stage_id: 0,
             layers: 0..3,
             windowed: vec![false, true, false],
@@ -202,80 +399,121 @@ mod tests {
         kv.len += rows;
     }
 
+    impl Store {
+        /// Column `c` of the key and the value in slot `slot` (of `slots`), as the attention reads them.
+        fn at(&self, slots: usize, slot: usize, c: usize) -> (f32, f32) {
+            match self {
+                Store::F32(p) => (p.k[c * slots + slot], p.v[slot * p.width + c]),
+                Store::F16(p) => (f16_value(p.k[c * slots + slot]), f16_value(p.v[slot * p.width + c])),
+                Store::Q8_0 { q, scale, block } => {
+                    let b = c / block;
+                    let (ks, vs) = (f16_value(scale.k[b * slots + slot]), f16_value(scale.v[slot * scale.width + b]));
+                    (q.k[c * slots + slot] as f32 * ks, q.v[slot * q.width + c] as f32 * vs)
+                }
+            }
+        }
+    }
+
+    /// What `dtype` stores for the value `x` (one value a row).
+    fn stored(dtype: KvDtype, x: f32) -> f32 {
+        let mut s = Store::new(dtype, 1, 1, 1);
+        s.append(1, 0, &[x], &[x]);
+        s.at(1, 0, 0).0
+    }
+
     /// The positions layer `li` holds, in slot order, read from keys and values alike.
     fn held(kv: &KvCache, li: usize) -> Vec<f32> {
-        let (start, _) = kv.span(li);
-        let keys = kv.k[li][..kv.len - start].to_vec();
-        assert_eq!(keys, kv.v[li]);
+        let (start, slots) = kv.span(li);
+        let (keys, values): (Vec<f32>, Vec<f32>) = (0..kv.len - start).map(|slot| kv.store[li].at(slots, slot, 0)).unzip();
+        assert_eq!(keys, values);
         keys
     }
 
     #[test]
     fn a_block_read_out_and_written_into_a_fresh_cache_is_the_same_bits() {
-        let layers = 2;
-        let mut a = KvCache {
-            k: vec![vec![0.0; 3 * 8]; layers],
-            v: vec![Vec::new(); layers],
-            len: 0,
-            capacity: 8,
-            kv_dim: 3,
-            stage_id: 0,
-            layers: 0..layers,
-            windowed: vec![false; layers],
-            window: None,
-        };
-        for p in 0..6 {
-            for li in 0..layers {
-                let row: Vec<f32> = (0..3).map(|c| (100 * li + 10 * p + c) as f32).collect();
-                a.append(li, &row, &row.iter().map(|x| -x).collect::<Vec<_>>());
-            }
-            a.len += 1;
-        }
-        let mut b = KvCache { k: vec![vec![0.0; 3 * 8]; layers], v: vec![Vec::new(); layers], len: 0, ..a.clone_shape() };
-        b.write_block(4, &a.read_block(0, 4).unwrap()).unwrap();
-        assert_eq!(b.read_block(0, 4), a.read_block(0, 4));
-        assert!(b.write_block(2, &[0.0; 5]).is_err(), "a block of the wrong size");
-        assert!(a.read_block(4, 4).is_none(), "positions not held");
-        for li in 0..layers {
-            assert_eq!(b.v[li], a.v[li][..12]);
-            for c in 0..3 {
-                assert_eq!(b.k[li][c * 8..c * 8 + 4], a.k[li][c * 8..c * 8 + 4]);
-            }
-        }
-        assert!(cache(4, 64).read_block(0, 0).is_none() && !cache(4, 64).blockable(), "windowed caches are not copied");
-    }
-
-    impl KvCache {
-        fn clone_shape(&self) -> KvCache {
-            KvCache {
-                k: Vec::new(),
-                v: Vec::new(),
+        for &dtype in KvDtype::ALL {
+            let (layers, d, block) = (2, 64, 32);
+            let fresh = || KvCache {
+                store: (0..layers).map(|_| Store::new(dtype, d, 8, block)).collect(),
                 len: 0,
-                capacity: self.capacity,
-                kv_dim: self.kv_dim,
-                stage_id: self.stage_id,
-                layers: self.layers.clone(),
-                windowed: self.windowed.clone(),
+                capacity: 8,
+                stage_id: 0,
+                layers: 0..layers,
+                windowed: vec![false; layers],
                 window: None,
+            };
+            let mut a = fresh();
+            for p in 0..6 {
+                for li in 0..layers {
+                    let row: Vec<f32> = (0..d).map(|c| ((100 * li + 10 * p + c) as f32 * 0.37).sin() * (1 + c % 5) as f32).collect();
+                    a.append(li, &row, &row.iter().map(|x| -x).collect::<Vec<_>>());
+                }
+                a.len += 1;
             }
+            let mut b = fresh();
+            let block4 = a.read_block(0, 4).unwrap();
+            assert_eq!(block4.len(), 4 * layers * a.store[0].position_bytes());
+            b.write_block(4, &block4).unwrap();
+            assert_eq!(b.read_block(0, 4), a.read_block(0, 4));
+            assert!(b.write_block(2, &[0; 5]).is_err(), "a block of the wrong size");
+            assert!(a.read_block(4, 4).is_none(), "positions not held");
+            for li in 0..layers {
+                for p in 0..4 {
+                    for c in 0..d {
+                        let (x, y) = (a.store[li].at(8, p, c), b.store[li].at(8, p, c));
+                        assert_eq!(
+                            (x.0.to_bits(), x.1.to_bits()),
+                            (y.0.to_bits(), y.1.to_bits()),
+                            "{dtype} layer {li} position {p} column {c}"
+                        );
+                    }
+                }
+            }
+            assert!(cache(dtype, 4, 64).read_block(0, 0).is_none() && !cache(dtype, 4, 64).blockable(), "windowed caches are not copied");
         }
     }
 
     #[test]
     fn the_window_keeps_what_the_next_rows_see_in_order_and_stays_bounded() {
-        for chunks in [vec![1; 40], vec![3, 7, 1, 1, 20, 2, 1, 5], vec![25, 1, 1, 13]] {
-            let mut kv = cache(4, 64);
-            let mut most = 0;
-            for rows in chunks {
-                push(&mut kv, rows);
-                most = most.max(rows);
-                let (start, slots) = kv.span(1);
-                let all: Vec<f32> = (0..kv.len).map(|p| p as f32).collect();
-                assert_eq!(held(&kv, 0), all);
-                assert_eq!(held(&kv, 1), all[start..], "positions {start}.. of {}", kv.len);
-                assert!(start + 3 <= kv.len.max(3), "a window of 4 keeps the last 3 positions at least");
-                assert!(slots <= 8.max(3 + most), "{slots} slots after forwards of at most {most} rows");
+        for &dtype in KvDtype::ALL {
+            for chunks in [vec![1; 40], vec![3, 7, 1, 1, 20, 2, 1, 5], vec![25, 1, 1, 13]] {
+                let mut kv = cache(dtype, 4, 64);
+                let mut most = 0;
+                for rows in chunks {
+                    push(&mut kv, rows);
+                    most = most.max(rows);
+                    let (start, slots) = kv.span(1);
+                    let all: Vec<f32> = (0..kv.len).map(|p| stored(dtype, p as f32)).collect();
+                    assert_eq!(held(&kv, 0), all);
+                    assert_eq!(held(&kv, 1), all[start..], "{dtype}: positions {start}.. of {}", kv.len);
+                    assert!(start + 3 <= kv.len.max(3), "a window of 4 keeps the last 3 positions at least");
+                    assert!(slots <= 8.max(3 + most), "{slots} slots after forwards of at most {most} rows");
+                }
             }
         }
+    }
+
+    #[test]
+    fn f16_bits_read_back_exactly() {
+        for h in 0..=u16::MAX {
+            let (got, want) = (f16_value(h), f16::from_bits(h).to_f32());
+            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{h:#06x}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn q8_0_keeps_each_value_within_half_a_scale_and_zero_blocks_zero() {
+        let x: Vec<f32> = (0..96).map(|i| if i < 32 { 0.0 } else { ((i * 7919 % 101) as f32 - 50.0) * 0.013 }).collect();
+        let (q, scales) = quantize(&x, 32);
+        assert_eq!((q.len(), scales.len()), (96, 3));
+        for (b, xs) in x.chunks(32).enumerate() {
+            let d = f16_value(scales[b]);
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!((d - amax / 127.0).abs() <= amax / 127.0 * 1e-3, "block {b}: scale {d}");
+            for (i, v) in xs.iter().enumerate() {
+                assert!((q[b * 32 + i] as f32 * d - v).abs() <= d / 2.0 + 1e-7, "block {b} value {i}");
+            }
+        }
+        assert!(q[..32].iter().all(|&q| q == 0));
     }
 }

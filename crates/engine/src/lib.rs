@@ -21,7 +21,7 @@ pub use config::{Activation, Arch, ModelConfig, RopeStyle, SlidingWindow};
 pub use embed::{Pooler, Pooling};
 pub use engine::{Engine, SeqState};
 pub use error::EngineError;
-pub use id::{BackendKind, EngineId, Format, Numerics, UnknownName};
+pub use id::{BackendKind, EngineId, Format, KvDtype, Numerics, UnknownName};
 pub use kv::KvCache;
 pub use open::{available_numerics, check_numerics, open_engine, registered_specs, EngineSpec};
 pub use sample::{argmax, logprobs, mask_logits, sample, MaskError, SamplingParams};

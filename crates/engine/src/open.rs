@@ -3,7 +3,7 @@
 //! backend's engine, so none of them names a backend's types.
 
 use crate::backend::cpu;
-use crate::{BackendKind, EngineError, Isa, Numerics, Stage};
+use crate::{BackendKind, EngineError, Isa, KvDtype, Numerics, Stage};
 use dgr_gguf::Gguf;
 use std::ops::Range;
 use std::sync::Arc;
@@ -13,6 +13,8 @@ use std::sync::Arc;
 pub struct EngineSpec {
     pub backend: BackendKind,
     pub numerics: Numerics,
+    /// How sequences' keys and values are stored (f32 unless asked).
+    pub kv: KvDtype,
     pub threads: usize,
     /// The instruction set to use; `None` picks the best this CPU has.
     pub isa: Option<Isa>,
@@ -23,6 +25,7 @@ impl Default for EngineSpec {
         EngineSpec {
             backend: BackendKind::Cpu,
             numerics: Numerics::Exact,
+            kv: KvDtype::F32,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             isa: None,
         }
@@ -43,15 +46,14 @@ pub fn available_numerics(backend: BackendKind) -> &'static [Numerics] {
     }
 }
 
-/// Every engine this build can open here (each backend in each numerics it can run), with the
-/// default threads and instruction set: the list the test suites run one body over, so a new
-/// backend or numerics is tested by being registered.
+/// Every engine this build can open here (each backend in each numerics it can run, with each
+/// KV dtype), with the default threads and instruction set: the list the test suites run one
+/// body over, so a new backend, numerics or KV dtype is tested by being registered.
 pub fn registered_specs() -> Vec<EngineSpec> {
     BackendKind::ALL
         .iter()
-        .flat_map(|&backend| {
-            available_numerics(backend).iter().map(move |&numerics| EngineSpec { backend, numerics, ..EngineSpec::default() })
-        })
+        .flat_map(|&backend| available_numerics(backend).iter().map(move |&numerics| (backend, numerics)))
+        .flat_map(|(backend, numerics)| KvDtype::ALL.iter().map(move |&kv| EngineSpec { backend, numerics, kv, ..EngineSpec::default() }))
         .collect()
 }
 
@@ -80,9 +82,12 @@ mod tests {
     fn every_numerics_opens_and_a_refusal_names_the_available_ones() {
         let g = Arc::new(Gguf::from_bytes(crate::synth::SynthSpec::default().to_gguf().unwrap()).unwrap());
         let specs = registered_specs();
-        assert_eq!(specs.iter().map(|s| s.numerics).collect::<Vec<_>>(), [Numerics::Exact, Numerics::Fast]);
+        let ids: Vec<_> = specs.iter().map(|s| (s.numerics, s.kv)).collect();
+        let want: Vec<_> = [Numerics::Exact, Numerics::Fast].iter().flat_map(|&n| KvDtype::ALL.iter().map(move |&kv| (n, kv))).collect();
+        assert_eq!(ids, want);
         for spec in specs {
-            assert_eq!(open_engine(g.clone(), 0..1, spec).unwrap().engine().numerics, spec.numerics);
+            let id = open_engine(g.clone(), 0..1, spec).unwrap().engine();
+            assert_eq!((id.numerics, id.kv), (spec.numerics, spec.kv));
         }
         let e = EngineError::NumericsUnavailable { asked: Numerics::Fast, available: &[Numerics::Exact] };
         assert_eq!(e.to_string(), "numerics fast is not available on this engine; available: exact");

@@ -6,8 +6,8 @@ use crate::backend::cpu::matrix::{matmul, Matrix, Product};
 use crate::backend::cpu::ops;
 use crate::backend::cpu::pool::{Disjoint, ThreadPool};
 use crate::config::ModelConfig;
-use crate::kv::{KvCache, Window};
-use crate::{BackendKind, EngineError, EngineId, EngineSpec, Format, Numerics};
+use crate::kv::{KvCache, Store, Window};
+use crate::{BackendKind, EngineError, EngineId, EngineSpec, Format, KvDtype, Numerics};
 use dgr_gguf::{GgmlType, Gguf};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -78,6 +78,7 @@ pub struct Stage {
     head: Option<Head>,
     isa: Isa,
     numerics: Numerics,
+    kv: KvDtype,
     pool: ThreadPool,
     id: u64,
 }
@@ -156,6 +157,7 @@ impl Stage {
             head,
             isa,
             numerics: spec.numerics,
+            kv: spec.kv,
             pool: ThreadPool::new(spec.threads),
             id: NEXT_STAGE_ID.fetch_add(1, Ordering::Relaxed),
         })
@@ -192,7 +194,7 @@ impl Stage {
     /// The engine computing this stage: the model's format, the backend and the numerics (a
     /// compatibility key field: sessions of different engines never share a batch or a route).
     pub fn engine(&self) -> EngineId {
-        EngineId { format: Format::of(&self.gguf), backend: BackendKind::Cpu, numerics: self.numerics }
+        EngineId { format: Format::of(&self.gguf), backend: BackendKind::Cpu, numerics: self.numerics, kv: self.kv }
     }
 
     /// Bytes of weights this stage reads.
@@ -205,6 +207,13 @@ impl Stage {
         let embed = self.embed.as_ref().map_or(0, |m| m.bytes());
         let head = self.head.as_ref().filter(|_| self.embed.is_none() || self.gguf.tensor("output.weight").is_some());
         mats.sum::<usize>() + embed + head.map_or(0, |h| h.w.bytes())
+    }
+
+    /// Bytes one position of a sequence over all of this stage's layers takes, keys and values
+    /// in its KV dtype (what `KvCache::bytes` counts per position).
+    pub fn kv_position_bytes(&self) -> usize {
+        let (kvd, block) = (self.cfg.kv_dim(), KvDtype::q8_block(self.cfg.head_dim));
+        2 * self.range.len() * self.kv.row_bytes(kvd, block)
     }
 
     /// A fresh, empty KV cache for one sequence over all of this stage's layers, holding at most
@@ -224,19 +233,18 @@ impl Stage {
     }
 
     fn kv(&self, capacity: usize, layers: Range<usize>) -> KvCache {
-        let (n, capacity, kv_dim) = (layers.len(), capacity.min(self.cfg.context), self.cfg.kv_dim());
+        let (capacity, kv_dim) = (capacity.min(self.cfg.context), self.cfg.kv_dim());
         let windowed: Vec<bool> = layers.clone().map(|il| self.cfg.window(il).is_some()).collect();
         let window = self.cfg.sliding_window.as_ref().filter(|_| windowed.contains(&true)).map(|s| {
             let base = capacity.min(2 * s.window);
             Window { size: s.window, start: 0, slots: base, base }
         });
         let slots = |on: bool| window.as_ref().filter(|_| on).map_or(capacity, |w| w.slots);
+        let block = KvDtype::q8_block(self.cfg.head_dim);
         KvCache {
-            k: windowed.iter().map(|&on| vec![0f32; kv_dim * slots(on)]).collect(),
-            v: vec![Vec::new(); n],
+            store: windowed.iter().map(|&on| Store::new(self.kv, kv_dim, slots(on), block)).collect(),
             len: 0,
             capacity,
-            kv_dim,
             stage_id: self.id,
             layers,
             windowed,
@@ -494,23 +502,23 @@ impl Stage {
         att: &mut [f32],
     ) {
         let cfg = &self.cfg;
-        let (qd, hd, kvd) = (cfg.q_dim(), cfg.head_dim, cfg.kv_dim());
+        let (qd, hd) = (cfg.q_dim(), cfg.head_dim);
         let group = cfg.n_head / cfg.n_head_kv;
         let jobs = seq_of.len() * cfg.n_head;
         let out = Disjoint::new(att);
-        // Per sequence: keys, slots per key row, values, and the position in slot 0.
-        let caches: Vec<(&[f32], usize, &[f32], usize)> = batch
+        // Per sequence: the layer's keys and values, slots per key row, and the position in slot 0.
+        let caches: Vec<(&Store, usize, usize)> = batch
             .iter()
             .map(|s| {
                 let (start, slots) = s.kv.span(li);
-                (&s.kv.k[li][..], slots, &s.kv.v[li][..], start)
+                (&s.kv.store[li], slots, start)
             })
             .collect();
         self.pool.run(jobs, 1, &|chunk| {
-            SCORES.with_borrow_mut(|scores| {
+            SCRATCH.with_borrow_mut(|scratch| {
                 for job in chunk {
                     let (t, head) = (job / cfg.n_head, job % cfg.n_head);
-                    let (kt, slots, vc, start) = caches[seq_of[t]];
+                    let (store, slots, start) = caches[seq_of[t]];
                     let first = window.map_or(0, |w| (pos_of[t] + 1).saturating_sub(w));
                     // SAFETY: job (t, head) alone touches att[t*qd + head*hd ..][..hd] (heads of
                     // a row are `hd` apart and rows `qd = n_head * hd` apart), and `slice` checks
@@ -518,7 +526,7 @@ impl Stage {
                     let dst = unsafe { out.slice(t * qd + head * hd, hd) };
                     let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
                     let ctx = first - start..pos_of[t] + 1 - start;
-                    ops::attend(self.isa, qh, kt, slots, vc, ctx, kvd, (head / group) * hd, cfg.attn_scale, scores, dst);
+                    ops::attend(self.isa, qh, store, slots, ctx, (head / group) * hd, cfg.attn_scale, scratch, dst);
                 }
             })
         });
@@ -526,8 +534,8 @@ impl Stage {
 }
 
 thread_local! {
-    /// Attention scores of the job at hand, kept per thread so that no job allocates.
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The attention scratch of the job at hand, kept per thread so that no job allocates.
+    static SCRATCH: std::cell::RefCell<ops::Scratch> = std::cell::RefCell::new(ops::Scratch::default());
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

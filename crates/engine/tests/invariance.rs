@@ -1,7 +1,7 @@
 //! One body, many shapes: a sequence's logits are bitwise the same however the model is split
 //! into stages, whatever it is batched with, however many threads run it and whichever
 //! instruction set the kernels use — on every registered engine (`registered_specs`: each
-//! backend × numerics), each against its own solo run.
+//! backend × numerics × KV dtype), each against its own solo run.
 
 use dgr_engine::synth::SynthSpec;
 use dgr_engine::{open_engine, EngineError, EngineSpec, Input, Isa, KvCache, LogitRows, SeqInput, Stage};
@@ -128,7 +128,10 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
                     for isa in Isa::available() {
                         let threads = 1 + batch % 3;
                         let got = run(&g, &Shape::split(cuts), (spec, threads, isa), &ps[..batch], 3);
-                        let what = format!("{ty:?} {arch} {:?} cuts={cuts:?} batch={batch} {isa:?} threads={threads}", spec.numerics);
+                        let what = format!(
+                            "{ty:?} {arch} {:?} kv {} cuts={cuts:?} batch={batch} {isa:?} threads={threads}",
+                            spec.numerics, spec.kv
+                        );
                         assert_eq!(bits(&got), bits(&solo[..batch]), "{what}");
                     }
                 }
@@ -196,8 +199,8 @@ fn overlapping_stages_compose_through_sub_ranges() {
                 for (shape, batch) in each.chain([(shape.clone(), 4)]) {
                     for isa in Isa::available() {
                         let got = run(&g, &shape, (spec, 2, isa), &ps[..batch], 3);
-                        let (routes, numerics) = (&shape.routes, spec.numerics);
-                        let what = format!("{ty:?} {arch} {numerics:?} held={:?} routes={routes:?} {isa:?}", shape.held);
+                        let (routes, numerics, kv) = (&shape.routes, spec.numerics, spec.kv);
+                        let what = format!("{ty:?} {arch} {numerics:?} kv {kv} held={:?} routes={routes:?} {isa:?}", shape.held);
                         assert_eq!(bits(&got), bits(&solo[..batch]), "{what}");
                     }
                 }
@@ -231,4 +234,33 @@ fn sub_ranges_outside_the_stage_or_mixed_in_one_forward_are_typed_errors() {
     assert_eq!((out[0].hidden.len(), out[0].logits.len()), (64, 0));
     let kv_dim = dgr_engine::ModelConfig::from_gguf(&g).unwrap().kv_dim();
     assert_eq!((c.layers(), c.bytes()), (2..5, 2 * 3 * kv_dim * 4));
+}
+
+#[test]
+fn kv_bytes_per_position_follow_the_kv_dtype_and_each_dtype_computes_its_own_bits() {
+    // Heads of 64 (q8_0 in blocks of 32) and of 16 (q8_0 a block per head).
+    for (hidden, heads, kv_heads) in [(256usize, 4usize, 2usize), (64, 4, 2)] {
+        let spec = SynthSpec { layers: LAYERS, hidden, ffn: 2 * hidden, heads, kv_heads, ..SynthSpec::default() };
+        let g = Arc::new(Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap());
+        let (kv_dim, hd) = (kv_heads * hidden / heads, hidden / heads);
+        let mut logits = Vec::new();
+        for kv in dgr_engine::KvDtype::ALL {
+            let stage = open_engine(g.clone(), 1..LAYERS, EngineSpec { kv: *kv, ..EngineSpec::threads(1) }).unwrap();
+            let mut cache = stage.new_kv(16);
+            let rows = vec![0.25f32; 5 * hidden];
+            let out = stage.forward(&mut [SeqInput { kv: &mut cache, input: Input::Hidden(&rows), logits: LogitRows::Last }]).unwrap();
+            // Keys and values of 5 positions in each of the stage's layers.
+            let per_value = match kv {
+                dgr_engine::KvDtype::F32 => 4.0,
+                dgr_engine::KvDtype::F16 => 2.0,
+                dgr_engine::KvDtype::Q8_0 => 1.0 + 2.0 / hd.min(32) as f64,
+            };
+            let want = 5.0 * (LAYERS - 1) as f64 * 2.0 * kv_dim as f64 * per_value;
+            assert_eq!(cache.bytes() as f64, want, "{kv} with heads of {hd}");
+            assert_eq!(stage.kv_position_bytes() * 5, cache.bytes(), "{kv}");
+            assert_eq!(stage.engine().kv, *kv);
+            logits.push(bits(&[vec![out[0].logits.clone()]]));
+        }
+        assert!(logits[0] != logits[1] && logits[0] != logits[2] && logits[1] != logits[2], "each KV dtype rounds its own way");
+    }
 }

@@ -5,6 +5,7 @@ use crate::backend::cpu::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::backend::cpu::kernels::Level;
 use crate::config::{Activation, RopeStyle};
+use crate::kv::{f16_value, Store};
 use std::ops::Range;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.
@@ -152,42 +153,69 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 /// Causal attention of one query head over the cached positions in slots `ctx` of one KV head,
-/// whose slice starts at `offset` of each key and value row: keys transposed (`kt`, rows of
-/// `cap` slots), values row-major (rows of `stride` floats). Scores are scaled by `scale`.
+/// whose slice starts at `offset` of each key and value row of `kv` (a layer of `cap` slots per
+/// key row). Scores are scaled by `scale`; `scratch` holds the scores (and q8_0 key scales).
 ///
 /// Compiled once per instruction set for the wider vectors. Every reduction runs element by
 /// element in a fixed order (scores over the head's dimensions in turn, values over positions in
-/// turn) with plain multiplies and adds, so every version gives the same bits.
+/// turn) with plain multiplies and adds, so every version gives the same bits. A stored f16 or
+/// q8_0 value is read as the f32 it stands for (exactly: an f16 widened, an int8 times its f16
+/// scale), so such a cache attends bitwise as an f32 cache holding those values would.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     isa: Isa,
     q: &[f32],
-    kt: &[f32],
+    kv: &Store,
     cap: usize,
-    v: &[f32],
     ctx: Range<usize>,
-    stride: usize,
     offset: usize,
     scale: f32,
-    scores: &mut Vec<f32>,
+    scratch: &mut Scratch,
     out: &mut [f32],
 ) {
     let hd = q.len();
-    assert!(ctx.start < ctx.end && ctx.end <= cap && kt.len() >= (offset + hd) * cap && v.len() >= (ctx.end - 1) * stride + offset + hd);
-    scores.clear();
-    scores.resize(ctx.len(), 0.0);
-    // From the first visible slot on: key row r's slot j is then kt[r * cap + j], as in `kt`.
-    let (kt, v) = (&kt[ctx.start..], &v[ctx.start * stride..]);
+    let fits = |width: usize, k: usize, v: usize, cols: Range<usize>| cols.end <= width && k >= width * cap && v >= ctx.end * width;
+    let ok = match kv {
+        Store::F32(p) => fits(p.width, p.k.len(), p.v.len(), offset..offset + hd),
+        Store::F16(p) => fits(p.width, p.k.len(), p.v.len(), offset..offset + hd),
+        Store::Q8_0 { q: p, scale: s, block } => {
+            // A block is a head or whole runs of `BLOCK` of its columns (see `KvDtype::q8_block`).
+            offset % block == 0
+                && (block % BLOCK == 0 || *block == hd)
+                && fits(p.width, p.k.len(), p.v.len(), offset..offset + hd)
+                && fits(s.width, s.k.len(), s.v.len(), offset / block..(offset + hd).div_ceil(*block))
+        }
+    };
+    assert!(ctx.start < ctx.end && ctx.end <= cap && ok);
+    scratch.scores.clear();
+    scratch.scores.resize(ctx.len(), 0.0);
+    let at = Head { cap, start: ctx.start, offset };
     match isa.level() {
         // SAFETY: an `Isa` at the AVX-512 level exists only where detection found AVX-512F/BW,
         // FMA and F16C on this CPU (its field is private); the body itself is safe code.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => unsafe { attend_avx512(q, kt, cap, v, stride, offset, scale, scores, out) },
+        Level::Avx512 => unsafe { attend_avx512(q, kv, at, scale, scratch, out) },
         // SAFETY: likewise, detection found AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { attend_avx2(q, kt, cap, v, stride, offset, scale, scores, out) },
-        _ => attend_body(q, kt, cap, v, stride, offset, scale, scores, out),
+        Level::Avx2 => unsafe { attend_avx2(q, kv, at, scale, scratch, out) },
+        _ => attend_body(q, kv, at, scale, scratch, out),
     }
+}
+
+/// Per thread: attention's scores, and the f32 of a q8_0 head's key scales, so no job allocates.
+#[derive(Default)]
+pub struct Scratch {
+    scores: Vec<f32>,
+    key_scales: Vec<f32>,
+}
+
+/// Where a job's head lies in its layer: `cap` slots per key row, the first visible slot, and
+/// the head's first column of each key and value row.
+#[derive(Clone, Copy)]
+struct Head {
+    cap: usize,
+    start: usize,
+    offset: usize,
 }
 
 /// `attend_body` compiled for AVX-512.
@@ -196,19 +224,8 @@ pub fn attend(
 /// The CPU has AVX-512F/BW, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx512(
-    q: &[f32],
-    kt: &[f32],
-    cap: usize,
-    v: &[f32],
-    stride: usize,
-    offset: usize,
-    scale: f32,
-    s: &mut [f32],
-    out: &mut [f32],
-) {
-    attend_body(q, kt, cap, v, stride, offset, scale, s, out)
+unsafe fn attend_avx512(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
+    attend_body(q, kv, at, scale, scratch, out)
 }
 
 /// `attend_body` compiled for AVX2.
@@ -217,28 +234,46 @@ unsafe fn attend_avx512(
 /// The CPU has AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx2(
-    q: &[f32],
-    kt: &[f32],
-    cap: usize,
-    v: &[f32],
-    stride: usize,
-    offset: usize,
-    scale: f32,
-    s: &mut [f32],
-    out: &mut [f32],
-) {
-    attend_body(q, kt, cap, v, stride, offset, scale, s, out)
+unsafe fn attend_avx2(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
+    attend_body(q, kv, at, scale, scratch, out)
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offset: usize, scale: f32, s: &mut [f32], out: &mut [f32]) {
+fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
+    let Head { cap, start, offset } = at;
+    let Scratch { scores: s, key_scales } = scratch;
     let n = s.len();
+    // Key row r's slot j (j from the first visible slot) is k[r * cap + start + j].
+    let key = |d: usize, j0: usize, len: usize| (offset + d) * cap + start + j0..(offset + d) * cap + start + j0 + len;
     for j0 in (0..n).step_by(BLOCK) {
         let len = BLOCK.min(n - j0);
-        sums(&mut s[j0..j0 + len], q.iter().enumerate().map(|(d, &qd)| (qd, &kt[(offset + d) * cap + j0..][..len])));
+        let dst = &mut s[j0..j0 + len];
+        match kv {
+            Store::F32(p) => sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], ())), |x, _, _| x),
+            Store::F16(p) => sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], ())), |x, _, _| f16_value(x)),
+            Store::Q8_0 { q: p, scale: sc, block } => {
+                if j0 == 0 {
+                    // Each of the head's blocks' scales for every visible slot, rows padded to
+                    // whole `BLOCK`s so that each run of them is an array.
+                    let (rows, padded) = (offset / block..(offset + q.len()).div_ceil(*block), n.div_ceil(BLOCK) * BLOCK);
+                    key_scales.clear();
+                    for r in rows {
+                        let from = r * cap + start;
+                        key_scales.extend(sc.k[from..from + n].iter().map(|&h| f16_value(h)));
+                        key_scales.resize(key_scales.len() + padded - n, 0.0);
+                    }
+                }
+                let padded = n.div_ceil(BLOCK) * BLOCK;
+                let ks = &*key_scales;
+                let lanes = |d: usize| -> &[f32; BLOCK] {
+                    let from = d / block * padded + j0;
+                    ks[from..from + BLOCK].try_into().unwrap_or(&[0.0; BLOCK])
+                };
+                sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], lanes(d))), |x: i8, l: &[f32; BLOCK], i| {
+                    x as f32 * l[i]
+                })
+            }
+        }
     }
     let mut max = f32::NEG_INFINITY;
     for x in s.iter_mut() {
@@ -251,35 +286,47 @@ fn attend_body(q: &[f32], kt: &[f32], cap: usize, v: &[f32], stride: usize, offs
     let sum: f64 = s.iter().map(|&x| x as f64).sum();
     let inv = (1.0 / sum) as f32;
     let s = &*s;
+    let weights = || s.iter().enumerate().map(|(j, &p)| (start + j, flush(p * inv)));
     for o0 in (0..out.len()).step_by(BLOCK) {
         let len = BLOCK.min(out.len() - o0);
-        sums(&mut out[o0..o0 + len], s.iter().enumerate().map(|(j, &p)| (flush(p * inv), &v[j * stride + offset + o0..][..len])));
+        let dst = &mut out[o0..o0 + len];
+        let value = |width: usize, j: usize| j * width + offset + o0..j * width + offset + o0 + len;
+        match kv {
+            Store::F32(p) => sums(dst, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| x),
+            Store::F16(p) => sums(dst, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| f16_value(x)),
+            Store::Q8_0 { q: p, scale: sc, block } => {
+                // A run of at most `BLOCK` of a head's columns lies in one q8_0 block.
+                let b = (offset + o0) / block;
+                let terms = weights().map(|(j, c)| (c, &p.v[value(p.width, j)], f16_value(sc.v[j * sc.width + b])));
+                sums(dst, terms, |x: i8, d: f32, _| x as f32 * d)
+            }
+        }
     }
 }
 
 /// Scores or outputs `attend_body` keeps in registers at a time: four AVX2 vectors, two AVX-512.
 const BLOCK: usize = 32;
 
-/// `dst[i] = Σ c * row[i]` over `terms` in order (a multiply, then an add), each row
-/// `dst.len()` long: for a whole `BLOCK`, with the sums in registers rather than loaded and
-/// stored again for each term.
+/// `dst[i] = Σ c * value(row[i], extra, i)` over `terms` (c, row, extra) in order (a multiply,
+/// then an add), each row `dst.len()` long: for a whole `BLOCK`, with the sums in registers
+/// rather than loaded and stored again for each term.
 #[inline(always)]
-fn sums<'a>(dst: &mut [f32], terms: impl Iterator<Item = (f32, &'a [f32])>) {
+fn sums<'a, T: Copy + 'a, E: Copy>(dst: &mut [f32], terms: impl Iterator<Item = (f32, &'a [T], E)>, value: impl Fn(T, E, usize) -> f32) {
     match <&mut [f32; BLOCK]>::try_from(&mut *dst) {
         Ok(dst) => {
             let mut acc = [0f32; BLOCK];
-            for (c, row) in terms {
-                for (a, x) in acc.iter_mut().zip(&row[..BLOCK]) {
-                    *a += c * x;
+            for (c, row, e) in terms {
+                for (i, (a, x)) in acc.iter_mut().zip(&row[..BLOCK]).enumerate() {
+                    *a += c * value(*x, e, i);
                 }
             }
             *dst = acc;
         }
         Err(_) => {
             dst.fill(0.0);
-            for (c, row) in terms {
-                for (a, x) in dst.iter_mut().zip(row) {
-                    *a += c * x;
+            for (c, row, e) in terms {
+                for (i, (a, x)) in dst.iter_mut().zip(row).enumerate() {
+                    *a += c * value(*x, e, i);
                 }
             }
         }
@@ -308,6 +355,7 @@ pub fn exp(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::KvDtype;
 
     #[test]
     fn rms_norm_of_constant_row_is_the_weight() {
@@ -341,27 +389,36 @@ mod tests {
     fn attention_over_one_position_returns_its_value() {
         // One position, kv_dim 4 (two heads of 2); keys transposed with capacity 1.
         let q = [1.0f32, 2.0];
-        let kt = [0.5f32, 0.5, 9.0, 9.0];
-        let v = [7.0f32, -1.0, 3.0, 4.0];
+        let kv = Store::F32(crate::kv::Plane { k: vec![0.5, 0.5, 9.0, 9.0], v: vec![7.0, -1.0, 3.0, 4.0], width: 4 });
         let mut out = [0f32; 2];
-        attend(Isa::SCALAR, &q, &kt, 1, &v, 0..1, 4, 2, 0.5, &mut Vec::new(), &mut out);
+        attend(Isa::SCALAR, &q, &kv, 1, 0..1, 2, 0.5, &mut Scratch::default(), &mut out);
         assert_eq!(out, [3.0, 4.0]);
     }
 
     #[test]
-    fn attention_matches_a_float64_softmax_on_every_isa_over_any_window() {
-        // Head sizes below and past a whole block of outputs, over more positions than a block.
-        for (hd, n, cap) in [(8usize, 37usize, 40usize), (40, 70, 72)] {
-            attention_case(hd, n, cap);
+    fn attention_matches_a_float64_softmax_on_every_isa_over_any_window_in_every_kv_dtype() {
+        // Head sizes below and past a whole block of outputs (q8_0 blocks of the whole head, and
+        // of 32), over more positions than a block.
+        for (hd, n, cap) in [(8usize, 37usize, 40usize), (40, 70, 72), (64, 70, 72)] {
+            for &dtype in KvDtype::ALL {
+                attention_case(dtype, hd, n, cap);
+            }
         }
     }
 
-    fn attention_case(hd: usize, n: usize, cap: usize) {
-        let (off, stride) = (8, hd + 16);
+    /// The second of three heads, over `n` positions of a cache of `cap` slots.
+    fn attention_case(dtype: KvDtype, hd: usize, n: usize, cap: usize) {
+        let (off, width) = (hd, 3 * hd);
         let f = |i: usize| ((i * 7919 % 101) as f32 / 50.0) - 1.0;
         let q: Vec<f32> = (0..hd).map(|i| f(i + 3)).collect();
-        let kt: Vec<f32> = (0..stride * cap).map(f).collect();
-        let v: Vec<f32> = (0..stride * n).map(|i| f(i + 11)).collect();
+        let keys: Vec<f32> = (0..width * n).map(f).collect();
+        let values: Vec<f32> = (0..width * n).map(|i| f(i + 11)).collect();
+        let mut kv = Store::new(dtype, width, cap, KvDtype::q8_block(hd));
+        kv.append(cap, 0, &keys, &values);
+        // The values the cache stands for, which it must attend over as an f32 cache would.
+        let exactly = kv.dequantized();
+        let Store::F32(stood) = &exactly else { unreachable!() };
+        let (kt, v) = (&stood.k, &stood.v);
         let scale = 1.0 / (hd as f32).sqrt();
         for lo in [0, 5, n - 1] {
             let scores: Vec<f64> =
@@ -369,19 +426,17 @@ mod tests {
             let max = scores.iter().cloned().fold(f64::MIN, f64::max);
             let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let total: f64 = w.iter().sum();
-            let exact: Vec<f64> = (0..hd).map(|d| (lo..n).map(|p| w[p - lo] / total * v[p * stride + off + d] as f64).sum()).collect();
-            let mut first: Option<Vec<f32>> = None;
+            let exact: Vec<f64> = (0..hd).map(|d| (lo..n).map(|p| w[p - lo] / total * v[p * width + off + d] as f64).sum()).collect();
+            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let mut want = vec![0f32; hd];
+            attend(Isa::SCALAR, &q, &exactly, cap, lo..n, off, scale, &mut Scratch::default(), &mut want);
             for isa in Isa::available() {
                 let mut out = vec![0f32; hd];
-                attend(isa, &q, &kt, cap, &v, lo..n, stride, off, scale, &mut Vec::new(), &mut out);
+                attend(isa, &q, &kv, cap, lo..n, off, scale, &mut Scratch::default(), &mut out);
                 for (o, e) in out.iter().zip(&exact) {
-                    assert!((*o as f64 - e).abs() < 1e-5, "{isa:?} from {lo}: {o} vs {e}");
+                    assert!((*o as f64 - e).abs() < 1e-5, "{dtype} hd {hd} {isa:?} from {lo}: {o} vs {e}");
                 }
-                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                match &first {
-                    None => first = Some(out),
-                    Some(f) => assert_eq!(bits(f), bits(&out)),
-                }
+                assert_eq!(bits(&want), bits(&out), "{dtype} hd {hd} {isa:?} from {lo}");
             }
         }
     }
