@@ -2,7 +2,7 @@
 //! computes takes, the benchmarks' and the binary's alike.
 
 use crate::error::{BenchError, Result};
-use dgr_engine::{EngineSpec, Numerics};
+use dgr_engine::{EngineId, EngineSpec, KvDtype, Numerics};
 use dgr_gguf::Gguf;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,30 +46,47 @@ impl ModelArg {
     }
 }
 
-/// `--numerics` on every command that computes: how activations meet the weights.
+/// `--numerics` and `--kv-dtype` on every command that computes: how activations meet the
+/// weights, and how keys and values are cached. Both are part of the engine's id, so workers
+/// that differ in either never share a batch or a route.
 #[derive(clap::Args, Clone, Copy, Debug)]
 pub struct NumericsArg {
     /// exact: f32 activations, within ~1e-6 of the float64 computation; fast: integer
     /// activations (refused at start where the engine has no fast kernels)
-    #[arg(long, default_value = "exact", value_parser = numerics())]
+    #[arg(long, default_value = "exact", value_parser = names::<Numerics>(Numerics::ALL.iter().map(|n| n.name())))]
     pub numerics: Numerics,
+    /// How the KV cache stores keys and values: f32 as computed; f16 (half the bytes); q8_0,
+    /// int8 in blocks of 32 with an f16 scale (34 bytes per 32 values, 0.27 of f32's). Scores
+    /// and sums stay f32; README's KV dtype table has each one's measured accuracy
+    #[arg(long, default_value = "f32", value_parser = names::<KvDtype>(KvDtype::ALL.iter().map(|n| n.name())))]
+    pub kv_dtype: KvDtype,
 }
 
-fn numerics() -> impl clap::builder::TypedValueParser<Value = Numerics> {
+/// A clap parser that takes exactly `names` (listing them when refused), parsed as a `T`.
+fn names<T>(names: impl Iterator<Item = &'static str>) -> impl clap::builder::TypedValueParser<Value = T>
+where
+    T: std::str::FromStr + Clone + Send + Sync + 'static,
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
     use clap::builder::TypedValueParser;
-    clap::builder::PossibleValuesParser::new(Numerics::ALL.iter().map(|n| n.name())).try_map(|s| s.parse::<Numerics>())
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<T>())
 }
 
 impl NumericsArg {
-    /// The engine spec for `threads` threads in these numerics.
-    pub fn spec(&self, threads: usize) -> EngineSpec {
-        EngineSpec { numerics: self.numerics, ..EngineSpec::threads(threads) }
+    /// The flags of the engine `id` computes with.
+    pub fn of(id: EngineId) -> NumericsArg {
+        NumericsArg { numerics: id.numerics, kv_dtype: id.kv }
     }
 
-    /// The flags that start a `dgr worker` in these numerics, refused here first (before any
-    /// worker starts) if the CPU backend cannot compute in them.
-    pub fn worker_flags(&self) -> std::result::Result<[String; 2], dgr_engine::EngineError> {
+    /// The engine spec for `threads` threads in these numerics and KV dtype.
+    pub fn spec(&self, threads: usize) -> EngineSpec {
+        EngineSpec { numerics: self.numerics, kv: self.kv_dtype, ..EngineSpec::threads(threads) }
+    }
+
+    /// The flags that start a `dgr worker` in these numerics and KV dtype, refused here first
+    /// (before any worker starts) if the CPU backend cannot compute in them.
+    pub fn worker_flags(&self) -> std::result::Result<[String; 4], dgr_engine::EngineError> {
         dgr_engine::check_numerics(dgr_engine::BackendKind::Cpu, self.numerics)?;
-        Ok(["--numerics".into(), self.numerics.name().into()])
+        Ok(["--numerics".into(), self.numerics.name().into(), "--kv-dtype".into(), self.kv_dtype.name().into()])
     }
 }

@@ -169,7 +169,7 @@ pub struct BoundarySchema {
     #[prost(enumeration = "crate::SeamDtype", tag = "6")]
     pub seam_dtype: i32,
     /// The engine computing the stage: the same weights under another engine are another
-    /// model's numbers.
+    /// model's numbers. It carries the stage's KV layout (its KV dtype: `gguf-cpu-exact-q8_0`).
     #[prost(string, tag = "7")]
     pub engine: String,
 }

@@ -573,8 +573,9 @@ impl Registry {
     /// (which must be live and hold it), or by a live one that holds it and is not excluded: the
     /// one issued the fewest routes, then the cheapest. Spot checks swap stages this way, so they
     /// reach the replicas the planner seldom picks (a slow one still serves under load, and must
-    /// have been checked). None when a segment cannot be served or the segments do not cover the
-    /// model.
+    /// have been checked). Every stage runs one engine (numerics and KV dtype included), the
+    /// named workers': another engine computes other bits. None when a segment cannot be served or
+    /// the segments do not cover the model.
     pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String]) -> Option<Planned> {
         let now = Instant::now();
         let hb = self.heartbeat;
@@ -588,15 +589,19 @@ impl Registry {
                 && s.layer_start < s.layer_end
         };
         let mut ids: Vec<&str> = Vec::with_capacity(fixed.len());
+        // The named workers' engine, or else the first pick's.
+        let mut engine = fixed.iter().find_map(|s| self.worker(&s.worker_id)).map(|w| w.reg.engine.as_str());
         for s in fixed {
+            let fits = |w: &LiveWorker| usable(w, s) && engine.is_none_or(|e| w.reg.engine == e);
             let w = if s.worker_id.is_empty() {
                 // Rare (spot checks): a scan over the registry is fine here.
                 self.workers()
-                    .filter(|w| usable(w, s) && !exclude.contains(w.id.as_str()) && !ids.contains(&w.id.as_str()))
+                    .filter(|w| fits(w) && !exclude.contains(w.id.as_str()) && !ids.contains(&w.id.as_str()))
                     .min_by(|a, b| a.routes_total.cmp(&b.routes_total).then(a.per_layer_ms().total_cmp(&b.per_layer_ms())))?
             } else {
-                self.worker(&s.worker_id).filter(|w| usable(w, s))?
+                self.worker(&s.worker_id).filter(|w| fits(w))?
             };
+            engine = Some(&w.reg.engine);
             ids.push(&w.id);
         }
         let slots: Vec<u32> = ids.iter().map(|id| self.by_id[*id]).collect();
@@ -668,6 +673,22 @@ mod tests {
         assert!(r.plan_fixed("m", &[stage("tail", 0, 2), stage("tail", 2, 4)], &[]).is_none());
         assert!(r.plan_fixed("m", &[stage("", 0, 2), stage("tail", 2, 4)], &["fast".into(), "slow1".into(), "slow2".into()]).is_none());
         assert!(r.plan_fixed("m", &[stage("", 0, 2)], &[]).is_none());
+    }
+
+    #[test]
+    fn workers_of_two_kv_dtypes_never_share_a_route() {
+        let mut r = Registry::new(Duration::from_secs(60));
+        let of = |engine: &str, range, us| Registration { engine: engine.into(), ..reg(range, us) };
+        join(&mut r, "head", of("gguf-cpu-exact", (0, 2), 10.0));
+        join(&mut r, "tail-q8", of("gguf-cpu-exact-q8_0", (2, 4), 10.0));
+        assert!(r.plan_route("m", "", &[]).is_none(), "an f32 head and a q8_0 tail make no route");
+        assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[]).is_none(), "nor a swapped one");
+        join(&mut r, "head-q8", of("gguf-cpu-exact-q8_0", (0, 2), 50.0));
+        let p = r.plan_route("m", "gguf-cpu-exact-q8_0", &[]).unwrap();
+        assert_eq!((p.engine.as_str(), p.stages[0].worker_id.as_str()), ("gguf-cpu-exact-q8_0", "head-q8"));
+        assert!(r.plan_route("m", "gguf-cpu-exact", &[]).is_none());
+        let swapped = r.plan_fixed("m", &[stage("", 0, 2), stage("tail-q8", 2, 4)], &[]).unwrap();
+        assert_eq!(swapped.stages[0].worker_id, "head-q8", "a swap stays within the engine");
     }
 
     #[test]

@@ -11,17 +11,11 @@ pub enum Phase {
     Decode,
 }
 
-/// How a stage keeps KV: element type and block size (positions per block; 1 = contiguous).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct KvLayout {
-    pub dtype: &'static str,
-    pub block: u32,
-}
-
 /// Sessions share a batch only when their keys are equal.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CompatKey {
-    /// The compute engine and its numerics.
+    /// The compute engine: its numerics and its KV layout (the dtype keys and values are
+    /// stored in) among the rest, so sessions of different KV dtypes never share a forward.
     pub engine: EngineId,
     /// The recipe: model identity and layer range.
     pub model_id: Arc<str>,
@@ -30,7 +24,4 @@ pub struct CompatKey {
     /// The boundary schema.
     pub hidden: u32,
     pub seam_dtype: SeamDtype,
-    pub kv: KvLayout,
 }
-
-pub const KV_LAYOUT: KvLayout = KvLayout { dtype: "f32", block: 1 };

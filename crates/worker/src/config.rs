@@ -10,6 +10,8 @@ pub struct WorkerConfig {
     pub threads: usize,
     /// The numerics the stage computes in (part of its engine id).
     pub numerics: dgr_engine::Numerics,
+    /// The dtype its KV cache stores keys and values in (part of its engine id).
+    pub kv_dtype: dgr_engine::KvDtype,
     /// Most sessions open at once.
     pub max_sessions: usize,
     /// KV positions held across all sessions; a session reserves its `max_positions` at open.
@@ -69,6 +71,7 @@ impl WorkerConfig {
             layers,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             numerics: dgr_engine::Numerics::Exact,
+            kv_dtype: dgr_engine::KvDtype::F32,
             max_sessions: 64,
             kv_budget_tokens: 1 << 16,
             idle_timeout: Duration::from_secs(120),

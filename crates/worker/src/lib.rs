@@ -18,7 +18,7 @@ mod scheduler;
 mod server;
 mod share;
 
-pub use compat::{CompatKey, KvLayout, Phase};
+pub use compat::{CompatKey, Phase};
 pub use config::{TrackerLink, WorkerConfig};
 pub use fetch::{describe as describe_fetch, FetchError, FetchSpec, Fetched};
 pub use join::load_or_create_identity;

@@ -131,15 +131,14 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compat::KV_LAYOUT;
-    use dgr_engine::{BackendKind, EngineId, Format, Numerics};
+    use dgr_engine::{BackendKind, EngineId, Format, KvDtype, Numerics};
     use dgr_proto::SeamDtype;
     use std::time::Duration;
 
-    const GGUF_EXACT: EngineId = EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact };
+    const GGUF_EXACT: EngineId = EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact, kv: KvDtype::F32 };
 
     fn key(phase: Phase, seam_dtype: SeamDtype) -> CompatKey {
-        CompatKey { engine: GGUF_EXACT, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype, kv: KV_LAYOUT }
+        CompatKey { engine: GGUF_EXACT, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype }
     }
 
     fn ready(i: u8, phase: Phase, dtype: SeamDtype, rows: usize, age_ms: u64) -> Ready {
@@ -166,10 +165,11 @@ mod tests {
     }
 
     #[test]
-    fn sessions_of_two_engines_never_share_a_batch() {
+    fn sessions_of_two_engines_or_kv_dtypes_never_share_a_batch() {
         let other_format = EngineId { format: Format::Transformers, ..GGUF_EXACT };
         let other_numerics = EngineId { numerics: Numerics::Fast, ..GGUF_EXACT };
-        for other in [other_format, other_numerics] {
+        let other_kv = [KvDtype::F16, KvDtype::Q8_0].map(|kv| EngineId { kv, ..GGUF_EXACT });
+        for other in [other_format, other_numerics].into_iter().chain(other_kv) {
             let mut r = vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 3), ready(2, Phase::Decode, SeamDtype::F32, 1, 2)];
             r[1].key.engine = other;
             r.push(ready(3, Phase::Decode, SeamDtype::F32, 1, 1));

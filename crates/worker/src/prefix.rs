@@ -14,11 +14,11 @@ use std::collections::HashMap;
 pub(crate) type Key = [u8; 32];
 
 /// What makes a stage's KV bits for the same tokens differ: the model, the layers, the engine
-/// (numerics included), the KV layout and the seam's dtype (the rows it is computed from).
-pub(crate) fn stage_salt(model_id: &str, layers: (u32, u32), engine: &str, kv: &str, seam: &str) -> Key {
+/// (numerics and KV dtype included) and the seam's dtype (the rows it is computed from).
+pub(crate) fn stage_salt(model_id: &str, layers: (u32, u32), engine: &str, seam: &str) -> Key {
     let mut h = Sha256::new();
     h.update(b"dgr-prefix-stage");
-    for part in [model_id, engine, kv, seam] {
+    for part in [model_id, engine, seam] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -49,7 +49,8 @@ pub(crate) fn route_digests(tenant: &str, chain: &[[u8; 32]]) -> Vec<u64> {
 }
 
 struct Entry {
-    kv: Vec<f32>,
+    /// The block as the engine stores it (its KV dtype's bytes).
+    kv: Vec<u8>,
     route: u64,
     parent: Option<Key>,
     /// Blocks above it in its chain.
@@ -132,18 +133,18 @@ impl PrefixCache {
         }
     }
 
-    pub fn get(&self, key: &Key) -> Option<&[f32]> {
+    pub fn get(&self, key: &Key) -> Option<&[u8]> {
         self.entries.get(key).map(|e| e.kv.as_slice())
     }
 
     /// Holds `kv` under `key` (route digest `route`), a child of `parent` (None for a chain's
     /// first block), evicting older leaves to make room. Refused (false) when the parent is not
     /// held (it would leave a hole) or the room cannot be made.
-    pub fn insert(&mut self, key: Key, route: u64, parent: Option<Key>, kv: Vec<f32>) -> bool {
+    pub fn insert(&mut self, key: Key, route: u64, parent: Option<Key>, kv: Vec<u8>) -> bool {
         if self.entries.contains_key(&key) || parent.is_some_and(|p| !self.entries.contains_key(&p)) {
             return false;
         }
-        let size = kv.len() * std::mem::size_of::<f32>();
+        let size = kv.len();
         while self.bytes + size > self.budget {
             if !self.evict_one(parent.as_ref()) {
                 return false;
@@ -172,7 +173,7 @@ impl PrefixCache {
         let Some(k) = victim else { return false };
         if let Some(e) = self.entries.remove(&k) {
             self.changes += 1;
-            self.bytes -= e.kv.len() * std::mem::size_of::<f32>();
+            self.bytes -= e.kv.len();
             if let Some(p) = e.parent.and_then(|p| self.entries.get_mut(&p)) {
                 p.children -= 1;
             }
@@ -203,7 +204,7 @@ mod tests {
     fn fill(c: &mut PrefixCache, keys: &[Key]) -> usize {
         let mut n = 0;
         for (i, k) in keys.iter().enumerate() {
-            if c.insert(*k, k[0] as u64, i.checked_sub(1).map(|j| keys[j]), vec![i as f32; 4]) {
+            if c.insert(*k, k[0] as u64, i.checked_sub(1).map(|j| keys[j]), vec![i as u8; 16]) {
                 n += 1;
             }
         }
@@ -225,7 +226,7 @@ mod tests {
         assert_eq!(c.bytes(), 80);
         c.unpin(&a[..2]);
         assert_eq!(c.pin(&a), 2, "the longest held run");
-        assert!(!c.insert([9; 32], 9, Some([8; 32]), vec![0.0; 4]), "a block whose parent is gone would be a hole");
+        assert!(!c.insert([9; 32], 9, Some([8; 32]), vec![0; 16]), "a block whose parent is gone would be a hole");
         let keys = keys(&[0; 32], "tenant", &[[1; 32]]);
         assert_ne!(keys, super::keys(&[0; 32], "other", &[[1; 32]]), "tenants name blocks apart");
     }

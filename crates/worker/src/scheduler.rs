@@ -2,7 +2,7 @@
 //! which rows run (decode first, then capped prompt chunks, within a token budget; see `plan`)
 //! and runs one batched forward per compatibility key.
 
-use crate::compat::{CompatKey, Phase, KV_LAYOUT};
+use crate::compat::{CompatKey, Phase};
 use crate::plan::{plan, Batch, Policy, Ready};
 use crate::prefix::{self, Key, PrefixCache};
 use crate::{Metrics, WorkerConfig};
@@ -212,7 +212,7 @@ fn send(to: &Outbox, body: Body) -> bool {
 
 impl<E: Engine> Scheduler<E> {
     pub fn new(stage: E, cfg: WorkerConfig, schema: BoundarySchema, metrics: Arc<Metrics>, ledger: Option<LedgerTx>) -> Scheduler<E> {
-        let per_position = 2 * stage.layers().len() * stage.config().kv_dim() * 4;
+        let per_position = stage.kv_position_bytes();
         metrics.kv_bytes_capacity.store((cfg.kv_budget_tokens * per_position) as u64, Relaxed);
         let prefix_budget = cfg.prefix_cache_bytes.unwrap_or_else(|| cfg.prefix_cache_default(per_position));
         metrics.prefix_bytes_capacity.store(prefix_budget as u64, Relaxed);
@@ -443,7 +443,7 @@ impl<E: Engine> Scheduler<E> {
         let namer = (self.prefix.enabled() && kv.blockable() && open.embed.is_none()).then(|| {
             let engine = self.stage.id().to_string();
             let span = (layers.start as u32, layers.end as u32);
-            (prefix::stage_salt(&self.model_id, span, &engine, KV_LAYOUT.dtype, dtype.name()), tenant)
+            (prefix::stage_salt(&self.model_id, span, &engine, dtype.name()), tenant)
         });
         let keys = namer.as_ref().map_or_else(Vec::new, |(salt, tenant)| prefix::keys(salt, tenant, &chain));
         let routes = namer.as_ref().map_or_else(Vec::new, |(_, tenant)| prefix::route_digests(tenant, &chain));
@@ -613,7 +613,6 @@ impl<E: Engine> Scheduler<E> {
             phase,
             hidden: self.schema.hidden,
             seam_dtype: s.dtype,
-            kv: KV_LAYOUT,
         }
     }
 
@@ -919,7 +918,10 @@ mod tests {
     /// A scheduler over layers `held` of the model in `file`, its config set by `set`.
     pub(super) fn scheduler_with(file: Vec<u8>, held: Range<usize>, set: impl FnOnce(&mut WorkerConfig)) -> Scheduler {
         let gguf = Arc::new(dgr_gguf::Gguf::from_bytes(file).unwrap());
-        let stage = open_engine(gguf, held.clone(), EngineSpec::threads(1)).unwrap();
+        let mut cfg = WorkerConfig::new("m.gguf".into(), held.clone());
+        set(&mut cfg);
+        let stage =
+            open_engine(gguf, held.clone(), EngineSpec { numerics: cfg.numerics, kv: cfg.kv_dtype, ..EngineSpec::threads(1) }).unwrap();
         let schema = BoundarySchema {
             protocol_version: dgr_proto::PROTOCOL_VERSION,
             model_id: "m".into(),
@@ -929,8 +931,6 @@ mod tests {
             seam_dtype: SeamDtype::F32 as i32,
             engine: stage.engine().to_string(),
         };
-        let mut cfg = WorkerConfig::new("m.gguf".into(), held);
-        set(&mut cfg);
         Scheduler::new(stage, cfg, schema, Arc::new(Metrics::default()), None)
     }
 
@@ -1294,6 +1294,34 @@ mod tests {
         let (_, mut none) = open(&mut s, 4, 0..6, 8, None);
         forward(&mut s, prompt(4, vec![0; 2]));
         assert_eq!(refused(none.try_recv().unwrap().body.unwrap()), ErrorKind::BadInput);
+    }
+
+    #[test]
+    fn kv_bytes_in_the_metrics_are_the_kv_dtypes_own() {
+        // Heads of 64: q8_0 in blocks of 32, 34 bytes per 32 values.
+        let file = || SynthSpec { layers: 6, hidden: 128, ffn: 256, heads: 2, kv_heads: 1, ..SynthSpec::default() }.to_gguf().unwrap();
+        let mut per_position = Vec::new();
+        for &kv in dgr_engine::KvDtype::ALL {
+            let mut s = scheduler_with(file(), 0..6, |cfg| {
+                cfg.kv_budget_tokens = 1000;
+                cfg.kv_dtype = kv;
+            });
+            assert_eq!(
+                s.schema.engine,
+                format!("gguf-cpu-exact{}", if kv == dgr_engine::KvDtype::F32 { String::new() } else { format!("-{kv}") })
+            );
+            let (_, mut inbox) = open(&mut s, 1, 0..6, 16, None);
+            forward(&mut s, Forward { session_id: vec![1; 16], tokens: vec![5, 6, 7], sample: true, ..Default::default() });
+            token(&mut inbox);
+            s.publish();
+            let (used, capacity) = (s.metrics.kv_bytes_used.load(Relaxed), s.metrics.kv_bytes_capacity.load(Relaxed));
+            assert_eq!(capacity, 1000 * used / 3, "{kv}: the capacity is the budget's positions at the bytes one takes");
+            assert!(s.metrics.render().contains(&format!("dgr_worker_kv_bytes_used {used}\n")));
+            per_position.push(used / 3);
+        }
+        // Six layers of keys and values of 64 floats a position.
+        assert_eq!(per_position, [6 * 2 * 64 * 4, 6 * 2 * 64 * 2, 6 * 2 * (64 + 2 * 2)]);
+        assert_eq!(per_position[2] * 128, per_position[0] * 34, "q8_0 is 34/128 of f32");
     }
 
     #[test]

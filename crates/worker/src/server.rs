@@ -119,7 +119,11 @@ impl Worker {
             }
             _ => None,
         };
-        let stage = open_engine(gguf, cfg.layers.clone(), EngineSpec { numerics: cfg.numerics, ..EngineSpec::threads(cfg.threads) })?;
+        let stage = open_engine(
+            gguf,
+            cfg.layers.clone(),
+            EngineSpec { numerics: cfg.numerics, kv: cfg.kv_dtype, ..EngineSpec::threads(cfg.threads) },
+        )?;
         let c = stage.config();
         let info = StageInfo {
             model_id: model_id.clone(),

@@ -4,17 +4,18 @@
 
 use super::*;
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::Arch;
+use dgr_engine::{Arch, KvDtype};
 use dgr_proto::prefix_chain_bytes;
 use std::ops::Range;
 use tokio::sync::mpsc::{channel, Receiver as Inbox};
 
 const LAYERS: usize = 6;
 
-fn stage(spec: &SynthSpec, held: Range<usize>, cache: Option<usize>) -> Scheduler {
+fn stage(spec: &SynthSpec, held: Range<usize>, cache: Option<usize>, kv: KvDtype) -> Scheduler {
     super::tests::scheduler_with(spec.to_gguf().unwrap(), held, |cfg| {
         cfg.kv_budget_tokens = 4096;
         cfg.prefix_cache_bytes = cache;
+        cfg.kv_dtype = kv;
     })
 }
 
@@ -36,8 +37,12 @@ struct Drive {
 
 impl Route {
     fn new(spec: &SynthSpec, cuts: &[usize], cache: Option<usize>) -> Route {
+        Route::with_kv(spec, cuts, cache, KvDtype::F32)
+    }
+
+    fn with_kv(spec: &SynthSpec, cuts: &[usize], cache: Option<usize>, kv: KvDtype) -> Route {
         let bounds: Vec<usize> = std::iter::once(0).chain(cuts.iter().copied()).chain(std::iter::once(LAYERS)).collect();
-        let stages = bounds.windows(2).map(|w| stage(spec, w[0]..w[1], cache)).collect::<Vec<_>>();
+        let stages = bounds.windows(2).map(|w| stage(spec, w[0]..w[1], cache, kv)).collect::<Vec<_>>();
         let hops = (1..stages.len()).map(|_| channel(1024)).collect();
         Route { stages, hops, next_id: 0 }
     }
@@ -208,27 +213,30 @@ fn spec() -> SynthSpec {
 }
 
 #[test]
-fn hits_equal_cold_runs_bitwise_on_every_split_and_batch() {
+fn hits_equal_cold_runs_bitwise_on_every_split_and_batch_in_every_kv_dtype() {
     let prompts = prompts();
-    let cold = Route::new(&spec(), &[], Some(0)).run_all(&prompts, 1, "");
-    assert!(cold.iter().all(|(_, cached)| *cached == 0));
-    for cuts in [vec![], vec![3], vec![2, 4]] {
-        for batch in [1, 4] {
-            let mut route = Route::new(&spec(), &cuts, None);
-            let hit = route.run_all(&prompts, batch, "t");
-            let cached: usize = hit.iter().map(|(_, c)| c).sum();
-            let what = format!("{} stage(s), batch {batch}", cuts.len() + 1);
-            for (i, ((a, _), (b, c))) in cold.iter().zip(&hit).enumerate() {
-                assert_eq!(a, b, "{what}: prompt {i} ({} of its tokens cached) differs from its cold run", c);
+    // Heads of 16 (q8_0 a block per head) and of 32 (q8_0 in blocks of 32).
+    for (spec, kv) in KvDtype::ALL.iter().map(|&kv| (spec(), kv)).chain([(SynthSpec { heads: 2, kv_heads: 1, ..spec() }, KvDtype::Q8_0)]) {
+        let cold = Route::with_kv(&spec, &[], Some(0), kv).run_all(&prompts, 1, "");
+        assert!(cold.iter().all(|(_, cached)| *cached == 0));
+        for cuts in [vec![], vec![3], vec![2, 4]] {
+            for batch in [1, 4] {
+                let mut route = Route::with_kv(&spec, &cuts, None, kv);
+                let hit = route.run_all(&prompts, batch, "t");
+                let cached: usize = hit.iter().map(|(_, c)| c).sum();
+                let what = format!("{kv} KV, heads of {}, {} stage(s), batch {batch}", spec.hidden / spec.heads, cuts.len() + 1);
+                for (i, ((a, _), (b, c))) in cold.iter().zip(&hit).enumerate() {
+                    assert_eq!(a, b, "{what}: prompt {i} ({} of its tokens cached) differs from its cold run", c);
+                }
+                assert!(cached >= 40 * PREFIX_BLOCK, "{what}: only {cached} tokens came from the cache");
+                // A repeated prompt attaches all of itself but the last block's worth it must compute.
+                assert_eq!(hit[17].1, (prompts[17].len() - 1) / PREFIX_BLOCK * PREFIX_BLOCK, "{what}");
+                assert!(route.whole());
+                let m = route.stages[0].metrics.render();
+                let hits = route.stages[0].metrics.prefix_hit_blocks.load(Relaxed) as usize;
+                assert_eq!(hits * PREFIX_BLOCK, cached, "{what}: every stage attached what the driver skipped");
+                assert!(m.contains("dgr_worker_prefix_cache_blocks ") && !m.contains("dgr_worker_prefix_cache_blocks 0\n"), "{m}");
             }
-            assert!(cached >= 40 * PREFIX_BLOCK, "{what}: only {cached} tokens came from the cache");
-            // A repeated prompt attaches all of itself but the last block's worth it must compute.
-            assert_eq!(hit[17].1, (prompts[17].len() - 1) / PREFIX_BLOCK * PREFIX_BLOCK, "{what}");
-            assert!(route.whole());
-            let m = route.stages[0].metrics.render();
-            let hits = route.stages[0].metrics.prefix_hit_blocks.load(Relaxed) as usize;
-            assert_eq!(hits * PREFIX_BLOCK, cached, "{what}: every stage attached what the driver skipped");
-            assert!(m.contains("dgr_worker_prefix_cache_blocks ") && !m.contains("dgr_worker_prefix_cache_blocks 0\n"), "{m}");
         }
     }
 }
@@ -250,7 +258,7 @@ fn a_second_turn_attaches_the_first_turns_answer() {
 fn a_tiny_budget_evicts_leaves_and_keeps_results_equal() {
     let prompts = prompts();
     let cold = Route::new(&spec(), &[], Some(0)).run_all(&prompts, 1, "");
-    let block = 2 * (LAYERS / 2) * PREFIX_BLOCK * stage(&spec(), 0..1, None).stage.config().kv_dim() * 4;
+    let block = (LAYERS / 2) * PREFIX_BLOCK * stage(&spec(), 0..1, None, KvDtype::F32).stage.kv_position_bytes();
     let mut big = Route::new(&spec(), &[3], None);
     let mut tiny = Route::new(&spec(), &[3], Some(3 * block));
     let (b, t) = (big.run_all(&prompts, 4, "t"), tiny.run_all(&prompts, 4, "t"));
