@@ -1,5 +1,5 @@
 use anyhow::{Context, Result};
-use dgr_engine::{BackendKind, EngineId, Format};
+use dgr_engine::{BackendKind, EngineId, Format, KvDtype};
 use dgr_gguf::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -25,7 +25,7 @@ pub fn run(a: Args) -> Result<()> {
     let format = Format::of(&g);
     let engines: Vec<String> = dgr_engine::available_numerics(BackendKind::Cpu)
         .iter()
-        .map(|&numerics| EngineId { format, backend: BackendKind::Cpu, numerics }.to_string())
+        .flat_map(|&numerics| KvDtype::ALL.iter().map(move |&kv| EngineId { format, backend: BackendKind::Cpu, numerics, kv }.to_string()))
         .collect();
     if g.is_assembled() {
         println!("checkpoint: {} (Transformers layout; names and metadata below in GGUF's terms)", a.file.display());

@@ -60,7 +60,7 @@ pub fn generate(
         (Some(r), _) => r.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
         (None, Some(n)) => {
             dgr_bench::swarm::check_split(n_layers, n)?;
-            let mut flags = NumericsArg { numerics: engine.numerics }.worker_flags()?.to_vec();
+            let mut flags = NumericsArg::of(engine).worker_flags()?.to_vec();
             flags.extend(worker_flags);
             swarm = LocalSwarm::start(model, &dgr_bench::swarm::even_split(n_layers, n), threads, &flags)?;
             swarm.addrs.clone()

@@ -1,7 +1,11 @@
 use crate::model::{ModelArg, NumericsArg, ThreadsArg};
 use anyhow::{bail, Context, Result};
+use dgr_engine::KvDtype;
 use dgr_worker::{Worker, WorkerConfig};
 use std::time::Duration;
+
+/// `--kv-tokens` without the flag, in f32 KV; other KV dtypes hold as many as fit in its memory.
+const DEFAULT_KV_TOKENS: usize = 1 << 16;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -25,8 +29,10 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
     /// KV positions held across all sessions (each session reserves prompt + max tokens)
-    #[arg(long, default_value_t = 1 << 16)]
-    kv_tokens: usize,
+    /// [default: the memory 65536 positions take in f32 KV: 65536 in f32, 131072 in f16,
+    /// 246723 in q8_0]
+    #[arg(long)]
+    kv_tokens: Option<usize>,
     /// MiB of KV blocks the prefix cache keeps for later prompts that start alike (0: off)
     /// [default: a quarter of the bytes --kv-tokens positions take on this stage: sessions
     /// reserve their whole context but touch only what they use, so this rarely meets their
@@ -151,8 +157,9 @@ pub fn run(a: Args) -> Result<()> {
     let mut cfg = WorkerConfig::new(model, layers);
     cfg.threads = a.threads.get();
     cfg.numerics = a.numerics.numerics;
+    cfg.kv_dtype = a.numerics.kv_dtype;
     cfg.max_sessions = a.max_sessions.max(1);
-    cfg.kv_budget_tokens = a.kv_tokens.max(1);
+    cfg.kv_budget_tokens = a.kv_tokens.unwrap_or_else(|| a.numerics.kv_dtype.positions_in(DEFAULT_KV_TOKENS, KvDtype::F32)).max(1);
     cfg.prefix_cache_bytes = a.prefix_cache_mb.map(|mb| mb << 20);
     cfg.idle_timeout = secs(a.idle_timeout, "idle-timeout")?;
     cfg.drain_timeout = secs(a.drain_timeout, "drain-timeout")?;

@@ -9,35 +9,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 use std::path::Path;
-use std::time::Duration;
-
-/// The teacher-forced steps of every completion of `reference` on `model` in `numerics`.
-fn score_all(model: &Path, reference: &Value, numerics: &str) -> Vec<Value> {
-    let mut steps = Vec::new();
-    for c in reference["completions"].as_array().unwrap() {
-        let cont: Vec<String> = ids(&c["continuation"]).iter().map(|t| t.to_string()).collect();
-        let mut cmd = dgr();
-        cmd.args(["score", "--prompt", c["prompt"].as_str().unwrap(), "--continuation", &cont.join(",")])
-            .args(["--top-logprobs", "5", "--threads", "2", "--numerics", numerics])
-            .arg("--model")
-            .arg(model);
-        let out = Proc::spawn(cmd).wait_within(Duration::from_secs(900));
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "dgr score failed ({:?}): {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
-        let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("dgr score printed no JSON ({e}): {stdout}"));
-        steps.extend(v["steps"].as_array().unwrap().iter().cloned());
-    }
-    steps
-}
-
-fn reference_steps(reference: &Value) -> Vec<Value> {
-    reference["completions"].as_array().unwrap().iter().flat_map(|c| c["steps"].as_array().unwrap().iter().cloned()).collect()
-}
-
-fn mean_distance(a: &[Value], b: &[Value]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x["logprob"].as_f64().unwrap() - y["logprob"].as_f64().unwrap()).abs()).sum::<f64>() / a.len() as f64
-}
 
 fn top(step: &Value, i: usize) -> (u64, f64) {
     (step["top"][i][0].as_u64().unwrap(), step["top"][i][1].as_f64().unwrap())
@@ -47,8 +18,8 @@ fn check(name: &str, model: &Path, exact_file: &str, llama_file: &str) {
     let (exact, llama) = (reference(exact_file), reference(llama_file));
     let truth = reference_steps(&exact);
     let llama_mean = mean_distance(&reference_steps(&llama), &truth);
-    let fast = score_all(model, &exact, "fast");
-    let exact_mode = score_all(model, &exact, "exact");
+    let fast = score_all(model, &exact, &["--numerics", "fast"]);
+    let exact_mode = score_all(model, &exact, &["--numerics", "exact"]);
     for (i, (f, t)) in fast.iter().zip(&truth).enumerate() {
         assert_eq!(f["token"], t["id"], "{name}: step {i} scores a different token");
     }

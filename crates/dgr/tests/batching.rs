@@ -250,29 +250,30 @@ fn ms(d: Duration) -> f64 {
 #[test]
 fn concurrent_sessions_equal_their_solo_runs_bitwise_on_every_route() {
     let _serial = serial();
-    for numerics in common::numerics() {
-        batches_equal_solo_runs(numerics);
+    for engine in common::engines() {
+        batches_equal_solo_runs(engine);
     }
 }
 
-/// On workers computing in `numerics`: every session count, greedy and sampled, on every route.
-fn batches_equal_solo_runs(numerics: &str) {
+/// On workers computing in `engine`: every session count, greedy and sampled, on every route.
+fn batches_equal_solo_runs(engine: common::Engine) {
+    let id = engine.id();
     let rt = runtime();
     let prompts = eight_prompts();
     let greedy: Vec<Spec> = prompts.iter().map(|(n, p)| Spec::new(n, p, 12, GREEDY)).collect();
     let sampled: Vec<Spec> = prompts.iter().enumerate().map(|(i, (n, p))| Spec::new(n, p, 12, seeded(1000 + i as u64))).collect();
     // Every route's workers start once and serve every session count.
-    let mut workers: Vec<Workers> = ROUTES.iter().map(|c| Workers::start(c, &["--numerics", numerics])).collect();
+    let mut workers: Vec<Workers> = ROUTES.iter().map(|c| Workers::start(c, &engine.flags())).collect();
     let routes: Vec<Route> = workers.iter().map(|w| discover(&rt, w)).collect();
     for r in &routes {
-        assert!(r.stages.iter().all(|s| s.info.engine == format!("gguf-cpu-{numerics}")), "{:?}", r.stages[0].info);
+        assert!(r.stages.iter().all(|s| s.info.engine == id), "{:?}", r.stages[0].info);
     }
     // Solo: each session alone on the one-worker route.
     let solo_greedy = solos(&rt, &routes[0], &greedy);
     let solo_sampled = solos(&rt, &routes[0], &sampled);
     let mut failures = Vec::new();
     for (w, route) in workers.iter_mut().zip(&routes) {
-        let shape = format!("{numerics} {}", layers_of(&w.cuts));
+        let shape = format!("{id} {}", layers_of(&w.cuts));
         for n in [1, 2, 4, 8] {
             for (mode, specs, solo) in [("greedy", &greedy, &solo_greedy), ("sampled", &sampled, &solo_sampled)] {
                 let before = all_metrics(w);
@@ -315,7 +316,7 @@ fn batches_equal_solo_runs(numerics: &str) {
         let all: Vec<usize> = (0..w.n()).collect();
         w.wait_all_free(&all, Duration::from_secs(3), &format!("{shape}: after the concurrent runs"));
     }
-    finish(&format!("{numerics}: concurrent sessions vs their solo runs"), failures);
+    finish(&format!("{id}: concurrent sessions vs their solo runs"), failures);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -427,23 +427,34 @@ fn a_missing_default_model_points_at_the_fetch_script() {
     assert!(Path::new(&dir.0).read_dir().unwrap().next().is_none(), "dgr wrote into the empty model dir");
 }
 
-/// An unknown mode is refused by the argument parser with the list of modes; both modes run.
+/// An unknown numerics or KV dtype is refused by the argument parser with the list of the known
+/// ones; every known one runs.
 #[test]
-fn unknown_numerics_are_refused_at_start_with_the_modes_available() {
+fn unknown_numerics_and_kv_dtypes_are_refused_at_start_with_the_ones_available() {
     let model = model();
     let model = model.to_str().unwrap();
     let worker = ["worker", "--model", model, "--layers", "0..30"];
     let generate = ["generate", "--model", model, "-p", "hi", "-n", "1"];
     let score = ["score", "--model", model, "--prompt", "hi", "--continuation", "1"];
+    let embed = ["embed", "--model", model, "--text", "hi"];
     let up = ["up", "--model", model, "--listen", "127.0.0.1:0"];
-    for numerics in ["exact", "fast"] {
-        let out = dgr().args(score).args(["--numerics", numerics]).output().unwrap();
-        assert!(out.status.success(), "score --numerics {numerics}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    for args in [&worker[..], &generate[..], &score[..], &up[..]] {
-        let mut cmd = dgr();
-        cmd.args(args).args(["--numerics", "f32"]);
-        let err = expect_clean_failure(cmd);
-        assert!(err.contains("invalid value 'f32'") && err.contains("[possible values: exact, fast]"), "{args:?}: {err}");
+    let flags = [
+        ("--numerics", &["exact", "fast"][..], "f32", "exact, fast"),
+        ("--kv-dtype", &["f32", "f16", "q8_0"][..], "q4_0", "f32, f16, q8_0"),
+    ];
+    for (flag, known, unknown, listed) in flags {
+        for value in known {
+            let out = dgr().args(score).args([flag, value]).output().unwrap();
+            assert!(out.status.success(), "score {flag} {value}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        for args in [&worker[..], &generate[..], &score[..], &embed[..], &up[..]] {
+            let mut cmd = dgr();
+            cmd.args(args).args([flag, unknown]);
+            let err = expect_clean_failure(cmd);
+            assert!(
+                err.contains(&format!("invalid value '{unknown}'")) && err.contains(&format!("[possible values: {listed}]")),
+                "{args:?}: {err}"
+            );
+        }
     }
 }

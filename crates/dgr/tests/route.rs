@@ -218,23 +218,58 @@ fn a_route_reproduces_the_whole_model_bitwise_on_every_reference_prompt() {
 fn a_32_token_greedy_decode_over_a_route_equals_the_unsplit_model() {
     let _serial = serial();
     let p = prompt("once");
-    for numerics in common::numerics() {
-        let args = ["--prompt", &p.text, "--max-tokens", "32", "--ignore-eos", "--numerics", numerics];
-        let mut a = args.to_vec();
+    for engine in common::engines() {
+        let mut args = vec!["--prompt", &p.text, "--max-tokens", "32", "--ignore-eos"];
+        args.extend(engine.flags());
+        let mut a = args.clone();
         a.extend(["--threads", "1"]);
         let whole = generate_json(&a);
         assert_eq!(whole["tokens"].as_array().unwrap().len(), 32);
+        let id = engine.id();
         for cuts in SPLITS {
-            // generate --route checks that the route's engine is the one --numerics names.
-            let w = Workers::start(cuts, &["--numerics", numerics]);
+            // generate --route checks that the route's engine is the one --numerics and
+            // --kv-dtype name.
+            let w = Workers::start(cuts, &engine.flags());
             let route = w.route();
-            let mut a = args.to_vec();
+            let mut a = args.clone();
             a.extend(["--route", &route]);
             let got = generate_json(&a);
-            assert_same_generation(&got, &whole, &format!("{numerics}: 32 greedy tokens over {}", layers_of(cuts)));
-            println!("{numerics} {}: 32 greedy tokens identical to the unsplit model: {:?}", layers_of(cuts), got["text"]);
+            assert_same_generation(&got, &whole, &format!("{id}: 32 greedy tokens over {}", layers_of(cuts)));
+            println!("{id} {}: 32 greedy tokens identical to the unsplit model: {:?}", layers_of(cuts), got["text"]);
         }
     }
+}
+
+/// A worker's KV dtype: its /metrics count the bytes it stores (q8_0 34/128 of f32's per
+/// position), its default budget holds as many bytes in any dtype, and a route of it serves only
+/// runs that ask for its engine.
+#[test]
+fn a_kv_dtype_sets_a_workers_kv_bytes_and_its_routes_engine() {
+    let _serial = serial();
+    let capacity = |extra: &[&str]| {
+        let mut w = Workers::start(&[0, 30], extra);
+        (w.metrics(0).get("dgr_worker_kv_bytes_capacity"), w)
+    };
+    let (f32_1000, _) = capacity(&["--kv-tokens", "1000"]);
+    let (q8_1000, _) = capacity(&["--kv-tokens", "1000", "--kv-dtype", "q8_0"]);
+    let (f16_1000, _) = capacity(&["--kv-tokens", "1000", "--kv-dtype", "f16"]);
+    assert_eq!((f16_1000 * 2.0, q8_1000 * 128.0), (f32_1000, f32_1000 * 34.0), "f16 is 1/2, q8_0 34/128 of f32's bytes a position");
+    // 30 layers of keys and values of 192 floats a position.
+    assert_eq!(f32_1000, 1000.0 * 30.0 * 2.0 * 192.0 * 4.0);
+    let (f32_default, _) = capacity(&[]);
+    let (q8_default, q8) = capacity(&["--kv-dtype", "q8_0"]);
+    let per_position = q8_1000 / 1000.0;
+    assert!((f32_default - q8_default).abs() < per_position, "the default budget's bytes: f32 {f32_default}, q8_0 {q8_default}");
+    // A q8_0 route computes q8_0 bits: a run that asks for f32 KV is refused, one that asks for
+    // q8_0 gets the one-process q8_0 tokens.
+    let route = q8.route();
+    let args = ["--prompt", "Once upon a time", "--max-tokens", "8", "--ignore-eos", "--format", "json"];
+    let out = Proc::spawn(generate_cmd(&[&args[..], &["--route", &route]].concat())).wait_within(Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && stdout.contains("gguf-cpu-exact-q8_0") && stdout.contains("asks for gguf-cpu-exact"), "{stdout}");
+    let whole = generate_json(&[&args[..5], &["--kv-dtype", "q8_0"]].concat());
+    let routed = generate_json(&[&args[..5], &["--kv-dtype", "q8_0", "--route", &route]].concat());
+    assert_same_generation(&routed, &whole, "q8_0 KV over a one-worker route");
 }
 
 // ---------------------------------------------------------------------------------------------

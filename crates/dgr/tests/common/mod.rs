@@ -55,6 +55,38 @@ pub fn ids(v: &Value) -> Vec<u64> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
 }
 
+/// `dgr score`'s teacher-forced steps of every completion of `reference` on `model`, with
+/// `flags` (the engine's: `--numerics`, `--kv-dtype`).
+pub fn score_all(model: &std::path::Path, reference: &Value, flags: &[&str]) -> Vec<Value> {
+    let mut steps = Vec::new();
+    for c in reference["completions"].as_array().unwrap() {
+        let cont: Vec<String> = ids(&c["continuation"]).iter().map(|t| t.to_string()).collect();
+        let mut cmd = dgr();
+        cmd.args(["score", "--prompt", c["prompt"].as_str().unwrap(), "--continuation", &cont.join(",")])
+            .args(["--top-logprobs", "5", "--threads", "2"])
+            .args(flags)
+            .arg("--model")
+            .arg(model);
+        let out = Proc::spawn(cmd).wait_within(Duration::from_secs(900));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "dgr score {flags:?} failed ({:?}): {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("dgr score printed no JSON ({e}): {stdout}"));
+        steps.extend(v["steps"].as_array().unwrap().iter().cloned());
+    }
+    steps
+}
+
+/// Every completion's steps of a reference file, in order.
+pub fn reference_steps(reference: &Value) -> Vec<Value> {
+    reference["completions"].as_array().unwrap().iter().flat_map(|c| c["steps"].as_array().unwrap().iter().cloned()).collect()
+}
+
+/// The mean |Δ logprob| of the scored tokens of two runs over the same steps.
+pub fn mean_distance(a: &[Value], b: &[Value]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x["logprob"].as_f64().unwrap() - y["logprob"].as_f64().unwrap()).abs()).sum::<f64>() / a.len() as f64
+}
+
 // ---------------------------------------------------------------------------------------------
 // Routes: one test at a time
 
@@ -66,13 +98,30 @@ pub fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The `--numerics` of every engine this build registers (`dgr_engine::registered_specs`): the
+/// Every engine this build registers (`dgr_engine::registered_specs`: numerics × KV dtype): the
 /// suites that hold the engine's contract (a route equals the whole model, a batch equals its
 /// solo runs) run once per entry, so registering a new one tests it.
-pub fn numerics() -> Vec<&'static str> {
-    let mut n: Vec<&'static str> = dgr_engine::registered_specs().iter().map(|s| s.numerics.name()).collect();
-    n.dedup();
-    n
+pub fn engines() -> Vec<Engine> {
+    dgr_engine::registered_specs().iter().map(|s| Engine { numerics: s.numerics, kv: s.kv }).collect()
+}
+
+/// A registered engine, as the flags that ask for it.
+#[derive(Clone, Copy, Debug)]
+pub struct Engine {
+    pub numerics: dgr_engine::Numerics,
+    pub kv: dgr_engine::KvDtype,
+}
+
+impl Engine {
+    pub fn flags(&self) -> [&'static str; 4] {
+        ["--numerics", self.numerics.name(), "--kv-dtype", self.kv.name()]
+    }
+
+    /// Its id on the default model (what workers register and routes carry).
+    pub fn id(&self) -> String {
+        use dgr_engine::{BackendKind, EngineId, Format};
+        EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: self.numerics, kv: self.kv }.to_string()
+    }
 }
 
 pub fn layers_of(cuts: &[usize]) -> String {
