@@ -57,7 +57,7 @@ impl KvDtype {
     /// The values one q8_0 scale covers in heads of `head_dim`: 32 (ggml's block) where heads
     /// are whole blocks of 32, else the whole head, so a block never spans two heads.
     pub fn q8_block(head_dim: usize) -> usize {
-        if head_dim % 32 == 0 {
+        if head_dim.is_multiple_of(32) {
             32
         } else {
             head_dim

@@ -180,8 +180,8 @@ pub fn attend(
         Store::F16(p) => fits(p.width, p.k.len(), p.v.len(), offset..offset + hd),
         Store::Q8_0 { q: p, scale: s, block } => {
             // A block is a head or whole runs of `BLOCK` of its columns (see `KvDtype::q8_block`).
-            offset % block == 0
-                && (block % BLOCK == 0 || *block == hd)
+            offset.is_multiple_of(*block)
+                && (block.is_multiple_of(BLOCK) || *block == hd)
                 && fits(p.width, p.k.len(), p.v.len(), offset..offset + hd)
                 && fits(s.width, s.k.len(), s.v.len(), offset / block..(offset + hd).div_ceil(*block))
         }
