@@ -1,8 +1,10 @@
 //! The KV dtypes against the exact float64 computation on the shared references, SmolLM2-135M-
 //! Instruct Q4_1 and gemma-3-270m Q4_K_M: over each model's prompts, teacher-forced, the mean
-//! |Δ logprob| of the scored tokens in each `--kv-dtype` is printed; q8_0's is at most 1e-2,
-//! f16's at most 1e-3 (measured: about 4e-5 on both), and each is below llama.cpp's own on the
-//! same steps (llama.cpp keeps KV in f16 and rounds activations besides).
+//! |Δ logprob| of the scored tokens in each `--kv-dtype` is printed; q8_0's is at most 1e-2 (the
+//! issue's bar; measured 7.8e-3 and 6.1e-3, 1.3e-2 and 1.1e-2 before its Hadamard rotation), f16's at most 1e-3 (measured 3.0e-4 on SmolLM2, 2.5e-4 on gemma3: f16's
+//! rounding of every key and value, 2^-11 relative, with room for other prompts), f32's at most
+//! 1e-5 (measured ~1e-6), and each is below llama.cpp's own on the same steps (0.035, 0.028:
+//! llama.cpp keeps KV in f16 and rounds activations besides).
 #![cfg(feature = "real-model")]
 
 mod common;
@@ -26,7 +28,7 @@ fn check(name: &str, model: &Path, exact_file: &str, llama_file: &str) {
     println!("{name}: {} steps; mean |Δ logprob| vs float64 by KV dtype: {}; llama.cpp {llama_mean:.4}", truth.len(), row.join(", "));
     for (kv, mean) in table {
         let bar = match kv {
-            KvDtype::F32 => 1e-3,
+            KvDtype::F32 => 1e-5,
             KvDtype::F16 => 1e-3,
             KvDtype::Q8_0 => 1e-2,
         };

@@ -170,8 +170,8 @@ impl Store {
                 p.put(slots, slot0, &half(keys), &half(values))
             }
             Store::Q8_0 { q, scale, block } => {
-                let (kq, ks) = quantize(keys, *block);
-                let (vq, vs) = quantize(values, *block);
+                let (kq, ks) = quantize(&rotated(keys, *block), *block);
+                let (vq, vs) = quantize(&rotated(values, *block), *block);
                 q.put(slots, slot0, &kq, &vq);
                 scale.put(slots, slot0, &ks, &vs);
             }
@@ -222,12 +222,57 @@ impl Store {
             Store::F16(p) => f32s(p.k.iter().map(|&h| f16_value(h)).collect(), p.v.iter().map(|&h| f16_value(h)).collect(), p.width),
             Store::Q8_0 { q, scale, block } => {
                 let slots = q.k.len() / q.width;
-                let k = (0..q.k.len()).map(|i| q.k[i] as f32 * f16_value(scale.k[(i / slots / block) * slots + i % slots])).collect();
-                let v =
+                let mut k: Vec<f32> =
+                    (0..q.k.len()).map(|i| q.k[i] as f32 * f16_value(scale.k[(i / slots / block) * slots + i % slots])).collect();
+                let mut v: Vec<f32> =
                     (0..q.v.len()).map(|i| q.v[i] as f32 * f16_value(scale.v[i / q.width * scale.width + i % q.width / block])).collect();
+                // Rotated back: H·H = block·I.
+                if block.is_power_of_two() {
+                    let back = |x: &mut [f32]| {
+                        hadamard(x);
+                        x.iter_mut().for_each(|x| *x /= *block as f32);
+                    };
+                    v.chunks_exact_mut(*block).for_each(back);
+                    for j in 0..slots {
+                        for b in 0..q.width / block {
+                            let mut col: Vec<f32> = (b * block..(b + 1) * block).map(|c| k[c * slots + j]).collect();
+                            back(&mut col);
+                            (b * block..(b + 1) * block).zip(col).for_each(|(c, x)| k[c * slots + j] = x);
+                        }
+                    }
+                }
                 f32s(k, v, q.width)
             }
         }
+    }
+}
+
+/// Each `block` values of `x` times the Walsh–Hadamard matrix of that size, where it is a power
+/// of two (q8_0 stores keys and values so): an outlier is spread over its block, so that the
+/// block's one scale fits all of its values (SmolLM2's keys have such outliers). The matrix is
+/// ±1 and `H·H = block·I`, so attention undoes it up to one power-of-two scale.
+pub(crate) fn rotated(x: &[f32], block: usize) -> Vec<f32> {
+    let mut x = x.to_vec();
+    if block.is_power_of_two() {
+        x.chunks_exact_mut(block).for_each(hadamard);
+    }
+    x
+}
+
+/// `x` times the Walsh–Hadamard matrix of its length (a power of two), in place: butterflies
+/// in a fixed order, so the same bits everywhere.
+#[inline(always)]
+pub(crate) fn hadamard(x: &mut [f32]) {
+    let mut h = 1;
+    while h < x.len() {
+        for i in (0..x.len()).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
     }
 }
 

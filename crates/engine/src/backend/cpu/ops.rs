@@ -5,7 +5,7 @@ use crate::backend::cpu::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::backend::cpu::kernels::Level;
 use crate::config::{Activation, RopeStyle};
-use crate::kv::{f16_value, Store};
+use crate::kv::{f16_value, hadamard, Store};
 use std::ops::Range;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.
@@ -202,11 +202,13 @@ pub fn attend(
     }
 }
 
-/// Per thread: attention's scores, and the f32 of a q8_0 head's key scales, so no job allocates.
+/// Per thread: attention's scores, and for q8_0 the f32 of a head's key scales and the rotated
+/// query, so no job allocates.
 #[derive(Default)]
 pub struct Scratch {
     scores: Vec<f32>,
     key_scales: Vec<f32>,
+    query: Vec<f32>,
 }
 
 /// Where a job's head lies in its layer: `cap` slots per key row, the first visible slot, and
@@ -241,29 +243,42 @@ unsafe fn attend_avx2(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut
 #[inline(always)]
 fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
     let Head { cap, start, offset } = at;
-    let Scratch { scores: s, key_scales } = scratch;
+    let Scratch { scores: s, key_scales, query } = scratch;
     let n = s.len();
+    // q8_0 keys are rotated (`kv::rotated`): the query is rotated alike and scaled by 1/block
+    // (exact, a power of two), so that q'·k' = q·H·H·k / block = q·k.
+    let q = match kv {
+        Store::Q8_0 { block, .. } if block.is_power_of_two() => {
+            query.clear();
+            query.extend_from_slice(q);
+            query.chunks_exact_mut(*block).for_each(|b| {
+                hadamard(b);
+                b.iter_mut().for_each(|x| *x /= *block as f32);
+            });
+            &query[..]
+        }
+        _ => q,
+    };
     // Key row r's slot j (j from the first visible slot) is k[r * cap + start + j].
     let key = |d: usize, j0: usize, len: usize| (offset + d) * cap + start + j0..(offset + d) * cap + start + j0 + len;
+    let padded = n.div_ceil(BLOCK) * BLOCK;
+    if let Store::Q8_0 { scale: sc, block, .. } = kv {
+        // The head's key scales as f32, a row per q8_0 block of the head over the visible slots,
+        // padded to whole `BLOCK`s so that each run of them is an array.
+        key_scales.clear();
+        for r in offset / block..(offset + q.len()).div_ceil(*block) {
+            let from = r * cap + start;
+            key_scales.extend(sc.k[from..from + n].iter().map(|&h| f16_value(h)));
+            key_scales.resize(key_scales.len() + padded - n, 0.0);
+        }
+    }
     for j0 in (0..n).step_by(BLOCK) {
         let len = BLOCK.min(n - j0);
         let dst = &mut s[j0..j0 + len];
         match kv {
             Store::F32(p) => sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], ())), |x, _, _| x),
             Store::F16(p) => sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], ())), |x, _, _| f16_value(x)),
-            Store::Q8_0 { q: p, scale: sc, block } => {
-                if j0 == 0 {
-                    // Each of the head's blocks' scales for every visible slot, rows padded to
-                    // whole `BLOCK`s so that each run of them is an array.
-                    let (rows, padded) = (offset / block..(offset + q.len()).div_ceil(*block), n.div_ceil(BLOCK) * BLOCK);
-                    key_scales.clear();
-                    for r in rows {
-                        let from = r * cap + start;
-                        key_scales.extend(sc.k[from..from + n].iter().map(|&h| f16_value(h)));
-                        key_scales.resize(key_scales.len() + padded - n, 0.0);
-                    }
-                }
-                let padded = n.div_ceil(BLOCK) * BLOCK;
+            Store::Q8_0 { q: p, block, .. } => {
                 let ks = &*key_scales;
                 let lanes = |d: usize| -> &[f32; BLOCK] {
                     let from = d / block * padded + j0;
@@ -300,6 +315,15 @@ fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratc
                 let terms = weights().map(|(j, c)| (c, &p.v[value(p.width, j)], f16_value(sc.v[j * sc.width + b])));
                 sums(dst, terms, |x: i8, d: f32, _| x as f32 * d)
             }
+        }
+    }
+    // The rotated values sum to the rotated output: rotated back, H·H = block·I.
+    if let Store::Q8_0 { block, .. } = kv {
+        if block.is_power_of_two() {
+            out.chunks_exact_mut(*block).for_each(|b| {
+                hadamard(b);
+                b.iter_mut().for_each(|x| *x /= *block as f32);
+            });
         }
     }
 }
@@ -428,7 +452,7 @@ mod tests {
             let total: f64 = w.iter().sum();
             let exact: Vec<f64> = (0..hd).map(|d| (lo..n).map(|p| w[p - lo] / total * v[p * width + off + d] as f64).sum()).collect();
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            let mut want = vec![0f32; hd];
+            let (mut want, mut first) = (vec![0f32; hd], None::<Vec<f32>>);
             attend(Isa::SCALAR, &q, &exactly, cap, lo..n, off, scale, &mut Scratch::default(), &mut want);
             for isa in Isa::available() {
                 let mut out = vec![0f32; hd];
@@ -436,7 +460,15 @@ mod tests {
                 for (o, e) in out.iter().zip(&exact) {
                     assert!((*o as f64 - e).abs() < 1e-5, "{dtype} hd {hd} {isa:?} from {lo}: {o} vs {e}");
                 }
-                assert_eq!(bits(&want), bits(&out), "{dtype} hd {hd} {isa:?} from {lo}");
+                // f16 attends bitwise as f32 over the values it stands for; q8_0 through its
+                // rotation, the same bits on every instruction set.
+                if dtype != KvDtype::Q8_0 {
+                    assert_eq!(bits(&want), bits(&out), "{dtype} hd {hd} {isa:?} from {lo}");
+                }
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert_eq!(bits(f), bits(&out), "{dtype} hd {hd} {isa:?} from {lo}"),
+                }
             }
         }
     }
