@@ -681,12 +681,12 @@ mod tests {
         let of = |engine: &str, range, us| Registration { engine: engine.into(), ..reg(range, us) };
         join(&mut r, "head", of("gguf-cpu-exact", (0, 2), 10.0));
         join(&mut r, "tail-q8", of("gguf-cpu-exact-q8_0", (2, 4), 10.0));
-        assert!(r.plan_route("m", "", &[]).is_none(), "an f32 head and a q8_0 tail make no route");
+        assert!(r.plan_route("m", "", &[], &[]).is_none(), "an f32 head and a q8_0 tail make no route");
         assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[]).is_none(), "nor a swapped one");
         join(&mut r, "head-q8", of("gguf-cpu-exact-q8_0", (0, 2), 50.0));
-        let p = r.plan_route("m", "gguf-cpu-exact-q8_0", &[]).unwrap();
+        let p = r.plan_route("m", "gguf-cpu-exact-q8_0", &[], &[]).unwrap();
         assert_eq!((p.engine.as_str(), p.stages[0].worker_id.as_str()), ("gguf-cpu-exact-q8_0", "head-q8"));
-        assert!(r.plan_route("m", "gguf-cpu-exact", &[]).is_none());
+        assert!(r.plan_route("m", "gguf-cpu-exact", &[], &[]).is_none());
         let swapped = r.plan_fixed("m", &[stage("", 0, 2), stage("tail-q8", 2, 4)], &[]).unwrap();
         assert_eq!(swapped.stages[0].worker_id, "head-q8", "a swap stays within the engine");
     }
