@@ -1,5 +1,5 @@
 //! Test-only fault injection, compiled only with the `fault-injection` feature: a worker that
-//! lies, or that stops halfway through fetching its slice.
+//! lies, that stops halfway through fetching its slice, or that reports a given speed.
 
 /// With `DGR_FAULT_CORRUPT_ROWS` set, every hidden row it sends on is negated, which changes
 /// what the model says, so spot checks have a liar to catch.
@@ -19,6 +19,12 @@ pub(crate) fn corrupt_chunk(bytes: &mut [u8]) {
             *b ^= 0x40;
         }
     }
+}
+
+/// With `DGR_FAULT_STEP_US_PER_LAYER=X`, the worker registers X µs per layer instead of what it
+/// measured, so a test's replicas are equally fast to the planner whatever the machine's noise.
+pub(crate) fn step_us_per_layer() -> Option<f64> {
+    std::env::var("DGR_FAULT_STEP_US_PER_LAYER").ok()?.parse().ok()
 }
 
 /// With `DGR_FAULT_FETCH_STOP_AFTER=N`, a fetching worker stops (as if killed) after writing N

@@ -146,6 +146,8 @@ impl Worker {
             engine: info.engine.clone(),
         };
         let step_us_per_layer = measure_step(&stage)?;
+        #[cfg(feature = "fault-injection")]
+        let step_us_per_layer = crate::fault::step_us_per_layer().unwrap_or(step_us_per_layer);
         let metrics = Arc::new(Metrics::default());
         let _ = metrics.engine.set(info.engine.clone());
         let (cmds, rx) = sync_channel(COMMANDS);
