@@ -242,15 +242,14 @@ pub fn run(a: Args) -> Result<()> {
 
 /// Fetches the slice of model `id` for `layers` from the swarm (or finds it fetched already).
 fn fetch_slice(a: &Args, id: &str, layers: &std::ops::Range<usize>) -> Result<std::path::PathBuf> {
-    // The swarm's trackers share one registry of holders; the first one answers for all.
-    let tracker = a.tracker.first().cloned().context("--model-id needs --tracker")?;
+    anyhow::ensure!(!a.tracker.is_empty(), "--model-id needs --tracker");
     let token_file = a.join_token_file.as_ref().context("fetching a slice needs --join-token-file")?;
     let dir = match &a.slice_dir {
         Some(d) => d.clone(),
         None => dgr_gguf::default_model_path().parent().map(|p| p.join("slices")).context("no model directory")?,
     };
     let spec = dgr_worker::FetchSpec {
-        tracker,
+        trackers: a.tracker.clone(),
         join_token: crate::state::read_secret(token_file)?,
         model_id: id.to_string(),
         layers: u32::try_from(layers.start)?..u32::try_from(layers.end)?,

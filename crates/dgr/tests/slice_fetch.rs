@@ -2,7 +2,8 @@
 //! holder that corrupts what it sends and a fetcher that stops halfway). A worker started with
 //! an empty model directory gets its slice from the workers that hold it, byte for byte the slice
 //! `dgr slice` writes, and serves it with output bitwise equal to one process; a holder sending
-//! corrupted bytes is caught and the fetch completes from another; a stopped fetch resumes.
+//! corrupted bytes is caught and the fetch completes from another; a stopped fetch resumes, asking
+//! the next tracker when the first is down.
 #![cfg(all(feature = "real-model", feature = "fault-injection"))]
 
 mod common;
@@ -94,8 +95,13 @@ fn a_stopped_fetch_resumes_where_it_stopped() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("stopped after 40 tensors"), "{err}");
     assert!(!fetched(&slices, &id, (0, 30)).exists(), "an unfinished fetch is never under the final name");
-    let f = fetcher(&t, (0, 30), &id, &slices, &[]);
+    // The resuming worker is given a dead tracker first: the fetch asks the next one.
+    let mut dead = Tracker::start("fetch-resume-dead", &[]);
+    dead.kill();
+    let extra = ["--model-id", id.as_str(), "--slice-dir", slices.to_str().unwrap()];
+    let f = Worker::start_joined(&[&dead, &t], (0, 30), "fetcher", &extra, &[], None);
     println!("{}", f.log().trim());
+    assert!(f.log().contains(&format!("asking {} who holds the model", dead.addr)), "{}", f.log());
     assert!(f.log().contains("; 40 tensors were already there from an interrupted fetch"), "{}", f.log());
     assert!(std::fs::read(fetched(&slices, &id, (0, 30))).unwrap() == sliced(&t.dir, (0, 30)));
 }

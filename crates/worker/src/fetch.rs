@@ -1,5 +1,5 @@
-//! Fetching a slice from the swarm: a worker started without the model file asks its tracker who
-//! holds the model, takes the manifest from one holder (accepted only if it hashes to the model
+//! Fetching a slice from the swarm: a worker started without the model file asks its trackers
+//! (the first that answers) who holds the model, takes the manifest from one holder (accepted only if it hashes to the model
 //! id asked for), then each tensor its layers need from any holder of it, hashing every tensor as
 //! it arrives. A tensor whose bytes do not match the identity's table is thrown away and fetched
 //! from another holder; the liar gets nothing more. Tensors are written in place into a `.part`
@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one tracker may take to answer who holds the model before the next one is asked.
+const TRACKER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Rounds over the holders before a fetch gives up on a tensor (a holder that dropped the
 /// connection may be back; one that lied is not asked again).
 const ROUNDS: usize = 3;
@@ -48,7 +50,8 @@ pub enum FetchError {
 /// What to fetch and from whom.
 #[derive(Clone, Debug)]
 pub struct FetchSpec {
-    pub tracker: String,
+    /// The swarm's trackers, asked in order until one answers (they share one registry).
+    pub trackers: Vec<String>,
     pub join_token: String,
     pub model_id: String,
     pub layers: Range<u32>,
@@ -131,10 +134,7 @@ impl FetchSpec {
 
     /// Live, unquarantined workers serving the model, nearest layers first.
     async fn holders(&self) -> Result<Vec<Holder>, FetchError> {
-        let mut c = TrackerClient::connect(&self.tracker, TIMEOUT).await?;
-        let TrackerBody::SwarmReply(reply) = c.call(TrackerBody::SwarmQuery(SwarmQuery {})).await? else {
-            return Err(FetchError::Tracker(dgr_proto::TrackerCallError::Protocol { addr: self.tracker.clone() }));
-        };
+        let reply = self.swarm().await?;
         let mut holders: Vec<Holder> = reply
             .workers
             .into_iter()
@@ -156,6 +156,29 @@ impl FetchSpec {
         let overlap = |h: &Holder| h.layers.end.min(self.layers.end).saturating_sub(h.layers.start.max(self.layers.start));
         holders.sort_by_key(|h| std::cmp::Reverse(overlap(h)));
         Ok(holders)
+    }
+
+    /// The swarm as the first of the trackers that answers lists it (they share one registry; a
+    /// refusal is an answer, since the others share its rules).
+    async fn swarm(&self) -> Result<dgr_proto::SwarmReply, dgr_proto::TrackerCallError> {
+        use dgr_proto::TrackerCallError::{Io, Key, Protocol};
+        let mut why = Io { addr: String::new(), why: "no tracker given".into() };
+        for addr in &self.trackers {
+            let asked = async {
+                match TrackerClient::connect(addr, TRACKER_TIMEOUT).await?.call(TrackerBody::SwarmQuery(SwarmQuery {})).await? {
+                    TrackerBody::SwarmReply(reply) => Ok(reply),
+                    _ => Err(Protocol { addr: addr.clone() }),
+                }
+            };
+            match asked.await {
+                Err(e @ (Io { .. } | Key { .. })) => {
+                    eprintln!("dgr worker: asking {addr} who holds the model: {e}; trying the next tracker");
+                    why = e;
+                }
+                answered => return answered,
+            }
+        }
+        Err(why)
     }
 
     /// The first manifest that parses and hashes to the model id. A holder asked for a model it
