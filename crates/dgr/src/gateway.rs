@@ -32,6 +32,8 @@ pub struct Args {
     pub plaintext: crate::links::PlaintextArg,
     #[command(flatten)]
     pub tracker_key: crate::links::TrackerKeyArg,
+    #[command(flatten)]
+    pub peer_key: crate::links::PeerKeyArg,
 }
 
 #[derive(clap::Args, Clone)]
@@ -182,6 +184,7 @@ pub async fn register_keys(gw: &Gateway, keys: &KeysArgs) -> Result<usize> {
 pub fn run(a: Args) -> Result<()> {
     a.plaintext.apply("gateway");
     a.tracker_key.apply();
+    a.peer_key.apply();
     let tls = a.tls.load()?;
     let models = if a.model.is_empty() { vec![crate::model::ModelArg { model: None }.path()?] } else { a.model.clone() };
     let mut cfg = a.limits.config(a.tracker.clone(), models)?;

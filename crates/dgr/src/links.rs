@@ -1,7 +1,8 @@
 //! How a process's links are secured: `--insecure-plaintext` (every process: links in clear,
 //! for debugging on a network one trusts; both ends of a link must ask for it, each refuses the
-//! other mode, and it is said loudly) and `--tracker-key` (every process that talks to a
-//! tracker: the key the tracker must prove).
+//! other mode, and it is said loudly); `--tracker-key` (every process that talks to a tracker:
+//! the key the tracker must prove); `--peer-key` (every process that dials workers on a
+//! ticketless route: the key each must prove).
 
 use dgr_proto::VerifyingKey;
 
@@ -41,4 +42,27 @@ impl TrackerKeyArg {
     pub fn apply(&self) {
         dgr_proto::pin_tracker_keys(self.tracker_key.clone());
     }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct PeerKeyArg {
+    /// On a ticketless route (--route, no tracker): the key the worker at ADDR must prove, as
+    /// ADDR=KEY (KEY: the worker's id, 64 hex digits, in its first line); repeat or comma-separate
+    /// for several. A worker proving another is refused. Without one, each worker's key is
+    /// trusted on first use (and printed), and a later link there proving another is refused
+    #[arg(long, value_delimiter = ',', value_parser = peer_key)]
+    pub peer_key: Vec<(String, VerifyingKey)>,
+}
+
+impl PeerKeyArg {
+    /// Pins the keys for every ticketless stage link this process makes.
+    pub fn apply(&self) {
+        dgr_proto::pin_peer_keys(self.peer_key.clone());
+    }
+}
+
+/// `ADDR=KEY`, the address normalized as every flag's is.
+fn peer_key(s: &str) -> Result<(String, VerifyingKey), String> {
+    let (addr, key) = dgr_proto::parse_peer_key(s)?;
+    Ok((crate::addr::one(&addr).map_err(|e| e.to_string())?, key))
 }

@@ -36,6 +36,8 @@ pub struct RouteArgs {
     pub plaintext: crate::links::PlaintextArg,
     #[command(flatten)]
     pub tracker_key: crate::links::TrackerKeyArg,
+    #[command(flatten)]
+    pub peer_key: crate::links::PeerKeyArg,
 }
 
 /// Runs the request along the route. The outer error is a local problem (bad options, workers
@@ -54,6 +56,7 @@ pub fn generate(
         Duration::try_from_secs_f64(a.step_timeout).ok().filter(|d| !d.is_zero()).context("--step-timeout must be positive")?;
     a.plaintext.apply("generate");
     a.tracker_key.apply();
+    a.peer_key.apply();
     let worker_flags: Vec<String> = if a.plaintext.insecure_plaintext { vec!["--insecure-plaintext".into()] } else { Vec::new() };
     let swarm;
     let addrs: Vec<String> = match (&a.route, a.split) {

@@ -19,6 +19,8 @@ pub struct Args {
     plaintext: crate::links::PlaintextArg,
     #[command(flatten)]
     tracker_key: crate::links::TrackerKeyArg,
+    #[command(flatten)]
+    peer_key: crate::links::PeerKeyArg,
     /// The layer range to serve, A..B (layers A to B-1; the first stage starts at 0, the last ends at the model's layer count)
     #[arg(long)]
     layers: String,
@@ -98,9 +100,10 @@ pub struct Args {
     /// Open no listening port: keep a connection to the tracker and take sessions through its relay
     #[arg(long, requires = "tracker")]
     relay: bool,
-    /// This worker's identity key (32 bytes; created if missing): a restart with the same file is
-    /// the same worker to the tracker [default: a new identity each start]
-    #[arg(long, requires = "tracker")]
+    /// This worker's identity key (32 bytes; created if missing), the key it proves on its links:
+    /// a restart with the same file is the same worker to the tracker, and to drivers that
+    /// learned or pinned its key on a ticketless route [default: a new identity each start]
+    #[arg(long)]
     key_file: Option<std::path::PathBuf>,
     /// Serve this model (its identity, as `dgr inspect` or `dgr swarm` shows it). Without --model,
     /// the slice for --layers is fetched from the swarm's workers that hold it (every tensor
@@ -137,13 +140,15 @@ fn positive(v: f64, name: &str) -> Result<Duration> {
 pub fn run(a: Args) -> Result<()> {
     a.plaintext.apply("worker");
     a.tracker_key.apply();
+    a.peer_key.apply();
     let identity = match (&a.key_file, a.tracker.is_empty()) {
-        (_, true) => None,
-        (Some(f), false) => Some(dgr_worker::load_or_create_identity(f).with_context(|| format!("identity key {}", f.display()))?),
+        (Some(f), _) => Some(dgr_worker::load_or_create_identity(f).with_context(|| format!("identity key {}", f.display()))?),
         (None, false) => Some(dgr_proto::new_signing_key().map_err(|e| anyhow::anyhow!("randomness: {e}"))?),
+        (None, true) => None,
     };
     // The key the trackers admit is the one this worker proves on every stage link (a slice
     // fetch's too), so drivers and previous stages can hold it to the ticket's worker id.
+    // Ticketless, without a key file, it proves the process's random one.
     if let Some(key) = &identity {
         if !dgr_proto::set_identity(key)? {
             bail!("the link identity was set before the worker's own");
@@ -215,7 +220,8 @@ pub fn run(a: Args) -> Result<()> {
                 "weight_bytes": m.weight_bytes.load(std::sync::atomic::Ordering::Relaxed),
                 "rss_bytes": dgr_worker::rss_bytes(),
                 "step_us_per_layer": worker.step_us_per_layer(),
-                "worker_id": worker.worker_id(),
+                // The key it proves on its links: what `--peer-key` pins on a ticketless route.
+                "worker_id": dgr_proto::local_key().ok().map(|k| dgr_proto::worker_id(&k)),
                 "trackers": a.tracker,
                 "relayed": a.relay,
             })

@@ -3,7 +3,8 @@
 //! the prompt's token ids and the hidden rows — and none of it is in the encrypted capture; a
 //! byte flipped in flight fails the session with a typed integrity error, either way; a
 //! recorded handshake replayed to a worker opens nothing; a worker whose key the ticket does not
-//! name is refused by the driver and, as a next hop, by the previous stage.
+//! name is refused by the driver and, as a next hop, by the previous stage; on a ticketless route,
+//! by the key first seen at its address or pinned with `--peer-key`.
 #![cfg(feature = "real-model")]
 
 mod common;
@@ -228,6 +229,59 @@ fn a_next_hop_the_ticket_does_not_name_is_refused_by_the_previous_stage() {
     assert_eq!(e.kind, dgr_driver::FailKind::Worker(dgr_proto::ErrorKind::NextStage), "{e}");
     assert!(e.to_string().contains("the ticket names"), "{e}");
     println!("next hop refused: {e}");
+}
+
+/// A session on the ticketless route `addrs`, driven in this process without recovery.
+fn drive_ticketless(addrs: &[String]) -> Result<dgr_driver::Completion, dgr_driver::DriveError> {
+    runtime().block_on(async {
+        let route = dgr_driver::Route::discover(addrs, Duration::from_secs(5)).await?;
+        let req = dgr_driver::GenRequest {
+            prompt_tokens: prompt("capital").tokens,
+            max_tokens: 2,
+            sampling: dgr_proto::Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
+            top_logprobs: 0,
+            seam_dtype: dgr_proto::SeamDtype::F32,
+            ticket: None,
+            hash_rows: false,
+            constraint: None,
+        };
+        dgr_driver::generate_on(&dgr_driver::Links::new(), &route, &req, &dgr_driver::DriveOptions::default(), |_| {
+            dgr_driver::Flow::Continue
+        })
+        .await
+    })
+}
+
+#[test]
+fn a_ticketless_route_knows_its_workers_by_the_keys_first_seen_or_pinned() {
+    let _g = serial();
+    let a = Workers::start(&[0, 15], &[]);
+    let b = Workers::start(&[15, 30], &[]);
+    let tap_b = Tap::start(&b.addrs[0], None);
+    let route = [a.addrs[0].clone(), tap_b.addr.clone()];
+    // The first session teaches this process stage 1's key, and stage 0 its next hop's.
+    drive_ticketless(&route).expect("the first session");
+    // An impostor of the same layers, with a key of its own, takes stage 1's address over; the
+    // real one stops, so stage 0's next dial there reaches the impostor too.
+    let impostor = Workers::start(&[15, 30], &[]);
+    tap_b.switch(&impostor.addrs[0]);
+    drop(b);
+    let e = drive_ticketless(&route).expect_err("the driver took a changed key");
+    assert_eq!(e.kind, dgr_driver::FailKind::WrongPeer, "{e}");
+    assert!(e.to_string().contains("first link"), "{e}");
+    // A new driver process learns the impostor's key on its own first use, but stage 0 saw
+    // the real one first.
+    let joined = route.join(",");
+    let out = generate(&joined, "Hello", &[]);
+    assert_eq!(error_kind(&out, "stage 0 dialling the impostor"), "next_stage");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("first link"), "{}", String::from_utf8_lossy(&out.stdout));
+    // Pinned: stage 1 must prove the pinned key, and the impostor's pinned there is taken.
+    let other = hex::encode(dgr_proto::new_signing_key().unwrap().verifying_key().as_bytes());
+    let out = generate(&joined, "Hello", &["--peer-key", &format!("{}={other}", tap_b.addr)]);
+    assert_eq!(error_kind(&out, "a key not pinned"), "wrong_peer");
+    let fresh = Workers::start(&[0, 15], &[]);
+    let pinned = format!("{},{}", fresh.addrs[0], tap_b.addr);
+    ok_json(&generate(&pinned, "Hello", &["--peer-key", &format!("{}={}", tap_b.addr, impostor.ids[0])]), "the pinned key");
 }
 
 /// A worker of every layer joined to the tracker at `addr` (a tap in front of `t`, say), with

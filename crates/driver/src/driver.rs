@@ -270,13 +270,16 @@ pub(crate) async fn run_session(
             ));
         }
         // A tracker's route names each stage by its key: the worker at that address must have
-        // proven that key in the secure channel's handshake (a plaintext link proves none).
-        let named = &route.stages[i].worker_id;
-        if let (false, Some(peer)) = (named.is_empty(), &link.peer) {
-            if peer != named {
-                let msg = format!("the worker there proved key {peer}, the route names {named}");
-                return Err(DriveError::new(FailKind::WrongPeer, Some(i as u32), Some(&route.stages[i].addr), msg));
-            }
+        // proven that key in the secure channel's handshake (a plaintext link proves none). A
+        // ticketless route's stages are known by the keys pinned or first seen at their addresses.
+        let (named, addr) = (&route.stages[i].worker_id, &route.stages[i].addr);
+        if let Some(peer) = &link.peer {
+            let checked = match named.is_empty() {
+                true => dgr_proto::check_peer(addr, peer),
+                false if peer != named => Err(format!("the worker there proved key {peer}, the route names {named}")),
+                false => Ok(()),
+            };
+            checked.map_err(|msg| DriveError::new(FailKind::WrongPeer, Some(i as u32), Some(addr), msg))?;
         }
         link.subscribe(id, i as u32, tx.clone());
         linked.push(link);

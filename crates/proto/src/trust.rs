@@ -1,8 +1,15 @@
-//! Which keys a client accepts from trackers on its tracker links. A tracker proves its
-//! ticket-signing key (trackers sharing a ledger share it). The keys pinned with
-//! `--tracker-key` are accepted and no other; with none pinned, each address's first link
+//! Which keys a process accepts on links it dials, where no ticket names the key to expect.
+//!
+//! Trackers prove their ticket-signing key (trackers sharing a ledger share it). The keys pinned
+//! with `--tracker-key` are accepted and no other; with none pinned, each address's first link
 //! teaches its key (trust on first use) and a later link to that address proving another key is
 //! refused for the life of the process.
+//!
+//! Workers on a ticketless route (`--route`, no tracker to name them) prove their identity keys:
+//! a driver checks each stage's, and a worker its next hop's. An address pinned with `--peer-key
+//! ADDR=HEX` accepts that key only; any other address is trusted on first use, as trackers are.
+//! (A worker restarted without `--key-file` has a new key, so a process that saw the old one
+//! refuses it: restart that process, or give the worker a key file.)
 
 use crate::VerifyingKey;
 use std::collections::HashMap;
@@ -10,16 +17,33 @@ use std::sync::{Mutex, RwLock};
 
 static PINNED: RwLock<Vec<VerifyingKey>> = RwLock::new(Vec::new());
 static LEARNED: Mutex<Option<HashMap<String, VerifyingKey>>> = Mutex::new(None);
+static PEER_PINS: RwLock<Option<HashMap<String, VerifyingKey>>> = RwLock::new(None);
+static PEERS_LEARNED: Mutex<Option<HashMap<String, VerifyingKey>>> = Mutex::new(None);
 
 /// Accept only `keys` from trackers from now on (none: trust on first use).
 pub fn pin_tracker_keys(keys: Vec<VerifyingKey>) {
     *PINNED.write().unwrap_or_else(|e| e.into_inner()) = keys;
 }
 
+/// Accept only the key pinned for each of these addresses from the worker there, on ticketless
+/// routes (replacing any pins before).
+pub fn pin_peer_keys(pins: Vec<(String, VerifyingKey)>) {
+    *PEER_PINS.write().unwrap_or_else(|e| e.into_inner()) = Some(pins.into_iter().collect());
+}
+
 /// A tracker key in hex, as `--tracker-key` takes it and a tracker prints it.
 pub fn parse_tracker_key(s: &str) -> Result<VerifyingKey, String> {
     let bytes = hex::decode(s.trim()).map_err(|_| format!("{s:?} is not hex"))?;
     crate::verifying_key(&bytes).ok_or_else(|| format!("{s:?} is not a 32-byte Ed25519 public key"))
+}
+
+/// A worker's address and key, `ADDR=HEX` as `--peer-key` takes it (the key is the worker's id).
+pub fn parse_peer_key(s: &str) -> Result<(String, VerifyingKey), String> {
+    let (addr, key) = s.rsplit_once('=').ok_or_else(|| format!("{s:?} is not ADDR=KEY"))?;
+    if addr.is_empty() {
+        return Err(format!("{s:?} names no address"));
+    }
+    Ok((addr.to_string(), parse_tracker_key(key)?))
 }
 
 /// Why a tracker's proven key was not accepted.
@@ -32,19 +56,40 @@ pub(crate) fn check(addr: &str, peer: &VerifyingKey) -> Result<(), String> {
         let want: Vec<String> = pinned.iter().map(|k| hex::encode(k.as_bytes())).collect();
         return Err(format!("the tracker proved the key {}, not a pinned one ({})", hex::encode(peer.as_bytes()), want.join(", ")));
     }
-    let mut learned = LEARNED.lock().unwrap_or_else(|e| e.into_inner());
+    first_use(&LEARNED, "tracker", "--tracker-key", addr, peer)
+}
+
+/// Why the worker at `addr` on a ticketless route, proving `id` (its key in hex), is not
+/// accepted.
+pub fn check_peer(addr: &str, id: &str) -> Result<(), String> {
+    let peer = parse_tracker_key(id)?;
+    if let Some(pin) = PEER_PINS.read().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.get(addr)) {
+        if *pin == peer {
+            return Ok(());
+        }
+        return Err(format!("the worker at {addr} proved the key {id}, not the one pinned there ({})", hex::encode(pin.as_bytes())));
+    }
+    first_use(&PEERS_LEARNED, "worker", "--peer-key", addr, &peer)
+}
+
+/// Trust on first use: `addr`'s first key is learned (and said), and any other refused later.
+fn first_use(
+    learned: &Mutex<Option<HashMap<String, VerifyingKey>>>,
+    what: &str,
+    flag: &str,
+    addr: &str,
+    peer: &VerifyingKey,
+) -> Result<(), String> {
+    let mut learned = learned.lock().unwrap_or_else(|e| e.into_inner());
     match learned.get_or_insert_with(HashMap::new).entry(addr.to_string()) {
         std::collections::hash_map::Entry::Occupied(k) if k.get() == peer => Ok(()),
         std::collections::hash_map::Entry::Occupied(k) => Err(format!(
-            "the tracker proved the key {}, but {} on this process's first link to it; if its key changed on purpose, restart or pin it with --tracker-key",
+            "the {what} proved the key {}, but {} on this process's first link to it; if its key changed on purpose, restart or pin it with {flag}",
             hex::encode(peer.as_bytes()),
             hex::encode(k.get().as_bytes())
         )),
         std::collections::hash_map::Entry::Vacant(v) => {
-            eprintln!(
-                "dgr: trusting the tracker at {addr} on first use: its key is {} (pin it with --tracker-key)",
-                hex::encode(peer.as_bytes())
-            );
+            eprintln!("dgr: trusting the {what} at {addr} on first use: its key is {} (pin it with {flag})", hex::encode(peer.as_bytes()));
             v.insert(*peer);
             Ok(())
         }
@@ -104,10 +149,14 @@ mod tests {
     }
 
     #[test]
-    fn tracker_keys_parse_from_hex_and_nothing_else() {
+    fn tracker_and_peer_keys_parse_from_hex_and_nothing_else() {
         let k = new_signing_key().unwrap().verifying_key();
         assert_eq!(super::parse_tracker_key(&hex::encode(k.as_bytes())), Ok(k));
         assert!(super::parse_tracker_key("zz").is_err());
         assert!(super::parse_tracker_key(&hex::encode([1u8; 31])).is_err());
+        let key = hex::encode(k.as_bytes());
+        assert_eq!(super::parse_peer_key(&format!("127.0.0.1:7000={key}")), Ok(("127.0.0.1:7000".to_string(), k)));
+        assert!(super::parse_peer_key(&key).is_err(), "no address");
+        assert!(super::parse_peer_key(&format!("={key}")).is_err(), "an empty address");
     }
 }

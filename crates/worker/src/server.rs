@@ -169,11 +169,6 @@ impl Worker {
         self.step_us_per_layer
     }
 
-    /// This worker's id at its tracker (None in ticketless mode).
-    pub fn worker_id(&self) -> Option<&str> {
-        self.gate.as_ref().map(|g| g.worker_id.as_str())
-    }
-
     pub fn info(&self) -> &StageInfo {
         &self.info
     }
@@ -598,12 +593,12 @@ impl PendingOpen {
         }
         let PendingOpen { conn, uses, open, reply, request_id, next_id, tenant } = self;
         // The ticket names the next stage by its key: the worker at that address must have
-        // proven it in the secure channel's handshake (a plaintext link proves none).
-        let next = match next {
-            Ok((_, Some(proved))) if next_id.as_ref().is_some_and(|named| *named != proved) => {
-                Err(format!("it proved key {proved}, the ticket names {}", next_id.unwrap_or_default()))
-            }
-            other => other.map(|(tx, _)| tx),
+        // proven it in the secure channel's handshake (a plaintext link proves none). Ticketless,
+        // it is known by the key pinned or first seen at its address.
+        let next = match (next, next_id) {
+            (Ok((tx, Some(proved))), None) => dgr_proto::check_peer(&open.next, &proved).map(|()| tx),
+            (Ok((_, Some(proved))), Some(named)) if named != proved => Err(format!("it proved key {proved}, the ticket names {named}")),
+            (other, _) => other.map(|(tx, _)| tx),
         };
         match next {
             Ok(tx) => {

@@ -189,6 +189,8 @@ impl Drop for Proc {
 pub struct Workers {
     pub children: Vec<Child>,
     pub addrs: Vec<String>,
+    /// Each worker's id: the key it proves on its links, in hex.
+    pub ids: Vec<String>,
     pub cuts: Vec<usize>,
     logs: Vec<Arc<Mutex<Vec<u8>>>>,
 }
@@ -208,7 +210,7 @@ impl Workers {
     /// As `start_threads`, each worker on its own model file (a slice, say).
     pub fn start_on(models: &[PathBuf], cuts: &[usize], threads: usize, extra: &[&str]) -> Workers {
         let threads = threads.to_string();
-        let mut w = Workers { children: Vec::new(), addrs: Vec::new(), cuts: cuts.to_vec(), logs: Vec::new() };
+        let mut w = Workers { children: Vec::new(), addrs: Vec::new(), ids: Vec::new(), cuts: cuts.to_vec(), logs: Vec::new() };
         let mut ready = Vec::new();
         for (r, model) in cuts.windows(2).zip(models) {
             let mut child = dgr()
@@ -252,6 +254,7 @@ impl Workers {
                 .unwrap_or_else(|e| panic!("worker {i} of {cuts:?}: no ready line ({e}): {line:?}; stderr: {}", w.log(i)));
             assert_eq!(v["layers"], serde_json::json!([cuts[i], cuts[i + 1]]), "worker {i}: {v}");
             w.addrs.push(v["listening"].as_str().expect("listening").to_string());
+            w.ids.push(v["worker_id"].as_str().expect("worker_id").to_string());
         }
         w
     }
