@@ -1,9 +1,11 @@
 //! The seam between an engine and what drives it: a worker's scheduler and the one-process
-//! driver compute through this trait alone, so another engine (a GPU backend) slots in beside
-//! dgr's CPU [`Stage`] without either changing. The contract each engine keeps: a sequence's
+//! driver compute through this trait alone: every [`Model`] implements it, whatever its
+//! backend, so a GPU backend slots in beside dgr's CPU [`crate::Stage`] without either changing. The contract each engine keeps: a sequence's
 //! output is bitwise independent of what it is batched with and of how the layers are split.
 
-use crate::{EngineError, EngineId, ModelConfig, SeqInput, SeqOutput, Stage};
+use crate::backend::Backend;
+use crate::model::Model;
+use crate::{EngineError, EngineId, ModelConfig, SeqInput, SeqOutput};
 use std::ops::Range;
 
 /// A sequence's state over the layers it runs on a stage (its KV cache).
@@ -73,30 +75,30 @@ impl SeqState for crate::KvCache {
     }
 }
 
-impl Engine for Stage {
-    type State = crate::KvCache;
+impl<B: Backend> Engine for Model<B> {
+    type State = B::Kv;
     fn id(&self) -> EngineId {
         self.engine()
     }
     fn config(&self) -> &ModelConfig {
-        Stage::config(self)
+        Model::config(self)
     }
     fn layers(&self) -> Range<usize> {
-        Stage::layers(self)
+        Model::layers(self)
     }
     fn weight_bytes(&self) -> usize {
-        Stage::weight_bytes(self)
+        Model::weight_bytes(self)
     }
     fn kv_position_bytes(&self) -> usize {
-        Stage::kv_position_bytes(self)
+        Model::kv_position_bytes(self)
     }
     fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<Self::State, EngineError> {
         self.new_kv_for(capacity, sub)
     }
     fn check(&self, s: &SeqInput<Self::State>) -> Result<usize, EngineError> {
-        Stage::check(self, s)
+        Model::check(self, s)
     }
     fn forward(&self, batch: &mut [SeqInput<Self::State>]) -> Result<Vec<SeqOutput>, EngineError> {
-        Stage::forward(self, batch)
+        Model::forward(self, batch)
     }
 }

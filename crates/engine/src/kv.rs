@@ -1,6 +1,7 @@
 //! Per-sequence state: the keys and values a sequence has cached in one stage's layers, stored
 //! in the stage's KV dtype.
 
+use crate::backend::KvShape;
 use crate::KvDtype;
 use half::f16;
 use std::ops::Range;
@@ -149,6 +150,15 @@ impl Store {
             KvDtype::F32 => Store::F32(Plane::new(width, slots)),
             KvDtype::F16 => Store::F16(Plane::new(width, slots)),
             KvDtype::Q8_0 => Store::Q8_0 { q: Plane::new(width, slots), scale: Plane::new(width / block, slots), block },
+        }
+    }
+
+    /// Floats of one position's keys (and values).
+    fn width(&self) -> usize {
+        match self {
+            Store::F32(p) => p.width,
+            Store::F16(p) => p.width,
+            Store::Q8_0 { q, .. } => q.width,
         }
     }
 
@@ -311,6 +321,31 @@ pub(crate) fn f16_value(h: u16) -> f32 {
 }
 
 impl KvCache {
+    /// An empty cache as `shape` says. Its sliding-window layers start with room for a window
+    /// and as many positions again (or the capacity, if smaller).
+    pub(crate) fn new(shape: KvShape) -> KvCache {
+        let KvShape { capacity, layers, windowed, window, width, dtype, block, owner } = shape;
+        let window = window.filter(|_| windowed.contains(&true)).map(|size| {
+            let base = capacity.min(2 * size);
+            Window { size, start: 0, slots: base, base }
+        });
+        let slots = |on: bool| window.as_ref().filter(|_| on).map_or(capacity, |w| w.slots);
+        KvCache {
+            store: windowed.iter().map(|&on| Store::new(dtype, width, slots(on), block)).collect(),
+            len: 0,
+            capacity,
+            stage_id: owner,
+            layers,
+            windowed,
+            window,
+        }
+    }
+
+    /// Floats of one position's keys (and values) in each layer.
+    pub(crate) fn width(&self) -> usize {
+        self.store.first().map_or(0, Store::width)
+    }
+
     /// Positions already cached (the next token's position).
     pub fn len(&self) -> usize {
         self.len

@@ -2,11 +2,25 @@
 //! `score`, the benches, the tests) says what it wants in an [`EngineSpec`] and gets the
 //! backend's engine, so none of them names a backend's types.
 
-use crate::backend::cpu;
-use crate::{BackendKind, EngineError, Isa, KvDtype, Numerics, Stage};
+use crate::backend::cpu::{self, Cpu};
+use crate::model::Model;
+use crate::{BackendKind, EngineError, Isa, KvDtype, Numerics};
 use dgr_gguf::Gguf;
 use std::ops::Range;
 use std::sync::Arc;
+
+/// One layer range of a model on the CPU backend: what [`open_engine`] opens.
+pub type Stage = Model<Cpu>;
+
+impl Stage {
+    pub fn isa(&self) -> Isa {
+        self.backend().isa()
+    }
+
+    pub fn threads(&self) -> usize {
+        self.backend().threads()
+    }
+}
 
 /// What to compute a model's layers with.
 #[derive(Clone, Copy, Debug)]

@@ -1,10 +1,18 @@
-//! The architectures, one module per family: what each changes in the llama-family forward a
-//! stage computes (its RoPE pairing, norms, activation, attention window, scales) and the
-//! metadata only it reads. Adding an architecture is a variant here and a module beside these.
+//! The models: the llama-family forward, written once over the backend's operations
+//! (`forward`, over the tensors `weights` reads), and the architectures, one module per family:
+//! what each changes in that forward (its RoPE pairing, norms, activation, attention window,
+//! scales) and the metadata only it reads. Adding an architecture is a variant here and a
+//! module beside these; no backend changes.
 
+mod batch;
+mod forward;
 mod gemma3;
 mod llama;
 mod qwen;
+mod weights;
+
+pub use batch::{Input, LogitRows, SeqInput, SeqOutput};
+pub use forward::Model;
 
 use crate::{EngineError, ModelConfig};
 use dgr_gguf::Gguf;

@@ -3,12 +3,14 @@
 use crate::backend::cpu::kernels::int::{self, Activations};
 use crate::backend::cpu::kernels::{self, Columns, FastType, Isa, Line, Rows};
 use crate::backend::cpu::pool::{Disjoint, ThreadPool};
+use crate::backend::cpu::Cpu;
+use crate::backend::Product;
 use crate::{EngineError, Numerics};
 use dgr_gguf::{GgmlType, Gguf};
 
 /// A `rows × k` weight matrix stored row-major in the GGUF file (ggml dims `[k, rows]`).
 #[derive(Clone, Debug)]
-pub(crate) struct Matrix {
+pub struct Matrix {
     ty: GgmlType,
     fast: FastType,
     pub rows: usize,
@@ -50,18 +52,12 @@ impl Matrix {
     }
 }
 
-/// One product of a batch: `out[c * w.rows + r] = w.row(r) · x[c]` for every column `c`.
-pub(crate) struct Product<'a> {
-    pub w: &'a Matrix,
-    pub out: &'a mut [f32],
-}
-
 /// Computes every product for the `n` columns of `x` (each `k` floats, contiguous, where every
 /// product has `k` columns) in one pool job over the products' rows, handed out in chunks. Each
 /// row is computed completely by one thread, so a result depends on neither the thread count nor
 /// the other columns. In fast numerics, block-type weights meet the columns quantized once for
 /// every product and thread (`kernels::int`); float weights stay exact.
-pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, numerics: Numerics, g: &Gguf, x: &[f32], n: usize, products: &mut [Product]) {
+pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, numerics: Numerics, g: &Gguf, x: &[f32], n: usize, products: &mut [Product<Cpu>]) {
     // At most three products share a job (q, k, v); held in an array, not allocated per call.
     assert!(products.len() <= 3);
     // No columns, no outputs (a last stage's step whose rows need no logits).
