@@ -28,6 +28,13 @@
 //! - **KV as computed**: a position's stored keys and values depend only on that position's
 //!   rows, and `Kv` copies blocks out and in as stored ([`crate::SeqState`]), never re-rounded.
 //! - Its errors are typed ([`EngineError`]); nothing the model passes it in range panics.
+//!
+//! # Adding one
+//! Implement [`Backend`] beside `cpu` (every architecture in `crate::model` then runs on it,
+//! and `Model<NewBackend>` is an [`crate::Engine`]), add its [`crate::BackendKind`] (it is part
+//! of the engine's id, so no batch or route mixes backends unknowingly) and its numerics to
+//! [`crate::available_numerics`], and let [`crate::open_engine`] open it: the suites that run
+//! one body over [`crate::registered_specs`] then test it too.
 
 pub(crate) mod cpu;
 

@@ -3,15 +3,16 @@
 //! activations) over the [`KvCache`].
 
 pub(crate) mod kernels;
+pub(crate) mod kv;
 pub(crate) mod matrix;
 pub(crate) mod ops;
 pub(crate) mod pool;
 
 use crate::backend::{Backend, Heads, KvShape, KvStore, Product};
-use crate::kv::{KvCache, Store};
 use crate::{Activation, BackendKind, EngineError, EngineSpec, Numerics, RopeStyle};
 use dgr_gguf::Gguf;
 use kernels::Isa;
+use kv::{KvCache, Store};
 use matrix::Matrix;
 use pool::{Disjoint, ThreadPool};
 use std::ops::Range;

@@ -4,8 +4,8 @@
 use crate::backend::cpu::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::backend::cpu::kernels::Level;
+use crate::backend::cpu::kv::{f16_value, hadamard, Store};
 use crate::config::{Activation, RopeStyle};
-use crate::kv::{f16_value, hadamard, Store};
 use std::ops::Range;
 
 /// `out = x / rms(x) * w`, the mean of squares summed in f64 over eight fixed lanes.
@@ -413,7 +413,7 @@ mod tests {
     fn attention_over_one_position_returns_its_value() {
         // One position, kv_dim 4 (two heads of 2); keys transposed with capacity 1.
         let q = [1.0f32, 2.0];
-        let kv = Store::F32(crate::kv::Plane { k: vec![0.5, 0.5, 9.0, 9.0], v: vec![7.0, -1.0, 3.0, 4.0], width: 4 });
+        let kv = Store::F32(crate::backend::cpu::kv::Plane { k: vec![0.5, 0.5, 9.0, 9.0], v: vec![7.0, -1.0, 3.0, 4.0], width: 4 });
         let mut out = [0f32; 2];
         attend(Isa::SCALAR, &q, &kv, 1, 0..1, 2, 0.5, &mut Scratch::default(), &mut out);
         assert_eq!(out, [3.0, 4.0]);

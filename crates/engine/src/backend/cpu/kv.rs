@@ -1,5 +1,5 @@
-//! Per-sequence state: the keys and values a sequence has cached in one stage's layers, stored
-//! in the stage's KV dtype.
+//! The CPU backend's per-sequence state (its `Backend::Kv`): the keys and values a sequence
+//! has cached in one stage's layers, stored in the stage's KV dtype.
 
 use crate::backend::KvShape;
 use crate::KvDtype;
