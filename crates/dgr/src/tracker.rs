@@ -12,7 +12,8 @@ pub struct Args {
     /// port 0 picks a free port
     #[arg(long, default_value = "127.0.0.1:7400", value_parser = crate::addr::one)]
     listen: String,
-    /// The address clients reach this tracker on, used in relayed workers' addresses [default: the bound address]
+    /// The address clients reach this tracker on, used in relayed workers' addresses [default: the bound address; when
+    /// that is 0.0.0.0 or [::], the address each relayed worker's connection reached]
     #[arg(long, value_parser = crate::addr::one)]
     advertise: Option<String>,
     /// Where what survives a restart lives (the ledger, API keys and their running totals,

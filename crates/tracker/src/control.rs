@@ -5,6 +5,7 @@
 
 use crate::answers::{store_err, token_ok};
 use crate::registry::Joining;
+use crate::relay::relay_host;
 use crate::server::{lock, refused, send, unix_ms, Conn, Shared};
 use bytes::Bytes;
 use dgr_proto::{
@@ -14,6 +15,7 @@ use dgr_proto::{
 use ed25519_dalek::Signature;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -21,7 +23,8 @@ use tokio_util::codec::Framed;
 
 /// A worker's control connection: checks its join, then keeps its record live until it leaves,
 /// the connection drops, or it re-joins on another connection.
-pub(crate) async fn worker_session(mut stream: SecureStream, j: Join, nonce: &[u8], sh: &Arc<Shared>) {
+/// `reached` is the tracker's address the connection came in on.
+pub(crate) async fn worker_session(mut stream: SecureStream, j: Join, nonce: &[u8], reached: Option<SocketAddr>, sh: &Arc<Shared>) {
     let reg = match check_join(&j, nonce, sh) {
         Ok(reg) => reg,
         Err((kind, msg)) => {
@@ -34,7 +37,7 @@ pub(crate) async fn worker_session(mut stream: SecureStream, j: Join, nonce: &[u
     let Some(key) = verifying_key(&j.identity) else { return };
     let id = worker_id(&key);
     let relayed = reg.addr.is_empty();
-    let addr = if relayed { relay_addr(&lock(&sh.advertise), &id) } else { reg.addr.clone() };
+    let addr = if relayed { relay_addr(&relay_host(&lock(&sh.advertise), reached), &id) } else { reg.addr.clone() };
     let (wid, wreg, waddr) = (id.clone(), reg.clone(), addr.clone());
     let joined = sh.store.call(move |s| s.worker_joined(&wid, &wreg, &waddr, unix_ms())).await;
     if let Err(e) = joined {

@@ -221,6 +221,9 @@ async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
     if !is_preamble(&head) {
         return relay_leg(stream, head, sh).await;
     }
+    // The address this client reached: what a relayed worker's address names when this tracker
+    // listens on all interfaces and was not told which one to advertise.
+    let reached = stream.local_addr().ok();
     let mut link = match respond_as(&sh.link, head, stream, HANDSHAKE).await {
         Ok(link) => link,
         Err(e) => {
@@ -237,7 +240,7 @@ async fn connection(mut stream: TcpStream, sh: &Arc<Shared>) {
     match first {
         // The join's signature of this connection's nonce proves its key, whatever key the link
         // proved (a load generator joins many workers over links of its own one key).
-        TrackerBody::Join(j) => crate::control::worker_session(link, j, &nonce, sh).await,
+        TrackerBody::Join(j) => crate::control::worker_session(link, j, &nonce, reached, sh).await,
         TrackerBody::RelayConnect(_) | TrackerBody::RelayAccept(_) => {
             sh.metrics.refused("bad_frame");
             let msg = "a relay leg opens with a Hello in clear: its socket is spliced as it is";
