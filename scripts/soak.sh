@@ -28,8 +28,7 @@ done
 
 dgr=target/release/dgr
 [ -x "$dgr" ] || { echo "soak: $dgr is missing: run cargo build --release -p dgr first" >&2; exit 1; }
-venv=target/http-venv
-[ -x "$venv/bin/python" ] || { echo "soak: $venv is missing: run scripts/test-http.sh once to set it up" >&2; exit 1; }
+venv=$(scripts/http-venv.sh)
 DGR_MODEL=${DGR_MODEL:-$(scripts/fetch-model.sh)}
 mkdir -p target/test-artifacts
 export DGR_MODEL DGR_BIN=$PWD/$dgr DGR_TEST_ARTIFACTS=$PWD/target/test-artifacts PYTHONDONTWRITEBYTECODE=1

@@ -2,8 +2,9 @@
 # Runs every test: lints, fetches the default model and gemma-3-270m into the cache (the
 # acceptance suites run on them), then the whole workspace's tests in release mode (the real-model
 # tests time real work), then the gateway's acceptance suite (scripts/test-http.sh: the official
-# OpenAI client and headless Chromium against a live `dgr up`), and ends with one line that totals
-# every suite.
+# OpenAI client and headless Chromium against a live `dgr up`) and the namespace suite
+# (scripts/test-netns.sh: tracker, workers and gateway on hosts in network namespaces; needs
+# root), and ends with one line that totals every suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Plain `cargo test` runs what needs no download; these features add the suites on the real
@@ -27,13 +28,15 @@ if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
     failed=1  # cargo failed with no failing test to show for it (a build or doctest compile error)
 fi
 
-# The gateway suite and the soak (both in scripts/test-http.sh) run the built binary; their counts
-# come from pytest's junit XML (a test that errored or was skipped counts as failed; a suite that
-# could not run at all counts as one).
-junits=(target/test-artifacts/http-junit.xml target/test-artifacts/soak-junit.xml)
+# The gateway suite and the soak (both in scripts/test-http.sh) and the namespace suite
+# (scripts/test-netns.sh: hosts in network namespaces, which needs root) run the built binary;
+# their counts come from pytest's junit XML (a test that errored or was skipped counts as failed;
+# a suite that could not run at all counts as one).
+junits=(target/test-artifacts/http-junit.xml target/test-artifacts/soak-junit.xml target/test-artifacts/netns-junit.xml)
 rm -f "${junits[@]}"
 http_status=0
 { cargo build --release --locked -p dgr && scripts/test-http.sh; } || http_status=$?
+scripts/test-netns.sh || { netns_status=$?; [ "$http_status" -ne 0 ] || http_status=$netns_status; }
 read -r http_passed http_failed < <(python3 - "${junits[@]}" <<'PY'
 import sys, xml.etree.ElementTree as ET
 total = bad = 0
