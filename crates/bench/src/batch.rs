@@ -79,7 +79,7 @@ fn one_process(stage: &Stage, b: usize, p: usize, gen: usize) -> Result<f64> {
 /// the tokens produced while every session is decoding (from the last session's first token to
 /// the first session's last), over that window — as llama-batched-bench times generation only
 /// after every prompt is in.
-fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: usize, gen: usize) -> Result<f64> {
+pub(crate) fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: usize, gen: usize) -> Result<f64> {
     let reqs: Vec<GenRequest> = (0..b)
         .map(|i| GenRequest {
             prompt_tokens: prompt(vocab, i, p),
@@ -122,14 +122,24 @@ where
     futures::future::join_all(runs).await.into_iter().collect()
 }
 
-/// llama-batched-bench's aggregate generation speed (speed_tg) per session count.
-fn llama(bin: &Path, model: &Path, threads: usize, b: &[usize], p: usize, gen: usize) -> Result<(Vec<f64>, String)> {
+/// llama-batched-bench's aggregate generation speed (speed_tg) per session count, with `extra`
+/// arguments (e.g. its RPC servers).
+pub(crate) fn llama_batched(
+    bin: &Path,
+    model: &Path,
+    threads: usize,
+    b: &[usize],
+    p: usize,
+    gen: usize,
+    extra: &[String],
+) -> Result<(Vec<f64>, String)> {
     let npl: Vec<String> = b.iter().map(|x| x.to_string()).collect();
     let out = Command::new(bin)
         .arg("-m")
         .arg(model)
         .args(["-c", "4096", "-b", "2048", "-ub", "512", "-npp", &p.to_string(), "-ntg", &gen.to_string()])
         .args(["-npl", &npl.join(","), "-t", &threads.to_string(), "--output-format", "jsonl"])
+        .args(extra)
         .output()
         .with_context(|| format!("running {}", bin.display()))?;
     if !out.status.success() {
@@ -187,7 +197,7 @@ pub fn run(a: Args) -> Result<()> {
             one[i].push(one_process(&stage, b, a.prompt_tokens, a.gen_tokens)?);
             split[i].push(routed(&rt, &route, vocab, b, a.prompt_tokens, a.gen_tokens)?);
         }
-        let (l, v) = llama(&bin, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens)?;
+        let (l, v) = llama_batched(&bin, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens, &[])?;
         for (i, s) in l.into_iter().enumerate() {
             peer_s[i].push(s);
         }

@@ -5,6 +5,7 @@
 
 mod bandwidth;
 mod batch;
+mod delay;
 mod engine;
 mod error;
 mod links;
@@ -21,6 +22,7 @@ mod servers;
 pub mod swarm;
 mod tracker;
 mod tracker_load;
+mod wan;
 
 pub use error::{BenchError, Result};
 pub use model::{ModelArg, NumericsArg};
@@ -56,6 +58,10 @@ pub enum Command {
     /// (aggregate throughput), through `dgr up` with its defaults, the same with
     /// --prefix-cache-mb 0, and llama-server with its prompt cache, all started by the bench.
     Prefix(prefix::Args),
+    /// The 2-worker route over a slow network: every hop behind a proxy delaying each direction
+    /// by --delay-ms, 1 and 16 concurrent sessions, against llama.cpp RPC behind the same
+    /// proxies.
+    Wan(wan::Args),
 }
 
 /// Runs one benchmark; the local workers and trackers it starts are `dgr` processes of the
@@ -70,6 +76,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Tracker(a) => tracker::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Prefix(a) => prefix::run(a),
+        Command::Wan(a) => wan::run(a),
     }
 }
 

@@ -39,12 +39,35 @@ pub struct Args {
     out: PathBuf,
 }
 
-/// llama.cpp's RPC servers, killed on drop.
-struct RpcServers(Vec<Child>);
+/// llama.cpp's RPC servers on loopback, killed on drop.
+pub(crate) struct RpcServers {
+    children: Vec<Child>,
+    /// Where each listens.
+    pub addrs: Vec<String>,
+}
+
+impl RpcServers {
+    /// One ggml-rpc-server of `threads` threads per port, each listening before this returns.
+    pub fn start(bin: &std::path::Path, ports: &[u16], threads: usize) -> Result<RpcServers> {
+        let mut s = RpcServers { children: Vec::new(), addrs: Vec::new() };
+        for p in ports {
+            let c = Command::new(bin)
+                .args(["-p", &p.to_string(), "-t", &threads.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting ggml-rpc-server")?;
+            s.children.push(c);
+            wait_listening(*p)?;
+            s.addrs.push(format!("127.0.0.1:{p}"));
+        }
+        Ok(s)
+    }
+}
 
 impl Drop for RpcServers {
     fn drop(&mut self) {
-        for c in self.0.iter_mut() {
+        for c in self.children.iter_mut() {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -61,23 +84,8 @@ pub fn run(a: Args) -> Result<()> {
     check_split(n_layers, a.split)?;
     let swarm = LocalSwarm::start(&model, &even_split(n_layers, a.split), a.threads, &a.numerics.worker_flags()?)?;
     let ports: Vec<u16> = (0..a.split as u16).map(|i| 50100 + i).collect();
-    let servers = RpcServers(
-        ports
-            .iter()
-            .map(|p| {
-                Command::new(&rpc)
-                    .args(["-p", &p.to_string(), "-t", &a.threads.to_string()])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .context("starting ggml-rpc-server")
-            })
-            .collect::<Result<_>>()?,
-    );
-    for p in &ports {
-        wait_listening(*p)?;
-    }
-    let rpc_addrs = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+    let servers = RpcServers::start(&rpc, &ports, a.threads)?;
+    let rpc_addrs = servers.addrs.join(",");
 
     // The same shape for every contender: one token in, `gen_tokens` out, greedy, EOS ignored.
     let req = Request {
