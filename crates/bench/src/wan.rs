@@ -29,8 +29,10 @@ pub struct Args {
     /// Compute threads of each process (each worker, each rpc-server)
     #[arg(long, short = 't', default_value_t = 1)]
     threads: usize,
+    /// Prompt tokens of each session (prefilled before decode is timed)
     #[arg(long, default_value_t = 32)]
     prompt_tokens: usize,
+    /// Tokens each session generates
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
     /// Repetitions (each measures every contender at every delay and session count)
@@ -42,6 +44,7 @@ pub struct Args {
     /// The ggml-rpc-server binary [default: $DGR_REF_DIR/bin/ggml-rpc-server]
     #[arg(long)]
     rpc_server: Option<PathBuf>,
+    /// Directory for the run's record
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
 }
