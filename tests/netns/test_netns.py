@@ -101,6 +101,8 @@ class Holed:
     end: float
     error: openai.APIError | None
     elapsed: float
+    # When the stream ended (with its last piece or its error).
+    ended: float
 
     def stall(self) -> float:
         return max(b - a for a, b in zip(self.times, self.times[1:]))
@@ -139,12 +141,13 @@ def stream_across_black_hole(swarm: Swarm, max_tokens: int, hosts_by_worker: dic
     except openai.APIError as e:
         error = e
     finally:
+        ended = time.monotonic()
         cut.set()
         t.join(timeout=15)
         if "host" in hole:
             hole["host"].run("nft", "delete", "table", "inet", "hole", check=False)
     assert "end" in hole, "the black hole was not made and lifted"
-    return Holed(parts, times, hole["host"].ns, hole["start"], hole["end"], error, time.monotonic() - started)
+    return Holed(parts, times, hole["host"].ns, hole["start"], hole["end"], error, ended - started, ended)
 
 
 def test_link_black_holed_without_a_replica(swarm: Swarm):
@@ -155,8 +158,10 @@ def test_link_black_holed_without_a_replica(swarm: Swarm):
     # The gateway's step deadline is 10 s and it replays a failed stage: well within 40 s either way.
     assert h.elapsed < 40, f"the session took {h.elapsed:.1f} s across a 2 s black hole"
     if h.error is not None:
-        # A failure is a typed one: the gateway's JSON error with its code, naming the stage.
-        assert h.error.body and h.error.body.get("code"), f"untyped failure: {h.error!r}"
+        # A failure is a typed one (the gateway's error event naming the stage), within the
+        # gateway's step deadline (10 s) of the cut.
+        assert h.error.body and h.error.body.get("code") == "route_failed", f"untyped failure: {h.error!r}"
+        assert h.ended - h.start < 12, f"the session failed {h.ended - h.start:.1f} s after the cut"
         print(f"black hole without a replica: failed after {h.elapsed:.1f} s with {h.error.body}")
         return
     assert "".join(h.parts) == want, "the stream across the black hole differs from the undisturbed answer"
