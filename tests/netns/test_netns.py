@@ -168,6 +168,71 @@ def test_link_black_holed_without_a_replica(swarm: Swarm):
     print(f"black hole without a replica: recovered; {len(h.parts)} pieces in {h.elapsed:.1f} s, longest gap {h.stall():.2f} s")
 
 
+PROMPT = "Repeat exactly: the violet heron counts seventeen lanterns beside the quiet harbour."
+
+
+def prompt_ids(net) -> list[int]:
+    """PROMPT's token ids, less the first and last (they may merge with the chat template's text)."""
+    r = subprocess.run([str(DGR), "tokenize", "--text", PROMPT, *net.model()], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ids = json.loads(r.stdout)["tokens"][1:-1]
+    assert len(ids) >= 8, ids
+    return ids
+
+
+def in_clear(streams: dict, gateway: str, ids: list[int]) -> list[str]:
+    """Where PROMPT's text or its token ids (packed varints as on the wire, or little-endian
+    u32s) cross the capture in clear, off the client's own plain-HTTP hop to `gateway`."""
+    text, packed = PROMPT.encode(), varints(ids)
+    little = b"".join(i.to_bytes(4, "little") for i in ids)
+    hits = []
+    for f, data in streams.items():
+        src, dst = f"{f[0]}:{f[1]}", f"{f[2]}:{f[3]}"
+        if gateway in (src, dst):
+            continue
+        if text in data:
+            hits.append(f"the text, {src} -> {dst}")
+        if packed in data or little in data:
+            hits.append(f"the token ids, {src} -> {dst}")
+    return hits
+
+
+def test_capture_sees_token_ids_on_plaintext_links(net):
+    """The capture's own control: the same request through a swarm whose every process runs
+    --insecure-plaintext shows the prompt's token ids on the path, where `in_clear` finds them."""
+    h = net.hosts
+    tracker = f"{h[6].addr}:7600"
+    procs = [net.proc("plain-tracker", 6, ["tracker", "--listen", tracker, "--join-token-file", str(net.token), "--insecure-plaintext"])]
+    procs[0].start()
+    for i, (a, b) in enumerate(HALVES):
+        procs.append(net.proc(f"plain-worker-{i}", 2 + i, [
+            "worker", "--layers", f"{a}..{b}", "--threads", "1", "--tracker", tracker, "--join-token-file", str(net.token),
+            "--listen", f"{h[2 + i].addr}:7601", "--insecure-plaintext", *net.model(),
+        ]))  # fmt: skip
+    procs.append(net.proc("plain-gateway", 4, ["gateway", "--tracker", tracker, "--listen", f"{h[4].addr}:8001", "--insecure-plaintext", *net.model()]))
+    try:
+        for p in procs[1:]:
+            p.start()
+        plain = openai.OpenAI(base_url=f"http://{h[4].addr}:8001/v1", api_key="none", max_retries=0, timeout=60)
+        ask = lambda content: plain.chat.completions.create(  # noqa: E731
+            model=procs[-1].ready["models"][0], messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0)
+
+        def routed():
+            try:
+                return ask(QUESTION)  # not PROMPT: the prefix caches would then hold its first blocks
+            except openai.APIError:
+                return None
+
+        wait_until("a route through the plaintext swarm", routed, 30, interval=0.2)
+        with Capture() as cap:
+            ask(PROMPT)
+        hits = in_clear(cap.streams(), procs[-1].ready["listening"], prompt_ids(net))
+        assert any("token ids" in x for x in hits), f"plaintext links, yet the capture finds no token ids in clear: {hits}"
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
 def test_worker_that_cannot_accept_connections_serves_through_the_relay(net, swarm: Swarm):
     """Worker C's host drops every inbound connection; C (--relay) joins and serves the second half
     through the tracker's relay, and a capture of all traffic on the path holds neither the
@@ -189,33 +254,21 @@ def test_worker_that_cannot_accept_connections_serves_through_the_relay(net, swa
     want = {f"{net.hosts[2].addr}:{PORT}": HALVES[0], relay_addr: HALVES[1]}
     wait_until("the tracker listing A and the relayed C only", lambda: swarm.workers_listed() == want or None, 30)
 
-    prompt = "Repeat exactly: the violet heron counts seventeen lanterns beside the quiet harbour."
-    r = subprocess.run([str(DGR), "tokenize", "--text", prompt, *net.model()], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    ids = json.loads(r.stdout)["tokens"][1:-1]  # the ends may merge with the chat template's text
-    assert len(ids) >= 8, ids
     relayed_before = prometheus(f"http://{swarm.tracker_addr}/metrics")["dgr_tracker_relay_sessions_total"]
     with Capture() as cap:
-        answer = chat(swarm, prompt, 16)
+        answer = chat(swarm, PROMPT, 16)
     assert answer.usage.completion_tokens > 0 and answer.choices[0].message.content, answer
     assert prometheus(f"http://{swarm.tracker_addr}/metrics")["dgr_tracker_relay_sessions_total"] > relayed_before
     assert cap.dropped == 0, f"the capture dropped {cap.dropped} frames"
 
     streams = cap.streams()
     gateway = swarm.gateway.ready["listening"]
-    text, packed = prompt.encode(), varints(ids)
-    little = b"".join(i.to_bytes(4, "little") for i in ids)
-    to_gateway = [f for f in streams if f"{f[2]}:{f[3]}" == gateway]
     # The control: the client's plain-HTTP request to the gateway shows the prompt in clear.
-    assert any(text in streams[f] for f in to_gateway), "the capture missed the client's own request"
+    assert any(PROMPT.encode() in b for f, b in streams.items() if f"{f[2]}:{f[3]}" == gateway), "the capture missed the client's request"
     relay_bytes = sum(len(b) for f, b in streams.items() if h5.addr in (f[0], f[2]))
     assert relay_bytes > 4096, f"only {relay_bytes} bytes to and from the relayed worker's host were captured"
-    for f, data in streams.items():
-        if f in to_gateway or f"{f[0]}:{f[1]}" == gateway:
-            continue
-        where = f"{f[0]}:{f[1]} -> {f[2]}:{f[3]}"
-        assert text not in data, f"the prompt's text crosses {where} in clear"
-        assert packed not in data and little not in data, f"the prompt's token ids cross {where} in clear"
+    hits = in_clear(streams, gateway, prompt_ids(net))
+    assert not hits, f"in clear on the path: {hits}"
 
 
 def test_link_black_holed_with_a_replica_recovers(net, swarm: Swarm):
