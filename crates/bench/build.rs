@@ -1,13 +1,20 @@
 // Embeds the commit dgr was built from, for benchmark records.
+use std::process::Command;
+
+fn git(args: &[&str]) -> Option<String> {
+    let o = Command::new("git").args(args).output().ok().filter(|o| o.status.success())?;
+    Some(String::from_utf8_lossy(&o.stdout).trim().to_string())
+}
+
 fn main() {
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into());
+    let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=DGR_COMMIT={commit}");
-    println!("cargo:rerun-if-changed=../../.git/HEAD");
-    println!("cargo:rerun-if-changed=../../.git/refs");
+    // Where HEAD and the refs live: `.git/` in a checkout, split between the worktree's own
+    // directory and the common one in a `git worktree` (where `.git` is a file). A path that
+    // does not exist would rerun this script on every build, so only existing ones are named.
+    for name in ["HEAD", "refs", "packed-refs"] {
+        if let Some(path) = git(&["rev-parse", "--git-path", name]).filter(|p| std::path::Path::new(p).exists()) {
+            println!("cargo:rerun-if-changed={path}");
+        }
+    }
 }
