@@ -314,7 +314,11 @@ pub fn run(a: Args) -> Result<()> {
     let ratios = [vs(0, 1), vs(0, 2)];
     let text = table(&a, &cs, &chats, &loads, &caches);
     print!("{text}");
-    let split = cs[0].server.log().lines().find_map(|l| l.split_once(" layers ").map(|(_, r)| r.trim().to_string()));
+    // `dgr up` says its split as "… layers 0..19 + 19..30, 1 thread(s) each …".
+    let split: Option<Vec<String>> = cs[0].server.log().lines().find_map(|l| {
+        let (_, ranges) = l.split_once(" layers ")?;
+        Some(ranges.split(',').next()?.split(" + ").map(|r| r.trim().to_string()).collect())
+    });
     let contenders: Vec<Value> = cs
         .iter()
         .enumerate()
