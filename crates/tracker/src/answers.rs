@@ -3,7 +3,7 @@
 
 use crate::registry::Probe;
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
-use crate::store::{key_hash, Grant, StoreError};
+use crate::store::{key_hash, Grant, Reservation, StoreError};
 use dgr_proto::{
     check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply,
     RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus,
@@ -85,9 +85,10 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
         return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 excluded workers"));
     }
     check_prefix_probes(&r.prefix).map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
-    let (api_key, request_id, budget) = (r.api_key.clone(), r.request_id.clone(), r.budget_tokens);
-    let expires = unix_ms() + sh.cfg.reservation_ttl.as_millis() as u64;
-    let grant = sh.store.call(move |s| s.reserve(&api_key, &request_id, budget, expires)).await.map_err(store_err)?;
+    let budget = r.budget_tokens;
+    let expires_ms = unix_ms() + sh.cfg.reservation_ttl.as_millis() as u64;
+    let reservation = Reservation { api_key: r.api_key.clone(), request_id: r.request_id.clone(), budget, expires_ms };
+    let grant = sh.store.reserve(reservation).await.map_err(store_err)?;
     let (key_name, reserved) = match grant {
         Grant::Anonymous => ("anonymous".to_string(), false),
         Grant::Granted { key_name, new } => (key_name, new),
@@ -151,15 +152,7 @@ async fn request_usage(u: RequestUsage, sh: &Arc<Shared>) -> Result<TrackerBody,
     }
     u.usage_status().map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
     let now = unix_ms();
-    let added = sh
-        .store
-        .call(move |s| match s.key_name(&u.api_key)? {
-            Some(name) => s.record_request(&name, &u, now).map(Some),
-            None => Ok(None),
-        })
-        .await
-        .map_err(store_err)?
-        .ok_or_else(|| Refused::new(RefusalKind::BadApiKey, "unknown API key"))?;
+    let added = sh.store.record(u, now).await.map_err(store_err)?.ok_or_else(|| Refused::new(RefusalKind::BadApiKey, "unknown API key"))?;
     let counter = if added { &sh.metrics.usage_reports } else { &sh.metrics.usage_duplicates };
     counter.fetch_add(1, Relaxed);
     Ok(TrackerBody::Ack(Ack { duplicate: !added }))

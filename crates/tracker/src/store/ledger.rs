@@ -2,7 +2,8 @@
 //! taking calls from one bounded queue, so no database call ever runs on (or blocks) a tokio
 //! worker thread, and a slow or dead database costs a caller at most `ANSWER`.
 
-use super::{LedgerSpec, Store, StoreError};
+use super::{Grant, LedgerSpec, Report, Reservation, Store, StoreError};
+use dgr_proto::RequestUsage;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,12 +23,27 @@ trait Call: Send {
     fn run(&mut self, store: &mut Store) -> bool;
     /// Answers the caller with what its last run returned.
     fn answer(self: Box<Self>);
+    /// A reservation or a usage report, which a group runs with the others of its kind.
+    fn batched(&mut self) -> Batched<'_> {
+        Batched::No
+    }
 }
+
+type Out<T> = Option<Result<T, StoreError>>;
+
+/// What a call is to its group, with the place its answer goes.
+enum Batched<'a> {
+    No,
+    Reserve(&'a Reservation, &'a mut Out<Grant>),
+    Record(&'a Report, &'a mut Out<Option<bool>>),
+}
+
+type Reply<T> = Box<dyn FnOnce(Result<T, StoreError>) + Send>;
 
 struct Pending<T, F> {
     f: F,
-    out: Option<Result<T, StoreError>>,
-    reply: Box<dyn FnOnce(Result<T, StoreError>) + Send>,
+    out: Out<T>,
+    reply: Reply<T>,
 }
 
 impl<T: Send, F: FnMut(&mut Store) -> Result<T, StoreError> + Send> Call for Pending<T, F> {
@@ -40,6 +56,56 @@ impl<T: Send, F: FnMut(&mut Store) -> Result<T, StoreError> + Send> Call for Pen
 
     fn answer(self: Box<Self>) {
         (self.reply)(self.out.unwrap_or_else(|| Err(StoreError::Unavailable("a call was never run".into()))));
+    }
+}
+
+/// A call a group runs together with the others of its kind (`Kind`).
+struct Grouped<A: Kind> {
+    args: A,
+    out: Out<A::Out>,
+    reply: Reply<A::Out>,
+}
+
+trait Kind: Send + Sized + 'static {
+    type Out: Send + 'static;
+    fn alone(&self, store: &mut Store) -> Result<Self::Out, StoreError>;
+    fn batched<'a>(&'a self, out: &'a mut Out<Self::Out>) -> Batched<'a>;
+}
+
+impl Kind for Reservation {
+    type Out = Grant;
+    fn alone(&self, store: &mut Store) -> Result<Grant, StoreError> {
+        store.reserve(&self.api_key, &self.request_id, self.budget, self.expires_ms)
+    }
+    fn batched<'a>(&'a self, out: &'a mut Out<Grant>) -> Batched<'a> {
+        Batched::Reserve(self, out)
+    }
+}
+
+impl Kind for Report {
+    type Out = Option<bool>;
+    fn alone(&self, store: &mut Store) -> Result<Option<bool>, StoreError> {
+        store.record_report(self)
+    }
+    fn batched<'a>(&'a self, out: &'a mut Out<Option<bool>>) -> Batched<'a> {
+        Batched::Record(self, out)
+    }
+}
+
+impl<A: Kind> Call for Grouped<A> {
+    fn run(&mut self, store: &mut Store) -> bool {
+        let out = self.args.alone(store);
+        let ok = out.is_ok();
+        self.out = Some(out);
+        ok
+    }
+
+    fn answer(self: Box<Self>) {
+        (self.reply)(self.out.unwrap_or_else(|| Err(StoreError::Unavailable("a call was never run".into()))));
+    }
+
+    fn batched(&mut self) -> Batched<'_> {
+        self.args.batched(&mut self.out)
     }
 }
 
@@ -79,10 +145,24 @@ impl Ledger {
         &self,
         f: impl FnMut(&mut Store) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
+        self.ask(|reply| Box::new(Pending { f, out: None, reply })).await
+    }
+
+    /// `Store::reserve`, run with the other reservations of its group (`Store::reserve_group`).
+    pub async fn reserve(&self, r: Reservation) -> Result<Grant, StoreError> {
+        self.ask(|reply| Box::new(Grouped { args: r, out: None, reply })).await
+    }
+
+    /// `Store::record_report`, run with the other reports of its group (`Store::record_group`).
+    pub async fn record(&self, usage: RequestUsage, now_ms: u64) -> Result<Option<bool>, StoreError> {
+        self.ask(|reply| Box::new(Grouped { args: Report { usage, now_ms }, out: None, reply })).await
+    }
+
+    async fn ask<T: Send + 'static>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, StoreError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.submit(f, move |out| {
+        self.submit(job(Box::new(move |out| {
             let _ = tx.send(out);
-        })?;
+        })))?;
         match tokio::time::timeout(ANSWER, rx).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(StoreError::Unavailable("a store thread stopped".into())),
@@ -96,18 +176,14 @@ impl Ledger {
         f: impl FnMut(&mut Store) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (tx, rx) = sync_channel(1);
-        self.submit(f, move |out| {
+        let reply: Reply<T> = Box::new(move |out| {
             let _ = tx.send(out);
-        })?;
+        });
+        self.submit(Box::new(Pending { f, out: None, reply }))?;
         rx.recv_timeout(ANSWER).map_err(|_| StoreError::Unavailable(format!("no answer from the ledger within {ANSWER:?}")))?
     }
 
-    fn submit<T: Send + 'static>(
-        &self,
-        f: impl FnMut(&mut Store) -> Result<T, StoreError> + Send + 'static,
-        reply: impl FnOnce(Result<T, StoreError>) + Send + 'static,
-    ) -> Result<(), StoreError> {
-        let job: Job = Box::new(Pending { f, out: None, reply: Box::new(reply) });
+    fn submit(&self, job: Job) -> Result<(), StoreError> {
         self.jobs.try_send(job).map_err(|e| match e {
             TrySendError::Full(_) => StoreError::Busy(format!("{QUEUE} calls waiting")),
             TrySendError::Disconnected(_) => StoreError::Unavailable("the store threads stopped".into()),
@@ -128,9 +204,38 @@ fn serve(mut store: Store, jobs: &Mutex<Receiver<Job>>) {
             calls.push(first);
             calls.extend(std::iter::from_fn(|| rx.try_recv().ok()).take(GROUP - 1));
         }
-        store.run_grouped(&mut calls, |c, s| c.run(s));
+        store.run_grouped(&mut calls, run_all, |c, s| c.run(s));
         for c in calls {
             c.answer();
         }
     }
+}
+
+/// Runs a group: its reservations together, its usage reports together, then each other call;
+/// whether every one succeeded.
+fn run_all(calls: &mut [Job], store: &mut Store) -> bool {
+    let plain: Vec<bool> = calls.iter_mut().map(|c| matches!(c.batched(), Batched::No)).collect();
+    let (mut reserves, mut records) = (Vec::new(), Vec::new());
+    for c in calls.iter_mut() {
+        match c.batched() {
+            Batched::Reserve(r, out) => reserves.push((r, out)),
+            Batched::Record(r, out) => records.push((r, out)),
+            Batched::No => {}
+        }
+    }
+    if !reserves.is_empty() {
+        let args: Vec<&Reservation> = reserves.iter().map(|(r, _)| *r).collect();
+        let Ok(grants) = store.reserve_group(&args) else { return false };
+        for ((_, out), g) in reserves.into_iter().zip(grants) {
+            *out = Some(Ok(g));
+        }
+    }
+    if !records.is_empty() {
+        let args: Vec<&Report> = records.iter().map(|(r, _)| *r).collect();
+        let Ok(stored) = store.record_group(&args) else { return false };
+        for ((_, out), s) in records.into_iter().zip(stored) {
+            *out = Some(Ok(s));
+        }
+    }
+    calls.iter_mut().zip(plain).filter(|(_, plain)| *plain).all(|(c, _)| c.run(store))
 }

@@ -11,6 +11,7 @@
 //! the reservation: a request is billed what it used); a reservation never settled expires.
 
 mod db;
+mod group;
 mod ledger;
 mod migrate;
 mod one_trip;
@@ -117,6 +118,22 @@ pub enum Grant {
     Settled,
 }
 
+/// A route's reservation: the request's budget against its key's quota, until `expires_ms`.
+#[derive(Clone, Debug)]
+pub struct Reservation {
+    pub api_key: String,
+    pub request_id: String,
+    pub budget: u64,
+    pub expires_ms: u64,
+}
+
+/// A driver's report of a request, stored under the key it names, at `now_ms`.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub usage: RequestUsage,
+    pub now_ms: u64,
+}
+
 /// One of the set of keys route tickets are signed with; the newest signs, every one verifies.
 pub struct StoredKey {
     /// `dgr_proto::key_id` of its public key, as tickets name it.
@@ -172,23 +189,29 @@ impl Store {
         }
     }
 
-    /// Runs every call in one transaction, committed once for all (`run` runs one and says
-    /// whether it succeeded). If one fails, or the commit does, the transaction is rolled back
-    /// and each call runs again alone, in its own transaction, as it would have without the
-    /// others: a failure costs a rerun, never a write of a failed call.
-    pub(crate) fn run_grouped<C>(&mut self, calls: &mut [C], mut run: impl FnMut(&mut C, &mut Store) -> bool) {
-        if calls.len() > 1 && self.group(calls, &mut run).is_ok() {
+    /// Runs every call in one transaction, committed once for all: `all` runs the group (and
+    /// says whether every call succeeded), `one` runs one call (and says whether it succeeded).
+    /// If a call fails, or the commit does, the transaction is rolled back and each call runs
+    /// again alone (`one`), in its own transaction, as it would have without the others: a
+    /// failure costs a rerun, never a write of a failed call.
+    pub(crate) fn run_grouped<C>(
+        &mut self,
+        calls: &mut [C],
+        all: impl FnOnce(&mut [C], &mut Store) -> bool,
+        mut one: impl FnMut(&mut C, &mut Store) -> bool,
+    ) {
+        if calls.len() > 1 && self.group(calls, all).is_ok() {
             return;
         }
         for c in calls.iter_mut() {
-            run(c, self);
+            one(c, self);
         }
     }
 
-    fn group<C>(&mut self, calls: &mut [C], run: &mut impl FnMut(&mut C, &mut Store) -> bool) -> Result<(), StoreError> {
+    fn group<C>(&mut self, calls: &mut [C], all: impl FnOnce(&mut [C], &mut Store) -> bool) -> Result<(), StoreError> {
         self.db.batch(self.begin())?;
         self.grouped = true;
-        let all = calls.iter_mut().all(|c| run(c, self));
+        let all = all(calls, self);
         self.grouped = false;
         let done = if all { self.db.batch("COMMIT") } else { Err(StoreError::Conflict("a call of the group failed".into())) };
         if done.is_err() {
@@ -302,7 +325,7 @@ impl Store {
     }
 
     pub fn has_keys(&mut self) -> Result<bool, StoreError> {
-        Ok(one(self.db.query("SELECT EXISTS (SELECT 1 FROM api_keys)", &[])?)?.int()? != 0)
+        has_keys(&mut *self.db)
     }
 
     pub fn find_key(&mut self, key: &str) -> Result<Option<ApiKey>, StoreError> {
@@ -392,6 +415,26 @@ impl Store {
         })
     }
 
+    /// Reserves for each of a group's routes, as `reserve` one after another would. On Postgres
+    /// the group's first use of each request id is reserved in three statements for all
+    /// (`group::reserve`); a repeat runs alone after them, as if it came next.
+    pub fn reserve_group(&mut self, calls: &[&Reservation]) -> Result<Vec<Grant>, StoreError> {
+        let single = |s: &mut Store, c: &Reservation| s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms);
+        if self.db.dialect() == Dialect::Sqlite || calls.len() == 1 {
+            return calls.iter().map(|c| single(self, c)).collect();
+        }
+        let (firsts, repeats) = first_uses(calls, |c| &c.request_id);
+        let batch: Vec<&Reservation> = firsts.iter().map(|&i| calls[i]).collect();
+        let mut out: Vec<Option<Grant>> = vec![None; calls.len()];
+        for (i, g) in firsts.into_iter().zip(self.tx(|db| group::reserve(db, &batch))?) {
+            out[i] = Some(g);
+        }
+        for i in repeats {
+            out[i] = Some(single(self, calls[i])?);
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
     /// Gives back a reservation that no route came of.
     pub fn release(&mut self, request_id: &str) -> Result<(), StoreError> {
         self.tx(|db| {
@@ -437,6 +480,34 @@ impl Store {
             add_used(db, key_name, u.prompt_tokens + u.completion_tokens)?;
             Ok(true)
         })
+    }
+
+    /// Stores a driver's report under the key it names (see `key_name`): None for an unknown
+    /// key, else whether the request was new.
+    pub fn record_report(&mut self, r: &Report) -> Result<Option<bool>, StoreError> {
+        match self.key_name(&r.usage.api_key)? {
+            Some(name) => self.record_request(&name, &r.usage, r.now_ms).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `record_report` for each of a group's reports, as one after another would. On Postgres
+    /// the group's first report of each request id is stored in two statements for all
+    /// (`group::record`); a repeat runs alone after them.
+    pub fn record_group(&mut self, reports: &[&Report]) -> Result<Vec<Option<bool>>, StoreError> {
+        if self.db.dialect() == Dialect::Sqlite || reports.len() == 1 {
+            return reports.iter().map(|r| self.record_report(r)).collect();
+        }
+        let (firsts, repeats) = first_uses(reports, |r| &r.usage.request_id);
+        let batch: Vec<&Report> = firsts.iter().map(|&i| reports[i]).collect();
+        let mut out = vec![None; reports.len()];
+        for (i, r) in firsts.into_iter().zip(self.tx(|db| group::record(db, &batch))?) {
+            out[i] = r;
+        }
+        for i in repeats {
+            out[i] = self.record_report(reports[i])?;
+        }
+        Ok(out)
     }
 
     /// Stores many requests of one key in one transaction, as fast as the backend takes rows
@@ -553,6 +624,16 @@ impl Store {
 fn seed_key(bytes: Vec<u8>, id: &str) -> Result<SigningKey, StoreError> {
     let seed: [u8; 32] = bytes.as_slice().try_into().map_err(|_| StoreError::BadKey(id.to_string()))?;
     Ok(SigningKey::from_bytes(&seed))
+}
+
+fn has_keys(db: &mut dyn Db) -> Result<bool, StoreError> {
+    Ok(one(db.query("SELECT EXISTS (SELECT 1 FROM api_keys)", &[])?)?.int()? != 0)
+}
+
+/// The positions of each request id's first use in `calls`, and those of its repeats.
+fn first_uses<C>(calls: &[&C], id: impl Fn(&C) -> &String) -> (Vec<usize>, Vec<usize>) {
+    let mut seen = HashSet::new();
+    (0..calls.len()).partition(|&i| seen.insert(id(calls[i]).as_str()))
 }
 
 fn one(rows: Vec<Row>) -> Result<Value, StoreError> {

@@ -52,6 +52,8 @@ on_both!(
     a_newer_schema_is_refused,
     bulk_loaded_rows_are_counted_once,
     a_call_failing_in_a_group_is_rolled_back_alone,
+    a_group_reserves_as_its_calls_would_one_after_another,
+    a_group_records_as_its_reports_would_one_after_another,
 );
 
 fn request(id: &str, prompt: u64, completion: u64, layer_tokens: u64) -> RequestUsage {
@@ -246,12 +248,14 @@ fn a_call_failing_in_a_group_is_rolled_back_alone(spec: LedgerSpec) {
     for fail in [false, true] {
         let mut calls = group(fail);
         let mut out = Vec::new();
-        s.run_grouped(&mut calls, |c, s| {
+        let out_cell = std::cell::RefCell::new(&mut out);
+        let one = |c: &mut Call, s: &mut Store| {
             let r = c(s);
             let ok = r.is_ok();
-            out.push(r);
+            out_cell.borrow_mut().push(r);
             ok
-        });
+        };
+        s.run_grouped(&mut calls, |cs, s| cs.iter_mut().all(|c| one(c, s)), one);
         let last: Vec<String> = out[out.len() - 3..].iter().map(|r| format!("{r:?}")).collect();
         if fail {
             assert!(matches!(out[out.len() - 2], Err(StoreError::Conflict(_))), "{last:?}");
@@ -263,6 +267,106 @@ fn a_call_failing_in_a_group_is_rolled_back_alone(spec: LedgerSpec) {
     }
     assert_eq!(s.key_totals("k").unwrap(), (0, 100));
     assert!(s.find_key("key-other").unwrap().is_none());
+}
+
+/// Reservations for two keys of equal quota: key `g`'s as one group (`reserve_group`), key `s`'s
+/// the same calls one after another (`reserve`). Equal answers and totals, with request ids
+/// repeated inside the group, a request settled and one held before, unknown and unlimited
+/// keys, and budgets where a big request does not fit and a later small one does. The first
+/// group is 64 requests of 15 tokens on a quota of 150: exactly 10 reserve, filling it.
+fn a_group_reserves_as_its_calls_would_one_after_another(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    s.add_key("free", "key-free", 0, 0).unwrap();
+    let fill: Vec<(&str, String, u64)> = (0..64).map(|i| ("key-", format!("r{}", i % 48), 15)).collect();
+    let mut mixed: Vec<(&str, String, u64)> = (0..40).map(|i| ("key-", format!("m{}", i % 30), [40, 15, 70, 5][i % 4])).collect();
+    mixed.extend([
+        ("nope-", "u1".into(), 10),
+        ("key-free", "f1".into(), 1 << 40),
+        ("key-", "done".into(), 10),
+        ("key-", "held".into(), 10),
+    ]);
+    let named = |g: Grant, k: &str| match g {
+        Grant::Granted { key_name, new } if key_name == k => Grant::Granted { key_name: "*".into(), new },
+        Grant::OverQuota { key_name, used, reserved, quota } if key_name == k => {
+            Grant::OverQuota { key_name: "*".into(), used, reserved, quota }
+        }
+        g => g,
+    };
+    for (round, shape) in [fill, mixed].iter().enumerate() {
+        let (g, a) = (format!("g{round}"), format!("s{round}"));
+        for k in [&g, &a] {
+            s.add_key(k, &format!("key-{k}"), 150, 0).unwrap();
+            if round == 1 {
+                assert!(s.record_request(k, &request(&format!("{k}-done"), 1, 1, 0), 0).unwrap());
+                let held = s.reserve(&format!("key-{k}"), &format!("{k}-held"), 10, u64::MAX / 2).unwrap();
+                assert_eq!(held, Grant::Granted { key_name: k.clone(), new: true });
+            }
+        }
+        let calls = |k: &str| -> Vec<Reservation> {
+            shape
+                .iter()
+                .map(|(key, id, budget)| Reservation {
+                    api_key: if key.ends_with('-') { format!("{key}{k}") } else { key.to_string() },
+                    request_id: format!("{k}-{id}"),
+                    budget: *budget,
+                    expires_ms: u64::MAX / 2,
+                })
+                .collect()
+        };
+        let group = calls(&g);
+        let grouped: Vec<Grant> = s.reserve_group(&group.iter().collect::<Vec<_>>()).unwrap().into_iter().map(|x| named(x, &g)).collect();
+        let alone: Vec<Grant> =
+            calls(&a).iter().map(|c| named(s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms).unwrap(), &a)).collect();
+        assert_eq!(grouped, alone, "round {round}");
+        assert_eq!(s.key_totals(&g).unwrap(), s.key_totals(&a).unwrap(), "round {round}");
+        if round == 0 {
+            assert_eq!(grouped.iter().filter(|x| matches!(x, Grant::Granted { new: true, .. })).count(), 10);
+            assert_eq!(s.key_totals(&g).unwrap(), (0, 150), "the quota filled exactly");
+        }
+    }
+}
+
+/// Reports for two keys: key `g`'s as one group (`record_group`), key `s`'s the same reports
+/// one after another (`record_report`). Equal answers, rows and totals, with request ids
+/// repeated inside the group, reports stored before, reservations to settle, several stages,
+/// and an unknown key.
+fn a_group_records_as_its_reports_would_one_after_another(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    for k in ["g", "s"] {
+        s.add_key(k, &format!("key-{k}"), 1 << 30, 0).unwrap();
+        for i in 0..6 {
+            s.reserve(&format!("key-{k}"), &format!("{k}-q{i}"), 100, u64::MAX / 2).unwrap();
+        }
+        s.record_request(k, &request(&format!("{k}-q0"), 3, 4, 0), 0).unwrap();
+    }
+    let reports = |k: &str| -> Vec<Report> {
+        (0..24u64)
+            .map(|i| {
+                let mut u = request(&format!("{k}-q{}", i % 10), i, 2 * i, 0);
+                u.api_key = if i == 7 { "nope".into() } else { format!("key-{k}") };
+                u.stages = (0..i % 3)
+                    .map(|j| StageUsage {
+                        worker_id: format!("w{j}"),
+                        session_id: vec![j as u8, i as u8],
+                        tokens_prefilled: i,
+                        tokens_decoded: j,
+                        layer_tokens: 10 * i + j,
+                    })
+                    .collect();
+                Report { usage: u, now_ms: 5 }
+            })
+            .collect()
+    };
+    let g = reports("g");
+    let grouped = s.record_group(&g.iter().collect::<Vec<_>>()).unwrap();
+    let alone: Vec<Option<bool>> = reports("s").iter().map(|r| s.record_report(r).unwrap()).collect();
+    assert_eq!(grouped, alone);
+    assert!(grouped.contains(&None) && grouped.contains(&Some(true)) && grouped.contains(&Some(false)), "{grouped:?}");
+    assert_eq!(s.key_totals("g").unwrap(), s.key_totals("s").unwrap());
+    let rows = s.usage(false).unwrap();
+    let strip = |who: &str| rows.iter().find(|r| r.who == who).map(|r| UsageRow { who: String::new(), ..r.clone() });
+    assert_eq!(strip("g"), strip("s"));
+    assert!(strip("g").is_some());
 }
 
 fn trackers_starting_together_share_one_signing_key(spec: LedgerSpec) {
