@@ -70,6 +70,13 @@ impl Value {
         Ok(self.int()?.max(0) as u64)
     }
 
+    pub(crate) fn ints(self) -> Result<Vec<i64>, StoreError> {
+        match self {
+            Value::Ints(v) => Ok(v),
+            v => Err(StoreError::Decode(format!("expected integers, found {v:?}"))),
+        }
+    }
+
     pub(crate) fn text(self) -> Result<String, StoreError> {
         match self {
             Value::Text(v) => Ok(v),

@@ -1,11 +1,11 @@
-//! A group's reservations, and its usage records, in a fixed number of statements on
-//! PostgreSQL, however many calls the group holds: one statement a call (`one_trip`) still paid
-//! a round trip, a parse/bind/execute on the server and the blocking client's runtime hop per
-//! call, all on the 2 cores the tracker shares. The rules are `mod.rs`'s, decided call by call
-//! in the group's order (so a quota filled inside one group is filled exactly): the key rows are
-//! locked first, then the requests' state is read under that lock, the grants are worked out
-//! here, and what they reserve is stored in one statement. A request id repeated inside a group
-//! is left to the caller (it runs alone after the group's statement, as if it came next).
+//! A group's reservations in two statements and its usage records in one on PostgreSQL, however
+//! many calls the group holds: one statement a call (`one_trip`) still paid a round trip, a
+//! parse/bind/execute on the server and the blocking client's runtime hop per call, all on the 2
+//! cores the tracker shares. The rules are `mod.rs`'s, decided call by call in the group's order
+//! (so a quota filled inside one group is filled exactly): the key rows are locked and read with
+//! the requests' state, the grants are worked out here, and what they reserve is stored in one
+//! statement. A request id repeated inside a group is left to the caller (it runs alone after the
+//! group's statement, as if it came next).
 
 use super::db::{Db, Value};
 use super::{key_hash, Grant, Report, Reservation, StoreError};
@@ -13,16 +13,17 @@ use dgr_proto::{RequestUsage, StageUsage};
 use std::collections::{HashMap, HashSet};
 
 /// The keys' quotas and running totals, their rows locked until the transaction ends (a
-/// reservation of another tracker for these keys waits, so the group's view stays true). A
-/// hash without a row is an unknown key (a key's totals row is made with the key).
-const KEYS: &str = "SELECT k.hash, k.name, k.quota_tokens, u.used_tokens, u.reserved_tokens
+/// reservation of another tracker for these keys waits), and each request's state: 2 if its
+/// usage is recorded, 1 if it holds a reservation, else 0. A hash without a row is an unknown key
+/// (a key's totals row is made with the key). As `one_trip::RESERVE`, the state is read in the
+/// statement's snapshot: a request recorded through another tracker while this one waited for
+/// the lock is not seen as settled, and its reservation expires.
+const KEYS: &str = "SELECT k.hash, k.name, k.quota_tokens, u.used_tokens, u.reserved_tokens,
+        ARRAY(SELECT CAST(CASE WHEN EXISTS (SELECT 1 FROM requests r WHERE r.request_id = i.id) THEN 2
+                WHEN EXISTS (SELECT 1 FROM reservations v WHERE v.request_id = i.id) THEN 1 ELSE 0 END AS INTEGER)
+            FROM unnest(CAST(?2 AS TEXT[])) WITH ORDINALITY AS i (id, n) ORDER BY i.n)
     FROM api_keys k JOIN key_usage u ON u.key_name = k.name
     WHERE k.hash = ANY (CAST(?1 AS TEXT[])) ORDER BY k.name FOR UPDATE OF u";
-
-/// Whether each request is settled already, and whether it holds a reservation already.
-const STATE: &str = "SELECT EXISTS (SELECT 1 FROM requests r WHERE r.request_id = i.id),
-        EXISTS (SELECT 1 FROM reservations v WHERE v.request_id = i.id)
-    FROM unnest(CAST(?1 AS TEXT[])) WITH ORDINALITY AS i (id, n) ORDER BY i.n";
 
 /// Stores the granted reservations and adds them to their keys' reserved totals; returns the
 /// ids stored (one stored meanwhile by another call is not, and adds nothing).
@@ -40,13 +41,16 @@ const HOLD: &str = "WITH stored AS (
 /// may appear twice.
 pub(super) fn reserve(db: &mut dyn Db, calls: &[&Reservation]) -> Result<Vec<Grant>, StoreError> {
     let hashes: Vec<String> = calls.iter().map(|c| key_hash(&c.api_key)).collect();
+    let request_ids = Value::Texts(calls.iter().map(|c| c.request_id.clone()).collect());
     let mut keys: HashMap<String, KeyRow> = HashMap::new();
-    for r in db.query(KEYS, &[Value::Texts(hashes.clone())])? {
+    let mut state = Vec::new();
+    for r in db.query(KEYS, &[Value::Texts(hashes.clone()), request_ids])? {
         let mut r = r.into_iter();
         let mut next = || r.next().unwrap_or(Value::Null);
         let hash = next().text()?;
         let row = KeyRow { name: next().text()?, quota: next().count()?, used: next().count()?, reserved: next().count()? };
         keys.insert(hash, row);
+        state = next().ints()?;
     }
     // With no key at all every request is anonymous; otherwise a key not found is unknown.
     let anonymous = keys.is_empty() && !super::has_keys(db)?;
@@ -59,21 +63,18 @@ pub(super) fn reserve(db: &mut dyn Db, calls: &[&Reservation]) -> Result<Vec<Gra
             Some(_) => None,
         })
         .collect();
-    let open: Vec<usize> = (0..calls.len()).filter(|&i| out[i].is_none()).collect();
-    if open.is_empty() {
-        return Ok(out.into_iter().flatten().collect());
-    }
-    let state = db.query(STATE, &[Value::Texts(open.iter().map(|&i| calls[i].request_id.clone()).collect())])?;
-    if state.len() != open.len() {
-        return Err(StoreError::Decode(format!("{} request states for {} requests", state.len(), open.len())));
+    if !keys.is_empty() && state.len() != calls.len() {
+        return Err(StoreError::Decode(format!("{} request states for {} requests", state.len(), calls.len())));
     }
     let mut hold: Vec<usize> = Vec::new();
-    for (&i, st) in open.iter().zip(&state) {
-        let flag = |j: usize| st.get(j).map_or(Ok(0), Value::int).map(|v| v != 0);
+    for i in 0..calls.len() {
+        if out[i].is_some() {
+            continue;
+        }
         let (c, k) = (calls[i], keys.get_mut(&hashes[i]).expect("open calls have a key"));
-        out[i] = Some(if flag(0)? {
+        out[i] = Some(if state[i] == 2 {
             Grant::Settled
-        } else if flag(1)? {
+        } else if state[i] == 1 {
             Grant::Granted { key_name: k.name.clone(), new: false }
         } else if k.used.saturating_add(k.reserved).saturating_add(c.budget) <= k.quota {
             k.reserved += c.budget;
@@ -109,16 +110,20 @@ struct KeyRow {
     reserved: u64,
 }
 
-/// Each API key hash's key name (NULL: none) and whether any key exists at all.
-const NAMES: &str = "SELECT k.name, EXISTS (SELECT 1 FROM api_keys)
-    FROM unnest(CAST(?1 AS TEXT[])) WITH ORDINALITY AS h (hash, n) LEFT JOIN api_keys k ON k.hash = h.hash ORDER BY h.n";
-
-/// `one_trip::RECORD` over many requests: stores the requests and their stages once, deletes
-/// their reservations and settles the totals, one upsert per key. Returns the ids stored.
-const RECORD: &str = "WITH stored AS (
-        INSERT INTO requests (request_id, key_name, model_id, engine, prompt_tokens, completion_tokens, status, at_ms)
-        SELECT * FROM unnest(CAST(?1 AS TEXT[]), CAST(?2 AS TEXT[]), CAST(?3 AS TEXT[]), CAST(?4 AS TEXT[]),
+/// `one_trip::RECORD` over many requests, their keys found by hash (`Store::key_name`'s rule:
+/// "anonymous" while no key exists): stores the requests and their stages once, deletes their
+/// reservations and settles the totals, one upsert per key. Returns for each report 0 if its
+/// key is unknown, 2 if it was stored, 1 if it was stored before.
+const RECORD: &str = "WITH input AS (
+        SELECT i.*, CASE WHEN NOT EXISTS (SELECT 1 FROM api_keys) THEN 'anonymous' ELSE k.name END AS key_name
+        FROM unnest(CAST(?1 AS TEXT[]), CAST(?2 AS TEXT[]), CAST(?3 AS TEXT[]), CAST(?4 AS TEXT[]),
             CAST(?5 AS INTEGER[]), CAST(?6 AS INTEGER[]), CAST(?7 AS TEXT[]), CAST(?8 AS INTEGER[]))
+            WITH ORDINALITY AS i (hash, request_id, model_id, engine, prompt_tokens, completion_tokens, status, at_ms, n)
+        LEFT JOIN api_keys k ON k.hash = i.hash),
+    stored AS (
+        INSERT INTO requests (request_id, key_name, model_id, engine, prompt_tokens, completion_tokens, status, at_ms)
+        SELECT request_id, key_name, model_id, engine, prompt_tokens, completion_tokens, status, at_ms FROM input
+        WHERE key_name IS NOT NULL
         ON CONFLICT (request_id) DO NOTHING RETURNING request_id, key_name, prompt_tokens + completion_tokens AS used),
     stages AS (
         INSERT INTO request_stages (request_id, session_id, worker_id, tokens_prefilled, tokens_decoded, layer_tokens)
@@ -135,42 +140,24 @@ const RECORD: &str = "WITH stored AS (
         INSERT INTO key_usage (key_name, used_tokens, reserved_tokens) SELECT key_name, used, 0 FROM totals
         ON CONFLICT (key_name) DO UPDATE SET used_tokens = key_usage.used_tokens + EXCLUDED.used_tokens,
             reserved_tokens = key_usage.reserved_tokens - (SELECT t.reserved FROM totals t WHERE t.key_name = EXCLUDED.key_name))
-    SELECT request_id FROM stored";
+    SELECT CAST(CASE WHEN i.key_name IS NULL THEN 0 WHEN EXISTS (SELECT 1 FROM stored s WHERE s.request_id = i.request_id) THEN 2
+        ELSE 1 END AS INTEGER)
+    FROM input i ORDER BY i.n";
 
 /// Records each report under its key, as `Store::record_report` would one after another: None
 /// for an unknown key, else whether the request was new. No request id may appear twice.
 pub(super) fn record(db: &mut dyn Db, reports: &[&Report]) -> Result<Vec<Option<bool>>, StoreError> {
-    let hashes = Value::Texts(reports.iter().map(|r| key_hash(&r.usage.api_key)).collect());
-    let names = db.query(NAMES, &[hashes])?;
-    if names.len() != reports.len() {
-        return Err(StoreError::Decode(format!("{} key names for {} reports", names.len(), reports.len())));
-    }
-    let mut known: Vec<(usize, String)> = Vec::new();
-    for (i, r) in names.into_iter().enumerate() {
-        let mut r = r.into_iter();
-        let (name, any) = (r.next().unwrap_or(Value::Null), r.next().unwrap_or(Value::Null).int()? != 0);
-        match (name, any) {
-            (_, false) => known.push((i, "anonymous".into())),
-            (Value::Null, true) => {}
-            (name, true) => known.push((i, name.text()?)),
-        }
-    }
-    let mut out = vec![None; reports.len()];
-    if known.is_empty() {
-        return Ok(out);
-    }
-    let reqs: Vec<(&RequestUsage, &str, u64)> =
-        known.iter().map(|(i, name)| (&reports[*i].usage, name.as_str(), reports[*i].now_ms)).collect();
-    let stages: Vec<(&str, &StageUsage)> = reqs.iter().flat_map(|(u, ..)| u.stages.iter().map(|s| (u.request_id.as_str(), s))).collect();
+    let us: Vec<(&RequestUsage, u64)> = reports.iter().map(|r| (&r.usage, r.now_ms)).collect();
+    let stages: Vec<(&str, &StageUsage)> = us.iter().flat_map(|(u, _)| u.stages.iter().map(|s| (u.request_id.as_str(), s))).collect();
     let params = [
-        Value::Texts(reqs.iter().map(|(u, ..)| u.request_id.clone()).collect()),
-        Value::Texts(reqs.iter().map(|(_, name, _)| name.to_string()).collect()),
-        Value::Texts(reqs.iter().map(|(u, ..)| u.model_id.clone()).collect()),
-        Value::Texts(reqs.iter().map(|(u, ..)| u.engine.clone()).collect()),
-        Value::Ints(reqs.iter().map(|(u, ..)| int(u.prompt_tokens)).collect()),
-        Value::Ints(reqs.iter().map(|(u, ..)| int(u.completion_tokens)).collect()),
-        Value::Texts(reqs.iter().map(|(u, ..)| u.status.clone()).collect()),
-        Value::Ints(reqs.iter().map(|(.., now)| int(*now)).collect()),
+        Value::Texts(us.iter().map(|(u, _)| key_hash(&u.api_key)).collect()),
+        Value::Texts(us.iter().map(|(u, _)| u.request_id.clone()).collect()),
+        Value::Texts(us.iter().map(|(u, _)| u.model_id.clone()).collect()),
+        Value::Texts(us.iter().map(|(u, _)| u.engine.clone()).collect()),
+        Value::Ints(us.iter().map(|(u, _)| int(u.prompt_tokens)).collect()),
+        Value::Ints(us.iter().map(|(u, _)| int(u.completion_tokens)).collect()),
+        Value::Texts(us.iter().map(|(u, _)| u.status.clone()).collect()),
+        Value::Ints(us.iter().map(|(_, now)| int(*now)).collect()),
         Value::Texts(stages.iter().map(|(id, _)| id.to_string()).collect()),
         Value::Blobs(stages.iter().map(|(_, s)| s.session_id.clone()).collect()),
         Value::Texts(stages.iter().map(|(_, s)| s.worker_id.clone()).collect()),
@@ -178,11 +165,16 @@ pub(super) fn record(db: &mut dyn Db, reports: &[&Report]) -> Result<Vec<Option<
         Value::Ints(stages.iter().map(|(_, s)| int(s.tokens_decoded)).collect()),
         Value::Ints(stages.iter().map(|(_, s)| int(s.layer_tokens)).collect()),
     ];
-    let stored = ids(db.query(RECORD, &params)?)?;
-    for (i, _) in known {
-        out[i] = Some(stored.contains(&reports[i].usage.request_id));
+    let rows = db.query(RECORD, &params)?;
+    if rows.len() != reports.len() {
+        return Err(StoreError::Decode(format!("{} answers for {} reports", rows.len(), reports.len())));
     }
-    Ok(out)
+    rows.into_iter()
+        .map(|r| match r.into_iter().next().unwrap_or(Value::Null).int()? {
+            0 => Ok(None),
+            done => Ok(Some(done == 2)),
+        })
+        .collect()
 }
 
 /// Token counts and milliseconds stay far below 2^63; saturate rather than wrap, as

@@ -416,7 +416,7 @@ impl Store {
     }
 
     /// Reserves for each of a group's routes, as `reserve` one after another would. On Postgres
-    /// the group's first use of each request id is reserved in three statements for all
+    /// the group's first use of each request id is reserved in two statements for all
     /// (`group::reserve`); a repeat runs alone after them, as if it came next.
     pub fn reserve_group(&mut self, calls: &[&Reservation]) -> Result<Vec<Grant>, StoreError> {
         let single = |s: &mut Store, c: &Reservation| s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms);
@@ -492,7 +492,7 @@ impl Store {
     }
 
     /// `record_report` for each of a group's reports, as one after another would. On Postgres
-    /// the group's first report of each request id is stored in two statements for all
+    /// the group's first report of each request id is stored in one statement for all
     /// (`group::record`); a repeat runs alone after them.
     pub fn record_group(&mut self, reports: &[&Report]) -> Result<Vec<Option<bool>>, StoreError> {
         if self.db.dialect() == Dialect::Sqlite || reports.len() == 1 {

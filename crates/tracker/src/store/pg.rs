@@ -137,6 +137,8 @@ fn row(r: &postgres::Row) -> Result<Row, StoreError> {
                 r.try_get::<_, Option<String>>(i).map_err(bad)?.map(Value::Text)
             } else if *ty == Type::BYTEA {
                 r.try_get::<_, Option<Vec<u8>>>(i).map_err(bad)?.map(Value::Bytes)
+            } else if *ty == Type::INT8_ARRAY {
+                r.try_get::<_, Option<Vec<i64>>>(i).map_err(bad)?.map(Value::Ints)
             } else {
                 return Err(StoreError::Decode(format!("column {i} has type {ty}")));
             };
