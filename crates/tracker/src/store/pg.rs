@@ -4,9 +4,9 @@
 //! connection is found dead only when used (the blocking client drives it only then), so a
 //! statement outside a transaction that fails on an old connection is tried once more on a new
 //! one: those are BEGIN, reads, and idempotent writes (upserts, inserts that ignore a repeat).
-//! Commits do not wait for the WAL's flush (`synchronous_commit = off`), the durability SQLite's
-//! WAL with `synchronous = NORMAL` gives: a crash of the server's machine may lose the last
-//! commits, never corrupts, and a commit no longer holds its key's totals row for a disk flush.
+//! Commits wait for the WAL's flush (the server's `synchronous_commit`, on by default): a usage
+//! record a driver was told is stored survives a crash of the database (`off` measured ~11% more
+//! routed requests a second, for losing the last commits in such a crash; not taken).
 
 use super::db::{postgres_sql, Db, Dialect, Row, Value};
 use super::StoreError;
@@ -42,7 +42,7 @@ impl Postgres {
             self.prepared.clear();
             self.client = None;
             let mut c = self.cfg.connect(NoTls).map_err(|e| StoreError::Unavailable(format!("connecting: {e}")))?;
-            c.batch_execute(&format!("SET statement_timeout = {}; SET synchronous_commit = off", DEADLINE.as_millis()))
+            c.batch_execute(&format!("SET statement_timeout = {}", DEADLINE.as_millis()))
                 .map_err(|e| self.failed(e))?;
             self.client = Some(c);
         }
