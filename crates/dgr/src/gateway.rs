@@ -117,6 +117,11 @@ pub struct LimitArgs {
     /// compared bit for bit; a worker caught lying is quarantined (needs the join token)
     #[arg(long, default_value_t = 0.02)]
     pub verify_fraction: f64,
+    /// Speculative decoding: off, or at most N draft tokens a decode step (up to 16), guessed
+    /// from the session's own text and verified by the route in one step; the tokens and
+    /// logprobs are bitwise those of off. Requests under a grammar run one token a step
+    #[arg(long, default_value_t = dgr_driver::Speculate::DEFAULT, value_parser = dgr_driver::Speculate::parse)]
+    pub speculate: dgr_driver::Speculate,
 }
 
 impl LimitArgs {
@@ -138,6 +143,7 @@ impl LimitArgs {
             bail!("--verify-fraction must be in [0, 1]");
         }
         cfg.verify_fraction = self.verify_fraction;
+        cfg.drive.speculate = self.speculate;
         Ok(cfg)
     }
 }

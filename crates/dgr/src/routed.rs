@@ -32,6 +32,10 @@ pub struct RouteArgs {
     /// Dtype of hidden rows between stages: f32 (lossless) or the opt-in f16, bf16
     #[arg(long, default_value = "f32")]
     pub seam_dtype: String,
+    /// Speculative decoding through the route: off, or at most N draft tokens a step (up to 16),
+    /// guessed from the text so far and verified in one step; the tokens are the same as off
+    #[arg(long, default_value_t = dgr_driver::Speculate::DEFAULT, value_parser = dgr_driver::Speculate::parse)]
+    pub speculate: dgr_driver::Speculate,
     #[command(flatten)]
     pub plaintext: crate::links::PlaintextArg,
     #[command(flatten)]
@@ -73,7 +77,7 @@ pub fn generate(
     };
     let model_id = dgr_hf::identity_any(model).with_context(|| format!("hashing the tensors of {}", model.display()))?.id;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let opts = DriveOptions { step_timeout, ..DriveOptions::default() };
+    let opts = DriveOptions { step_timeout, speculate: a.speculate, ..DriveOptions::default() };
     Ok(rt.block_on(async {
         let budget = (req.prompt_tokens.len() + req.max_tokens) as u64;
         let (route, ticket, request_id) = match &a.tracker {
@@ -150,6 +154,7 @@ pub fn generate(
             "stages": out.stages,
             "usage": out.usage,
             "cached_tokens": out.cached_tokens,
+            "drafts": out.drafts,
         });
         Ok((out, extra))
     }))

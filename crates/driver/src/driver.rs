@@ -1,6 +1,7 @@
 //! Driving one session along a route: open it on every stage, prefill, decode token by token,
 //! and close it — or fail with a structured error naming the stage, within a deadline.
 
+use crate::draft::{Drafter, Speculate};
 use crate::links::{Event, Link, Links};
 use crate::report::{quantile, Completion, FinishReason, SeamReport, StageReport, UsageReport};
 use crate::{DriveError, FailKind, Route, SharedConstraint};
@@ -66,6 +67,9 @@ pub struct DriveOptions {
     pub probe_wait: Duration,
     pub connect_timeout: Duration,
     pub max_frame: usize,
+    /// Draft tokens a decode step may carry (prompt lookup, verified by the route). Requests
+    /// under a grammar or spot-checked run one token a step.
+    pub speculate: Speculate,
 }
 
 impl Default for DriveOptions {
@@ -76,6 +80,7 @@ impl Default for DriveOptions {
             probe_wait: Duration::from_millis(500),
             connect_timeout: Duration::from_secs(5),
             max_frame: dgr_proto::DEFAULT_MAX_FRAME,
+            speculate: Speculate::DEFAULT,
         }
     }
 }
@@ -176,7 +181,10 @@ impl Session<'_> {
     /// close names the blocks of `sequence` (prompt and generated tokens) for the stages to cache.
     async fn finish(&mut self, cancel: bool, sequence: &[u32]) {
         let prefix_blocks = if cancel { Vec::new() } else { dgr_proto::prefix_chain_bytes(sequence) };
-        let r = SessionRef { session_id: self.id.to_vec(), prefix_blocks, ..Default::default() };
+        // Every token but the last was fed: the stages hold those positions (and maybe a last
+        // step's rejected drafts past them, which they drop).
+        let positions = sequence.len().saturating_sub(1) as u64;
+        let r = SessionRef { session_id: self.id.to_vec(), prefix_blocks, positions, ..Default::default() };
         for l in &self.links {
             let body = if cancel { Body::Cancel(r.clone()) } else { Body::Close(r.clone()) };
             let _ = l.send(&Frame::new(body)).await;
@@ -369,7 +377,10 @@ async fn drive(
     let mut position = cached_tokens as u64;
     let mut input = req.prompt_tokens[cached_tokens..].to_vec();
     let mut decode_start = start;
-    loop {
+    // A grammar's mask is one row's, and a spot check compares one row a step: neither drafts.
+    let mut drafter = Drafter::new(opts.speculate).filter(|_| req.constraint.is_none() && !req.hash_rows);
+    let mut sequence = req.prompt_tokens.clone();
+    'steps: loop {
         let allowed = match constrain(req, |c| c.allowed())? {
             Some(Some(mask)) => mask,
             None => Vec::new(),
@@ -379,42 +390,95 @@ async fn drive(
                 break;
             }
         };
-        let f = Forward { session_id: s.id.to_vec(), position, tokens: input.clone(), sample: true, allowed, ..Default::default() };
+        // Past the prompt, a step may carry drafts: as many as the tokens still wanted after
+        // the one the step gives anyway.
+        let draft = match &drafter {
+            Some(d) if !out.tokens.is_empty() => d.propose(&sequence, req.max_tokens - out.tokens.len() - 1),
+            _ => Vec::new(),
+        };
+        input.extend_from_slice(&draft);
+        let f = Forward {
+            session_id: s.id.to_vec(),
+            position,
+            tokens: std::mem::take(&mut input),
+            sample: true,
+            allowed,
+            draft: draft.clone(),
+            ..Default::default()
+        };
+        let rows = f.tokens.len() as u64;
         s.send(0, Body::Forward(f)).await?;
-        let t = match s.next(opts.step_timeout, opts).await? {
+        let mut t = match s.next(opts.step_timeout, opts).await? {
             (_, Body::Token(t)) if t.session_id == s.id => t,
             (stage, _) => return Err(s.err(FailKind::Protocol, stage, "unexpected frame while waiting for a token")),
         };
-        position += input.len() as u64;
+        let last = s.route.stages.len() as u32 - 1;
+        let steps = accepted(&mut t, position + rows - draft.len() as u64, &draft).map_err(|m| s.err(FailKind::Protocol, last, m))?;
+        if let Some(d) = drafter.as_mut() {
+            d.verified(draft.len(), steps.len() - 1);
+        }
         if out.tokens.is_empty() {
             out.timings.first_token(start, req.prompt_tokens.len());
             decode_start = Instant::now();
         }
-        constrain(req, |c| c.advance(t.token))?;
-        out.tokens.push(t.token);
-        *generated = out.tokens.len();
-        out.logprobs.push(t.logprob);
-        out.top_logprobs.push(t.top.iter().map(|e| (e.id, e.logprob)).collect());
         traces.push(t.trace.clone());
-        match on_token(&t) {
-            Flow::Cancel => {
-                out.finish_reason = FinishReason::Cancelled;
-                break;
+        for step in steps {
+            constrain(req, |c| c.advance(step.token))?;
+            out.tokens.push(step.token);
+            sequence.push(step.token);
+            *generated = out.tokens.len();
+            out.logprobs.push(step.logprob);
+            out.top_logprobs.push(step.top.iter().map(|e| (e.id, e.logprob)).collect());
+            // The next step starts with this token, at its position.
+            position = step.position;
+            input = vec![step.token];
+            match on_token(&step) {
+                Flow::Cancel => {
+                    out.finish_reason = FinishReason::Cancelled;
+                    break 'steps;
+                }
+                Flow::Stop => {
+                    out.finish_reason = FinishReason::Stop;
+                    break 'steps;
+                }
+                Flow::Continue => {}
             }
-            Flow::Stop => {
-                out.finish_reason = FinishReason::Stop;
-                break;
+            if out.tokens.len() >= req.max_tokens {
+                break 'steps;
             }
-            Flow::Continue => {}
         }
-        if out.tokens.len() >= req.max_tokens {
-            break;
-        }
-        input = vec![t.token];
     }
+    out.drafts = drafter.map(|d| d.stats).unwrap_or_default();
     out.timings.decoded(decode_start, out.tokens.len().saturating_sub(1));
     report(s.route, &traces, &mut out);
     Ok(out)
+}
+
+/// The tokens of a step whose first token takes position `first` and whose frame carried
+/// `draft`, each as a `TokenOut` of its own (the step's trace on the first), checked: one token,
+/// or the accepted drafts and one more, at consecutive positions.
+fn accepted(t: &mut TokenOut, first: u64, draft: &[u32]) -> Result<Vec<TokenOut>, String> {
+    let more = std::mem::take(&mut t.more);
+    let n = more.len() + 1;
+    let one = |position, token, logprob, top, trace| TokenOut {
+        session_id: t.session_id.clone(),
+        position,
+        token,
+        logprob,
+        top,
+        trace,
+        more: Vec::new(),
+    };
+    let mut steps = vec![one(t.position, t.token, t.logprob, std::mem::take(&mut t.top), t.trace.clone())];
+    steps.extend(more.into_iter().map(|m| one(m.position, m.token, m.logprob, m.top, Vec::new())));
+    let in_place = steps.iter().enumerate().all(|(i, s)| s.position == first + i as u64);
+    if n > draft.len() + 1 || !in_place || steps[..n - 1].iter().zip(draft).any(|(s, d)| s.token != *d) {
+        return Err(format!(
+            "a step of {} drafts answered with {n} tokens that are not its accepted drafts and one more at {first}..",
+            draft.len()
+        ));
+    }
+    Ok(steps)
 }
 
 /// Sends the prompt of an open embedding session and waits for its vector, checked: the model's

@@ -101,6 +101,8 @@ pub struct Completion {
     pub embedding: Vec<f32>,
     /// Prompt tokens every stage attached from its prefix cache instead of computing.
     pub cached_tokens: usize,
+    /// Speculative steps, their drafts and the drafts accepted.
+    pub drafts: crate::DraftStats,
 }
 
 /// The q-quantile (0..=1) of samples, nearest rank.

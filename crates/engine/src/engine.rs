@@ -27,6 +27,9 @@ pub trait SeqState: Send {
     /// Appends `n` positions copied by `read_block` from a state over the same layers of the
     /// same engine: the sequence then computes on exactly as if it had computed them itself.
     fn write_block(&mut self, n: usize, block: &[u8]) -> Result<(), EngineError>;
+    /// Keeps only the first `len` positions (a speculative step's rejected drafts dropped): the
+    /// sequence then computes on exactly as if it had never computed the others.
+    fn truncate(&mut self, len: usize) -> Result<(), EngineError>;
 }
 
 /// One stage's layers of a model, computed batched.
@@ -72,6 +75,9 @@ impl SeqState for crate::KvCache {
     }
     fn write_block(&mut self, n: usize, block: &[u8]) -> Result<(), EngineError> {
         crate::KvCache::write_block(self, n, block)
+    }
+    fn truncate(&mut self, len: usize) -> Result<(), EngineError> {
+        crate::KvCache::truncate(self, len)
     }
 }
 

@@ -24,4 +24,4 @@ pub use error::EngineError;
 pub use id::{BackendKind, EngineId, Format, KvDtype, Numerics, UnknownName};
 pub use model::{Input, LogitRows, SeqInput, SeqOutput};
 pub use open::{available_numerics, check_numerics, open_engine, registered_specs, EngineSpec, Stage};
-pub use sample::{argmax, logprobs, mask_logits, sample, MaskError, SamplingParams};
+pub use sample::{accept, argmax, logprobs, mask_logits, sample, MaskError, SamplingParams};

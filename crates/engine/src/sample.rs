@@ -80,6 +80,25 @@ pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
     cand[probs.len() - 1].0
 }
 
+/// The accept rule of a speculative step. `logits` holds `vocab` logits for each of the step's
+/// rows: row 0 after the last token already accepted, row r after `drafts[r - 1]`; the token
+/// sampled from row r takes position `position + r`. Each row is sampled exactly as a step of its
+/// own would be (the draw is a function of (seed, position) alone), and the step keeps those
+/// tokens up to and including the first that differs from its draft: the accepted drafts and
+/// one more, exactly the tokens one-at-a-time decoding would have produced. Rows past the first
+/// rejected draft are not sampled (their logits saw a token that is not the sequence's).
+pub fn accept(logits: &[f32], vocab: usize, drafts: &[u32], p: &SamplingParams, position: u64) -> Vec<u32> {
+    let mut out = Vec::new();
+    for (r, row) in logits.chunks_exact(vocab.max(1)).enumerate() {
+        let token = sample(row, p, position + r as u64);
+        out.push(token);
+        if drafts.get(r) != Some(&token) {
+            break;
+        }
+    }
+    out
+}
+
 /// Why a mask of allowed tokens cannot constrain a row.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MaskError {
@@ -152,6 +171,25 @@ mod tests {
         assert_eq!(a, b);
         let other = SamplingParams { seed: 43, ..p };
         assert_ne!(a, (0..50).map(|pos| sample(&logits, &other, pos)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn accepted_tokens_are_those_one_at_a_time_sampling_draws() {
+        // Five rows of a vocabulary of 50; the sequence one-at-a-time decoding draws from them.
+        let vocab = 50;
+        let logits: Vec<f32> = (0..5 * vocab).map(|i| ((i * 7919 % 97) as f32 * 0.11).sin() * 3.0).collect();
+        for p in [SamplingParams::default(), SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed: 5 }] {
+            let truth: Vec<u32> = (0..5).map(|r| sample(&logits[r * vocab..(r + 1) * vocab], &p, 10 + r as u64)).collect();
+            // Every draft right: all five rows' tokens (four drafts and the one after).
+            assert_eq!(accept(&logits, vocab, &truth[..4], &p, 10), truth);
+            for wrong in 0..4 {
+                let mut drafts = truth[..4].to_vec();
+                drafts[wrong] = (drafts[wrong] + 1) % vocab as u32;
+                // Up to the first wrong draft, and the token sampled in its place.
+                assert_eq!(accept(&logits, vocab, &drafts, &p, 10), truth[..=wrong], "{p:?}, draft {wrong} wrong");
+            }
+            assert_eq!(accept(&logits[..vocab], vocab, &[], &p, 10), truth[..1], "no drafts: one step");
+        }
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct HttpMetrics {
     checks: Mutex<BTreeMap<String, u64>>,
     /// Tokens and latencies as they happen, for the dashboard's history.
     pub feed: crate::history::Feed,
+    /// Speculative decoding over all requests: verification steps, drafts, drafts accepted.
+    drafts: Mutex<dgr_driver::DraftStats>,
     /// Embedding requests, inputs and tokens by model: (requests, failed, inputs, tokens).
     embeddings: Mutex<BTreeMap<String, [u64; 4]>>,
 }
@@ -47,6 +49,11 @@ impl HttpMetrics {
         if let Some(kind) = error {
             self.error(kind);
         }
+    }
+
+    /// A finished generation's speculative steps and drafts.
+    pub fn drafted(&self, d: &dgr_driver::DraftStats) {
+        self.drafts.lock().unwrap_or_else(|p| p.into_inner()).add(d);
     }
 
     /// A finished `/v1/embeddings` request of `inputs` inputs and `tokens` tokens in all.
@@ -89,6 +96,11 @@ impl HttpMetrics {
                 family.sample(&[("model", model)], row[i]);
             }
         }
+        let d = *self.drafts.lock().unwrap_or_else(|p| p.into_inner());
+        t.metric("dgr_gateway_verify_steps_total", "Speculative decode steps (steps that carried drafts).", Counter, d.steps);
+        let mut drafts = t.family("dgr_gateway_draft_tokens_total", "Draft tokens sent to be verified, by outcome.", Counter);
+        drafts.sample(&[("outcome", "accepted")], d.accepted);
+        drafts.sample(&[("outcome", "rejected")], d.drafted - d.accepted);
         t.histogram("dgr_gateway_ttft_seconds", "Time to first token.", &self.ttft);
         t.histogram("dgr_gateway_inter_token_seconds", "Time between successive tokens of a stream.", &self.itl);
         let mut errors = t.family("dgr_gateway_errors_total", "Requests refused or failed, by kind.", Counter);
@@ -147,6 +159,7 @@ mod tests {
         m.finished("smol", "k\"1", 3, 0, Some("route_failed"));
         m.check("agree");
         m.embedded("smol", 32, 160, true);
+        m.drafted(&dgr_driver::DraftStats { steps: 3, drafted: 10, accepted: 7 });
         m.ttft.observe(0.03);
         let text = m.render(2, 1);
         for line in [
@@ -163,6 +176,9 @@ mod tests {
             "dgr_gateway_ttft_seconds_count 1",
             "dgr_gateway_inter_token_seconds_count 0",
             "dgr_gateway_errors_total{kind=\"route_failed\"} 1",
+            "dgr_gateway_verify_steps_total 3",
+            "dgr_gateway_draft_tokens_total{outcome=\"accepted\"} 7",
+            "dgr_gateway_draft_tokens_total{outcome=\"rejected\"} 3",
             "dgr_gateway_spot_checks_total{result=\"agree\"} 1",
             "dgr_gateway_embedding_requests_total{model=\"smol\"} 1",
             "dgr_gateway_embedding_failures_total{model=\"smol\"} 0",

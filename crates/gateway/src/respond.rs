@@ -7,7 +7,7 @@ use crate::tools;
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use dgr_driver::FinishReason;
+use dgr_driver::{DraftStats, FinishReason};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -31,10 +31,15 @@ fn new_id(chat: bool) -> String {
     }
 }
 
-/// OpenAI's usage object; `cached` prompt tokens came from the workers' prefix caches.
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+/// OpenAI's usage object; `cached` prompt tokens came from the workers' prefix caches. Draft
+/// tokens of speculative decoding are OpenAI's predicted-output counts (accepted and
+/// rejected), and `speculation` (dgr's) says in how many verification steps.
+fn usage(prompt: usize, completion: usize, cached: usize, drafts: DraftStats) -> Value {
     json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": { "cached_tokens": cached } })
+            "prompt_tokens_details": { "cached_tokens": cached },
+            "completion_tokens_details": { "accepted_prediction_tokens": drafts.accepted,
+                                           "rejected_prediction_tokens": drafts.drafted - drafts.accepted },
+            "speculation": drafts })
 }
 
 /// A sampled token, its logprob, and the most likely alternatives with theirs.
@@ -102,19 +107,19 @@ fn finish(reason: FinishReason) -> &'static str {
 pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
     let mut text = String::new();
     let mut lp = Logprobs { shape: &shape, tokens: Vec::new() };
-    let (reason, completion, cached) = loop {
+    let (reason, completion, (cached, drafts)) = loop {
         match rx.recv().await {
             Some(Piece::Token { id, text: t, logprob, top }) => {
                 text.push_str(&t);
                 lp.tokens.push((id, logprob, top));
             }
-            Some(Piece::Done { text: tail, end, completion_tokens, cached_tokens, .. }) => {
+            Some(Piece::Done { text: tail, end, completion_tokens, cached_tokens, drafts, .. }) => {
                 let reason = match end {
                     Ok(r) => r,
                     Err(e) => return e.into_response(),
                 };
                 text.push_str(&tail);
-                break (reason, completion_tokens, cached_tokens);
+                break (reason, completion_tokens, (cached_tokens, drafts));
             }
             None => return (StatusCode::INTERNAL_SERVER_ERROR, "the generation ended without a result").into_response(),
         }
@@ -138,7 +143,7 @@ pub async fn whole(shape: Shape, mut rx: UnboundedReceiver<Piece>) -> Response {
         "created": shape.created,
         "model": shape.model.name,
         "choices": [choice],
-        "usage": usage(shape.prompt_tokens, completion, cached),
+        "usage": usage(shape.prompt_tokens, completion, cached, drafts),
     }))
     .into_response()
 }
@@ -204,7 +209,7 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
                         out.extend_from_slice(&event(&(st.chunk)(&st.shape, choice)));
                     }
                 }
-                Some(Piece::Done { text, end, prompt_tokens, completion_tokens, cached_tokens }) => {
+                Some(Piece::Done { text, end, prompt_tokens, completion_tokens, cached_tokens, drafts }) => {
                     st.done = true;
                     match end {
                         Err(e) => out.extend_from_slice(&event(&e.body())),
@@ -236,7 +241,7 @@ pub fn stream(shape: Shape, rx: UnboundedReceiver<Piece>) -> Response {
                             // always sends it, so every stream ends with its usage.
                             let mut u = (st.chunk)(&st.shape, Value::Null);
                             u["choices"] = json!([]);
-                            u["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens);
+                            u["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens, drafts);
                             out.extend_from_slice(&event(&u));
                         }
                     }

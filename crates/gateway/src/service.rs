@@ -9,8 +9,8 @@ use crate::text::TextOut;
 use crate::verify;
 use axum::http::StatusCode;
 use dgr_driver::{
-    embed_recovering, generate_recovering, tracker, DriveError, DriveOptions, EmbedRequest, FailKind, FinishReason, Flow, GenRequest,
-    Links, Recovered, SharedConstraint, Ticketed, Trackers, UsageReporter,
+    embed_recovering, generate_recovering, tracker, DraftStats, DriveError, DriveOptions, EmbedRequest, FailKind, FinishReason, Flow,
+    GenRequest, Links, Recovered, SharedConstraint, Ticketed, Trackers, UsageReporter,
 };
 use dgr_proto::{
     ErrorKind, Pooling, RefusalKind, RouteRequest, Sampling, SeamDtype, SwarmQuery, SwarmReply, TrackerBody, TrackerCallError,
@@ -136,6 +136,8 @@ pub enum Piece {
         completion_tokens: usize,
         /// Of the prompt's tokens, those the route's prefix caches held.
         cached_tokens: usize,
+        /// Speculative decoding's steps and drafts.
+        drafts: DraftStats,
     },
 }
 
@@ -353,7 +355,10 @@ impl Gateway {
         let tail = if stopped_by_text { String::new() } else { text.finish() };
         let cached_tokens = result.as_ref().map_or(0, |c| c.cached_tokens);
         self.metrics.feed.ended(job.prompt.len(), cached_tokens);
-        let _ = tx.send(Piece::Done { text: tail, end, prompt_tokens: job.prompt.len(), completion_tokens: completion, cached_tokens });
+        let drafts = result.as_ref().map_or(DraftStats::default(), |c| c.drafts);
+        self.metrics.drafted(&drafts);
+        let _ =
+            tx.send(Piece::Done { text: tail, end, prompt_tokens: job.prompt.len(), completion_tokens: completion, cached_tokens, drafts });
         if let (true, Ok(c), [attempt]) = (check, &result, rec.attempts.as_slice()) {
             let sample = verify::Sample {
                 route: attempt.route.clone(),

@@ -1,6 +1,6 @@
 //! Validation of what arrives, before a receiver uses any of it.
 
-use crate::{BoundarySchema, ErrorKind, Forward, OpenSession, Pooling, SeamDtype, PROTOCOL_VERSION};
+use crate::{BoundarySchema, ErrorKind, Forward, OpenSession, Pooling, SeamDtype, MAX_DRAFT, PROTOCOL_VERSION};
 
 /// A session's handle: 128 random bits.
 pub type SessionId = [u8; 16];
@@ -103,10 +103,33 @@ pub fn check_forward(f: &Forward, first_stage: bool, hidden: usize, dtype: SeamD
     if rows == 0 || rows > max_rows {
         return Err(ProtoError::BadInput(format!("{rows} rows (at most {max_rows} per frame)")));
     }
+    check_draft(f, first_stage, rows)?;
     if !first_stage {
         check_finite(&f.hidden, hidden, dtype, f.position)?;
     }
     Ok(rows)
+}
+
+/// A speculative step's drafts: at most `MAX_DRAFT`, in a frame that samples without a mask,
+/// one row each after the frame's first; on the first stage, the tokens of those rows.
+fn check_draft(f: &Forward, first_stage: bool, rows: usize) -> Result<(), ProtoError> {
+    if f.draft.is_empty() {
+        return Ok(());
+    }
+    let bad = |why: String| Err(ProtoError::BadInput(why));
+    if f.draft.len() > MAX_DRAFT {
+        return bad(format!("{} draft tokens (at most {MAX_DRAFT})", f.draft.len()));
+    }
+    if !f.sample || !f.allowed.is_empty() {
+        return bad("draft tokens in a frame that does not sample, or samples under a mask".into());
+    }
+    if rows != f.draft.len() + 1 {
+        return bad(format!("{rows} rows for {} draft tokens (a speculative step is one row and its drafts)", f.draft.len()));
+    }
+    if first_stage && f.tokens[1..] != f.draft[..] {
+        return bad("the draft tokens are not the frame's tokens after its first".into());
+    }
+    Ok(())
 }
 
 /// Checks that every value of `bytes` (rows of `hidden` values in `dtype`, the first at
@@ -199,6 +222,27 @@ mod tests {
         assert_eq!(check_forward(&toks, true, 8, SeamDtype::F32, 16), Ok(3));
         assert!(check_forward(&toks, false, 8, SeamDtype::F32, 16).is_err());
         assert!(check_forward(&rows(2, 64, 0), true, 8, SeamDtype::F32, 16).is_err());
+    }
+
+    #[test]
+    fn a_speculative_step_is_one_row_and_its_drafts() {
+        let step = |tokens: Vec<u32>, draft: Vec<u32>| Forward { tokens, draft, sample: true, ..Default::default() };
+        assert_eq!(check_forward(&step(vec![4, 7, 9], vec![7, 9]), true, 8, SeamDtype::F32, 64), Ok(3));
+        let refused = [
+            ("drafts that are not the tokens", step(vec![4, 7, 9], vec![7, 8])),
+            ("more rows than one and the drafts", step(vec![4, 7, 9], vec![9])),
+            ("past MAX_DRAFT", step(vec![1; MAX_DRAFT + 2], vec![1; MAX_DRAFT + 1])),
+            ("without sampling", Forward { sample: false, ..step(vec![4, 7], vec![7]) }),
+            ("under a mask", Forward { allowed: vec![0xff], ..step(vec![4, 7], vec![7]) }),
+        ];
+        for (what, f) in refused {
+            assert!(matches!(check_forward(&f, true, 8, SeamDtype::F32, 64), Err(ProtoError::BadInput(_))), "{what}");
+        }
+        // Past the first stage the rows are hidden: their count must still fit the drafts.
+        let hidden =
+            |n: u32, draft: Vec<u32>| Forward { n_rows: n, hidden: vec![0; 32 * n as usize], draft, sample: true, ..Default::default() };
+        assert_eq!(check_forward(&hidden(3, vec![1, 2]), false, 8, SeamDtype::F32, 16), Ok(3));
+        assert!(check_forward(&hidden(2, vec![1, 2]), false, 8, SeamDtype::F32, 16).is_err());
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub use tracker::*;
 pub use trust::{check_peer, parse_peer_key, parse_tracker_key, pin_peer_keys, pin_tracker_keys};
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

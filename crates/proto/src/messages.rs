@@ -263,6 +263,11 @@ pub struct SessionRef {
     /// In `Close`: the chain hashes of the whole sequence, so its blocks are cached too.
     #[prost(bytes = "vec", repeated, tag = "3")]
     pub prefix_blocks: Vec<Vec<u8>>,
+    /// In `Close` with `prefix_blocks`: the positions that hold the sequence (its length less
+    /// its last token); a stage holding more (a speculative step's rejected drafts) drops them
+    /// before caching.
+    #[prost(uint64, tag = "4")]
+    pub positions: u64,
 }
 
 /// Per-hop timing that travels with a step, so the driver can report each seam.
@@ -319,7 +324,15 @@ pub struct Forward {
     /// for token `i` (ids past the mask excluded); empty: any token.
     #[prost(bytes = "vec", tag = "9")]
     pub allowed: Vec<u8>,
+    /// A speculative step: the tokens of the frame's rows after its first, guessed by the
+    /// driver (at most `MAX_DRAFT`, with `sample`, no mask, `1 + draft.len()` rows). The last
+    /// stage samples every row and keeps the drafts up to the first it did not sample.
+    #[prost(uint32, repeated, tag = "10")]
+    pub draft: Vec<u32>,
 }
+
+/// The most draft tokens one step verifies.
+pub const MAX_DRAFT: usize = 16;
 
 #[derive(Clone, Copy, PartialEq, prost::Message)]
 pub struct TopEntry {
@@ -344,6 +357,24 @@ pub struct TokenOut {
     pub top: Vec<TopEntry>,
     #[prost(message, repeated, tag = "6")]
     pub trace: Vec<Hop>,
+    /// After a speculative step: the tokens after this one that it accepted, in order (each
+    /// draft the last stage sampled too, then the one it sampled in place of the first it did
+    /// not). Empty: the step gave one token.
+    #[prost(message, repeated, tag = "7")]
+    pub more: Vec<Sampled>,
+}
+
+/// One more token of a speculative step.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Sampled {
+    #[prost(uint64, tag = "1")]
+    pub position: u64,
+    #[prost(uint32, tag = "2")]
+    pub token: u32,
+    #[prost(float, tag = "3")]
+    pub logprob: f32,
+    #[prost(message, repeated, tag = "4")]
+    pub top: Vec<TopEntry>,
 }
 
 /// How far a session's prompt has run through the route.

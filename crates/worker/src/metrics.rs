@@ -25,6 +25,10 @@ pub struct Metrics {
     /// bounds the decoding sessions' inter-token latency while it prefills.
     pub busy_chunk_rows_max: AtomicU64,
     pub sessions_opened: AtomicU64,
+    /// Speculative steps verified (the last stage), and their drafts accepted and rejected.
+    pub verify_steps: AtomicU64,
+    pub drafts_accepted: AtomicU64,
+    pub drafts_rejected: AtomicU64,
     /// Embeddings sent (the last stage of embedding sessions).
     pub embeddings: AtomicU64,
     pub sessions_closed: AtomicU64,
@@ -146,6 +150,10 @@ impl Metrics {
         );
         t.metric("dgr_worker_sessions_opened_total", "Sessions opened.", Counter, get(&self.sessions_opened));
         t.metric("dgr_worker_embeddings_total", "Embeddings pooled and sent (last stage).", Counter, get(&self.embeddings));
+        t.metric("dgr_worker_verify_steps_total", "Speculative steps verified (last stage).", Counter, get(&self.verify_steps));
+        let mut drafts = t.family("dgr_worker_draft_tokens_total", "Draft tokens verified (last stage), by outcome.", Counter);
+        drafts.sample(&[("outcome", "accepted")], get(&self.drafts_accepted));
+        drafts.sample(&[("outcome", "rejected")], get(&self.drafts_rejected));
         t.metric(
             "dgr_worker_sessions_closed_total",
             "Sessions freed (closed, cancelled, failed or idle).",

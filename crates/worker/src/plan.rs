@@ -89,12 +89,15 @@ pub fn plan(mut ready: Vec<Ready>, decoding: usize, p: &Policy) -> Vec<Batch> {
     let mut budget = p.step_tokens.max(1);
     let mut take: Vec<(Ready, usize)> = Vec::new();
     let per_step = p.decode_target(decoding.max(decode.len()));
+    // A decode frame runs whole: one token, or a speculative step's token and drafts (which the
+    // last stage samples together).
     for r in decode.into_iter().take(per_step) {
         if budget == 0 {
             break;
         }
-        budget -= 1;
-        take.push((r, 1));
+        budget = budget.saturating_sub(r.rows_left);
+        let n = r.rows_left;
+        take.push((r, n));
     }
     let busy = !take.is_empty();
     // With nothing decoding, the prompts waiting share one chunk (oldest first), so that the step

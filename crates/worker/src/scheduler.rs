@@ -9,7 +9,7 @@ use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Engine, EngineError, Input, LogitRows, Pooler, Pooling, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
     check_forward, check_open, check_prefix_blocks, session_id, Body, BoundarySchema, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hop,
-    OpenSession, Progress, ProtoError, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, MAX_HELD_DIGESTS,
+    OpenSession, Progress, ProtoError, Sampled, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, MAX_HELD_DIGESTS,
     PREFIX_BLOCK, STAGE_UNKNOWN,
 };
 use dgr_telemetry::unix_us;
@@ -80,6 +80,8 @@ pub(crate) enum Cmd {
         id: Vec<u8>,
         /// The whole sequence's prefix chain hashes, whose blocks are cached before it is freed.
         prefix_blocks: Vec<Vec<u8>>,
+        /// The positions that hold the sequence: any past them (rejected drafts) are not cached.
+        positions: u64,
     },
     /// A driver's connection ended: its sessions end with it.
     ConnClosed {
@@ -160,6 +162,10 @@ struct Session<K> {
     remembered: usize,
     /// No forward has arrived yet: the first may start past a cached prefix.
     fresh: bool,
+    /// After a speculative step on a stage before the last: its first draft's position. The
+    /// session's next frame may start anywhere from there to the end of the step, dropping the
+    /// rejected drafts' positions past its start.
+    floor: Option<usize>,
 }
 
 impl<K> Session<K> {
@@ -327,12 +333,17 @@ impl<E: Engine> Scheduler<E> {
                 self.last_arrival = at;
                 self.forward(f, recv_us, at, reply, (conn, uses))
             }
-            Cmd::Close { id, prefix_blocks } if !prefix_blocks.is_empty() => {
+            Cmd::Close { id, prefix_blocks, positions } if !prefix_blocks.is_empty() => {
                 if let Some(s) = session_id(&id).ok().and_then(|id| self.sessions.get_mut(&id)) {
-                    Self::rename(&mut self.prefix, s, &prefix_blocks);
-                    Self::remember(&mut self.prefix, s);
+                    // Positions past the sequence (a last speculative step's rejected drafts)
+                    // hold other tokens' keys: they never reach the cache.
+                    let held = (positions as usize) < s.kv.positions() && s.kv.blockable();
+                    if !held || s.kv.truncate(positions as usize).is_ok() {
+                        Self::rename(&mut self.prefix, s, &prefix_blocks);
+                        Self::remember(&mut self.prefix, s);
+                    }
                 }
-                self.handle(Cmd::Close { id, prefix_blocks: Vec::new() });
+                self.handle(Cmd::Close { id, prefix_blocks: Vec::new(), positions: 0 });
             }
             Cmd::Cancel { id } | Cmd::Close { id, .. } => {
                 if let Some(s) = session_id(&id).ok().and_then(|id| self.remove(&id)) {
@@ -485,6 +496,7 @@ impl<E: Engine> Scheduler<E> {
             pinned,
             remembered: 0,
             fresh: true,
+            floor: None,
         };
         self.reserved += cost;
         self.sessions.insert(id, session);
@@ -519,11 +531,22 @@ impl<E: Engine> Scheduler<E> {
                 })
             })
             .and_then(|rows| {
-                let expected = s.kv.positions() + s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
-                if f.position as usize != expected {
+                let waiting = s.pending.iter().map(|p| p.rows - p.done).sum::<usize>();
+                let expected = s.kv.positions() + waiting;
+                let position = f.position as usize;
+                // The session's next frame after a speculative step starts past the drafts
+                // accepted: the others' positions are dropped here as the last stage dropped them.
+                let rollback = waiting == 0 && position < expected && s.floor.is_some_and(|floor| position >= floor);
+                let past_prompt = s.decoding || s.pending.back().is_some_and(|p| p.f.sample);
+                if rollback {
+                    s.kv.truncate(position).map_err(|e| (ErrorKind::BadInput, e.to_string()))?;
+                }
+                if position != s.kv.positions() + waiting {
                     Err((ErrorKind::BadInput, format!("rows at position {} but the session is at {expected}", f.position)))
-                } else if s.embedding && (s.decoding || s.pending.back().is_some_and(|p| p.f.sample)) {
+                } else if s.embedding && past_prompt {
                     Err((ErrorKind::BadInput, "an embedding session takes rows only up to the end of its prompt".into()))
+                } else if (past_prompt && rows != f.draft.len() + 1) || (!past_prompt && !f.draft.is_empty()) {
+                    Err((ErrorKind::BadInput, "past its prompt a frame holds one token and its drafts; before, no drafts".into()))
                 } else if s.pending.len() >= MAX_PENDING {
                     Err((ErrorKind::Overloaded, format!("more than {MAX_PENDING} frames waiting")))
                 } else {
@@ -532,6 +555,7 @@ impl<E: Engine> Scheduler<E> {
             });
         match checked {
             Ok(rows) => {
+                s.floor = None;
                 s.last_active = Instant::now();
                 if s.feed.as_ref().map(|(c, _)| *c) != Some(conn) {
                     s.feed = Some((conn, uses.hold()));
@@ -710,6 +734,8 @@ impl<E: Engine> Scheduler<E> {
             let input = if s.first { Input::Tokens(&tokens[i]) } else { Input::Hidden(&hidden[i]) };
             let logits = match (s.last, s.pooler.is_some(), wants[i]) {
                 (true, true, _) => LogitRows::Normed,
+                // A speculative step samples every row (it runs whole: one row and its drafts).
+                (true, false, true) if !s.pending[0].f.draft.is_empty() => LogitRows::All,
                 (true, false, true) => LogitRows::Last,
                 _ => LogitRows::None,
             };
@@ -783,8 +809,9 @@ impl<E: Engine> Scheduler<E> {
                 last_row_hash,
                 last_row_position: chunk_start + n as u64 - 1,
             };
-            // The grammar's mask travels with the chunk that samples.
+            // The grammar's mask and the drafts travel with the chunk that samples.
             let allowed = if wants[i] { std::mem::take(&mut p.f.allowed) } else { Vec::new() };
+            let draft = if wants[i] { std::mem::take(&mut p.f.draft) } else { Vec::new() };
             if let Some(pooler) = s.pooler.as_mut() {
                 pooler.push(&out.hidden);
             }
@@ -803,6 +830,8 @@ impl<E: Engine> Scheduler<E> {
                     Some((_, next)) => {
                         let bytes = dgr_proto::encode_rows(&out.hidden, s.dtype);
                         trace.push(Hop { bytes_out: bytes.len() as u64, sent_unix_us: unix_us(), ..hop });
+                        // Until its next frame says how many drafts the last stage accepted.
+                        s.floor = (!draft.is_empty()).then(|| s.kv.positions() - draft.len());
                         let f = Forward {
                             session_id: s.id.to_vec(),
                             position: chunk_start,
@@ -813,27 +842,31 @@ impl<E: Engine> Scheduler<E> {
                             sample: wants[i],
                             trace,
                             allowed,
+                            draft,
                         };
                         send(next, Body::Forward(f))
                     }
                     None if wants[i] => {
-                        if let Err(e) = dgr_engine::mask_logits(&mut out.logits, &allowed) {
-                            self.end(s, Some((ErrorKind::BadInput, e.to_string())));
-                            continue;
-                        }
-                        let position = s.kv.positions() as u64;
-                        let token = dgr_engine::sample(&out.logits, &s.sampling, position);
-                        let (logprob, top) = dgr_engine::logprobs(&out.logits, token, s.top_logprobs);
+                        let drawn = match self.draw(&mut s, &mut out.logits, &allowed, &draft) {
+                            Ok(d) => d,
+                            Err(e) => {
+                                self.end(s, Some(e));
+                                continue;
+                            }
+                        };
                         s.carry.append(&mut trace);
                         s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
                         let trace = std::mem::take(&mut s.carry);
+                        let mut drawn = drawn.into_iter();
+                        let first = drawn.next().unwrap_or_default();
                         let t = TokenOut {
                             session_id: s.id.to_vec(),
-                            position,
-                            token,
-                            logprob,
-                            top: top.into_iter().map(|(id, logprob)| TopEntry { id, logprob }).collect(),
+                            position: first.position,
+                            token: first.token,
+                            logprob: first.logprob,
+                            top: first.top,
                             trace,
+                            more: drawn.collect(),
                         };
                         send(&s.reply, Body::Token(t))
                     }
@@ -858,6 +891,43 @@ impl<E: Engine> Scheduler<E> {
                 self.end(s, Some((kind, "could not pass the step on: the receiver is gone or not reading".into())));
             }
         }
+    }
+
+    /// The tokens a step that asked for one gives, from its rows' logits (`logits`: the last
+    /// row's, or with drafts every row's): the one token sampled under the step's mask, or the
+    /// accepted drafts and the token after them, each with its log-probabilities. The rejected
+    /// drafts' positions leave the session's KV at once.
+    fn draw(
+        &self,
+        s: &mut Session<E::State>,
+        logits: &mut [f32],
+        allowed: &[u8],
+        draft: &[u32],
+    ) -> Result<Vec<Sampled>, (ErrorKind, String)> {
+        let vocab = self.stage.config().vocab;
+        if logits.len() != (draft.len() + 1) * vocab {
+            return Err((ErrorKind::Internal, format!("{} logits for a step of {} drafts", logits.len(), draft.len())));
+        }
+        dgr_engine::mask_logits(logits, allowed).map_err(|e| (ErrorKind::BadInput, e.to_string()))?;
+        // The token sampled from the first row takes the position after that row's.
+        let first = (s.kv.positions() - draft.len()) as u64;
+        let tokens = dgr_engine::accept(logits, vocab, draft, &s.sampling, first);
+        if !draft.is_empty() {
+            let accepted = tokens.len() - 1;
+            s.kv.truncate(first as usize + accepted).map_err(|e| (ErrorKind::Internal, e.to_string()))?;
+            self.metrics.verify_steps.fetch_add(1, Relaxed);
+            self.metrics.drafts_accepted.fetch_add(accepted as u64, Relaxed);
+            self.metrics.drafts_rejected.fetch_add((draft.len() - accepted) as u64, Relaxed);
+        }
+        Ok(tokens
+            .iter()
+            .enumerate()
+            .map(|(r, &token)| {
+                let (logprob, top) = dgr_engine::logprobs(&logits[r * vocab..(r + 1) * vocab], token, s.top_logprobs);
+                let top = top.into_iter().map(|(id, logprob)| TopEntry { id, logprob }).collect();
+                Sampled { position: first + r as u64, token, logprob, top }
+            })
+            .collect())
     }
 
     /// Frees sessions idle past the timeout.
@@ -1014,12 +1084,12 @@ mod tests {
 
         // Usage counts the session's layers; closing frees its reservation.
         let mut layer_tokens = |id: u8, inbox: &mut Inbox<Frame>| {
-            s.handle(Cmd::Close { id: vec![id; 16], prefix_blocks: Vec::new() });
+            s.handle(Cmd::Close { id: vec![id; 16], prefix_blocks: Vec::new(), positions: 0 });
             let Body::Usage(u) = inbox.try_recv().unwrap().body.unwrap() else { panic!("expected usage") };
             u.layer_tokens
         };
         assert_eq!((layer_tokens(2, &mut back_inbox), layer_tokens(3, &mut whole_inbox)), (9, 18));
-        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new() });
+        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new(), positions: 0 });
         assert_eq!(s.reserved, 0);
     }
 
@@ -1227,7 +1297,7 @@ mod tests {
         // Rows from another connection move the hold there.
         s.handle(Cmd::Forward { f: rows(1), recv_us: 0, at: Instant::now(), reply: reply.clone(), conn: 3, uses: other.clone() });
         assert!(!feeder.in_use() && other.in_use());
-        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new() });
+        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new(), positions: 0 });
         assert!(!driver.in_use() && !feeder.in_use() && !other.in_use());
     }
 
@@ -1259,7 +1329,7 @@ mod tests {
         assert!(matches!(open(&mut s, 2, 0..6, 8, None).0, Body::Opened(_)));
         assert_eq!(refused(open(&mut s, 3, 0..6, 1, None).0), ErrorKind::Overloaded, "past the session cap");
         assert_eq!(refused(open(&mut s, 1, 0..6, 1, None).0), ErrorKind::BadFrame, "an id already open");
-        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new() });
+        s.handle(Cmd::Close { id: vec![1; 16], prefix_blocks: Vec::new(), positions: 0 });
         assert!(matches!(open(&mut s, 3, 0..6, 8, None).0, Body::Opened(_)), "a freed reservation is reusable");
     }
 

@@ -540,7 +540,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
             }
             Body::Close(r) => {
                 opening.lock().unwrap_or_else(PoisonError::into_inner).ids.remove(&r.session_id);
-                Cmd::Close { id: r.session_id, prefix_blocks: r.prefix_blocks }
+                Cmd::Close { id: r.session_id, prefix_blocks: r.prefix_blocks, positions: r.positions }
             }
             Body::Hello(_)
             | Body::Opened(_)

@@ -165,7 +165,11 @@ impl Route {
         for d in &drives {
             let sequence: Vec<u32> = d.prompt.iter().copied().chain(d.out.iter().map(|&(t, _)| t)).collect();
             for s in self.stages.iter_mut() {
-                s.handle(Cmd::Close { id: d.id.clone(), prefix_blocks: prefix_chain_bytes(&sequence) });
+                s.handle(Cmd::Close {
+                    id: d.id.clone(),
+                    prefix_blocks: prefix_chain_bytes(&sequence),
+                    positions: sequence.len() as u64 - 1,
+                });
                 s.publish();
             }
         }

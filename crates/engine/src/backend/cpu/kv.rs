@@ -124,6 +124,11 @@ impl<T: Elem> Plane<T> {
         self.v.drain(..drop * w);
     }
 
+    /// Keeps the values of the first `held` positions (keys past them are overwritten by appends).
+    fn truncate(&mut self, held: usize) {
+        self.v.truncate(held * self.width);
+    }
+
     /// Positions `at..at + n` of a layer of `slots` (slot = position): keys untransposed, then values.
     fn read(&self, slots: usize, at: usize, n: usize, out: &mut Vec<u8>) {
         for p in at..at + n {
@@ -195,6 +200,17 @@ impl Store {
             Store::Q8_0 { q, scale, .. } => {
                 q.shift(old, slots, drop, held);
                 scale.shift(old, slots, drop, held);
+            }
+        }
+    }
+
+    fn truncate(&mut self, held: usize) {
+        match self {
+            Store::F32(p) => p.truncate(held),
+            Store::F16(p) => p.truncate(held),
+            Store::Q8_0 { q, scale, .. } => {
+                q.truncate(held);
+                scale.truncate(held);
             }
         }
     }
@@ -417,6 +433,30 @@ impl KvCache {
         Ok(())
     }
 
+    /// Drops every position from `len` on, as if they had never been computed (a speculative
+    /// step's rejected drafts): later appends store the same bits a run that never held them
+    /// stores. Refused when `len` is past what is held, or when a sliding-window layer no longer
+    /// holds a position the next row at `len` would attend to.
+    pub fn truncate(&mut self, len: usize) -> Result<(), crate::EngineError> {
+        if len > self.len {
+            return Err(crate::EngineError::BadInput(format!("cannot keep {len} positions of {}", self.len)));
+        }
+        if let Some(w) = &self.window {
+            if (len + 1).saturating_sub(w.size) < w.start {
+                return Err(crate::EngineError::BadInput(format!(
+                    "the sliding window holds positions from {} on; a row at {len} sees earlier ones",
+                    w.start
+                )));
+            }
+        }
+        for li in 0..self.store.len() {
+            let start = self.span(li).0;
+            self.store[li].truncate(len - start);
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// Layer `li`'s first held position and its slots per key row.
     pub(crate) fn span(&self, li: usize) -> (usize, usize) {
         match &self.window {
@@ -570,6 +610,31 @@ mod tests {
                     assert!(slots <= 8.max(3 + most), "{slots} slots after forwards of at most {most} rows");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_truncated_cache_appends_as_if_it_never_held_the_dropped_positions() {
+        for &dtype in KvDtype::ALL {
+            // Positions 0..10 one at a time, against 0..6, then 6..10 appended as drafts 6..9
+            // (four more rows), truncated back to 8 and 8..10 computed again.
+            let mut straight = cache(dtype, 4, 64);
+            push(&mut straight, 10);
+            let mut spec = cache(dtype, 4, 64);
+            push(&mut spec, 6);
+            push(&mut spec, 5);
+            spec.truncate(8).unwrap();
+            assert_eq!(spec.len, 8);
+            push(&mut spec, 2);
+            for li in 0..3 {
+                let (a, b) = (held(&straight, li), held(&spec, li));
+                let n = a.len().min(b.len());
+                assert_eq!(a[a.len() - n..], b[b.len() - n..], "{dtype} layer {li}");
+                assert!(b.len() >= 3, "the window keeps what the next row sees");
+            }
+            assert!(spec.truncate(11).is_err(), "past what is held");
+            // A window of 4 after 10 positions holds what a row at 9 sees, not at 3.
+            assert!(spec.truncate(3).is_err() && spec.truncate(spec.span(1).0 + 3).is_ok());
         }
     }
 

@@ -1,0 +1,167 @@
+//! Speculative decoding's drafts: tokens guessed from the session's own text (prompt lookup),
+//! which the route verifies in one step. A guess changes no token — the last stage keeps only
+//! the drafts it samples itself — so the drafter is free to be wrong; it only costs rows.
+
+use serde::Serialize;
+
+/// How many draft tokens a step may carry: `Off`, or at most `n` (at most `MAX_DRAFT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Speculate {
+    Off,
+    Up(usize),
+}
+
+impl Speculate {
+    /// The default: prompt lookup with up to 8 drafts a step, adapted per session.
+    pub const DEFAULT: Speculate = Speculate::Up(8);
+
+    /// `off`, or a number of drafts from 1 to `MAX_DRAFT` (0 is off).
+    pub fn parse(s: &str) -> Result<Speculate, String> {
+        match s.trim() {
+            "off" | "0" => Ok(Speculate::Off),
+            n => match n.parse::<usize>() {
+                Ok(n) if n <= dgr_proto::MAX_DRAFT => Ok(Speculate::Up(n)),
+                _ => Err(format!("--speculate takes off or a number of draft tokens up to {}, not {s:?}", dgr_proto::MAX_DRAFT)),
+            },
+        }
+    }
+
+    fn max(self) -> usize {
+        match self {
+            Speculate::Off => 0,
+            Speculate::Up(n) => n.min(dgr_proto::MAX_DRAFT),
+        }
+    }
+}
+
+impl Default for Speculate {
+    fn default() -> Self {
+        Speculate::DEFAULT
+    }
+}
+
+impl std::fmt::Display for Speculate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Speculate::Off => f.write_str("off"),
+            Speculate::Up(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// What speculation did for a request: verification steps, drafts sent and drafts accepted.
+#[derive(Serialize, Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftStats {
+    pub steps: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+}
+
+impl DraftStats {
+    pub fn add(&mut self, o: &DraftStats) {
+        self.steps += o.steps;
+        self.drafted += o.drafted;
+        self.accepted += o.accepted;
+    }
+}
+
+/// The longest n-gram tried first; shorter ones down to one token follow.
+const NGRAM: usize = 3;
+
+/// The tokens that followed the most recent earlier occurrence of the sequence's last `n`
+/// tokens, for the largest `n` from `NGRAM` down to 1 that occurs, at most `max` of them.
+pub fn propose(tokens: &[u32], max: usize) -> Vec<u32> {
+    let len = tokens.len();
+    if max == 0 {
+        return Vec::new();
+    }
+    for n in (1..=NGRAM.min(len.saturating_sub(1))).rev() {
+        let suffix = &tokens[len - n..];
+        // Earlier starts only, the latest first: the text's most recent pattern.
+        if let Some(j) = (0..len - n).rev().find(|&j| &tokens[j..j + n] == suffix) {
+            return tokens[j + n..(j + n + max).min(len)].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+/// One session's drafting: how many drafts to send next, adapted to how many were accepted.
+/// A step whose drafts were all accepted doubles the next step's allowance (up to the
+/// maximum); one with a rejection sets it to what was accepted plus one, so text that does not
+/// repeat costs at most a row or two a step.
+pub(crate) struct Drafter {
+    max: usize,
+    next: usize,
+    pub stats: DraftStats,
+}
+
+impl Drafter {
+    pub fn new(s: Speculate) -> Option<Drafter> {
+        let max = s.max();
+        (max > 0).then_some(Drafter { max, next: max, stats: DraftStats::default() })
+    }
+
+    /// Drafts to follow `tokens` (the prompt and the tokens so far), at most `room`.
+    pub fn propose(&self, tokens: &[u32], room: usize) -> Vec<u32> {
+        propose(tokens, self.next.min(room))
+    }
+
+    /// A step with `drafted` drafts of which `accepted` were.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.stats.add(&DraftStats { steps: 1, drafted: drafted as u64, accepted: accepted as u64 });
+        self.next = if accepted == drafted { (2 * self.next).min(self.max) } else { (accepted + 1).min(self.max) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drafts_follow_the_latest_longest_match() {
+        // "1 2 3 4 5 | 9 2 3 7 | 1 2 3": the trigram 1 2 3 occurred at the start, followed by 4 5 9.
+        let t = [1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3];
+        assert_eq!(propose(&t, 3), [4, 5, 9]);
+        assert_eq!(propose(&t, 1), [4]);
+        assert_eq!(propose(&t, 0), Vec::<u32>::new());
+        // No earlier "8 2 3" nor "8"... but "2 3" occurred latest before 7.
+        assert_eq!(propose(&[1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2, 3], 2), [7, 8]);
+        // Only a unigram: the latest earlier 5, then what followed up to the end.
+        assert_eq!(propose(&[5, 1, 5, 2, 6, 5], 8), [2, 6, 5]);
+        // Nothing repeats, or too little text.
+        assert!(propose(&[1, 2, 3, 4], 4).is_empty() && propose(&[7], 4).is_empty() && propose(&[], 4).is_empty());
+        // A repeating run proposes its own continuation.
+        assert_eq!(propose(&[4, 4, 4, 4], 5), [4]);
+        assert_eq!(propose(&[1, 2, 1, 2, 1, 2], 4), [1, 2]);
+    }
+
+    #[test]
+    fn the_allowance_grows_with_acceptance_and_shrinks_with_rejection() {
+        let mut d = Drafter::new(Speculate::Up(8)).unwrap();
+        let t: Vec<u32> = (0..20).chain(0..20).collect();
+        assert_eq!(d.propose(&t[..25], 100).len(), 8);
+        assert_eq!(d.propose(&t[..25], 3).len(), 3, "no more than the room left");
+        d.verified(8, 2);
+        assert_eq!(d.propose(&t[..25], 100).len(), 3);
+        d.verified(3, 3);
+        d.verified(6, 6);
+        assert_eq!(d.propose(&t[..25], 100).len(), 8, "doubled up to the maximum");
+        d.verified(8, 0);
+        assert_eq!(d.propose(&t[..25], 100).len(), 1);
+        d.verified(0, 0);
+        assert_eq!(d.stats, DraftStats { steps: 4, drafted: 25, accepted: 11 });
+        assert!(Drafter::new(Speculate::Off).is_none() && Drafter::new(Speculate::Up(0)).is_none());
+    }
+
+    #[test]
+    fn the_flag_takes_off_or_a_count() {
+        assert_eq!(Speculate::parse("off"), Ok(Speculate::Off));
+        assert_eq!(Speculate::parse("0"), Ok(Speculate::Off));
+        assert_eq!(Speculate::parse("5"), Ok(Speculate::Up(5)));
+        assert!(Speculate::parse("17").is_err() && Speculate::parse("on").is_err() && Speculate::parse("-1").is_err());
+        assert_eq!((Speculate::Up(5).to_string(), Speculate::Off.to_string()), ("5".to_string(), "off".to_string()));
+    }
+}
