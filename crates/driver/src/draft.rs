@@ -87,22 +87,33 @@ pub fn propose(tokens: &[u32], max: usize) -> Vec<u32> {
 
 /// One session's drafting: how many drafts to send next, adapted to how many were accepted.
 /// A step whose drafts were all accepted doubles the next step's allowance (up to the
-/// maximum); one with a rejection sets it to what was accepted plus one, so text that does not
-/// repeat costs at most a row or two a step.
+/// maximum); one with a rejection sets it to what was accepted plus one; and after a step that
+/// accepted none, the session drafts nothing for 1, 2, 4 … (at most `MAX_PAUSE`) steps, so text
+/// that does not repeat costs few rows.
 pub(crate) struct Drafter {
     max: usize,
     next: usize,
+    /// Steps in a row whose drafts were all rejected, and steps left to draft nothing.
+    misses: u32,
+    pause: usize,
     pub stats: DraftStats,
 }
+
+/// The most steps a session goes without drafting after rejections.
+const MAX_PAUSE: usize = 16;
 
 impl Drafter {
     pub fn new(s: Speculate) -> Option<Drafter> {
         let max = s.max();
-        (max > 0).then_some(Drafter { max, next: max, stats: DraftStats::default() })
+        (max > 0).then_some(Drafter { max, next: max, misses: 0, pause: 0, stats: DraftStats::default() })
     }
 
     /// Drafts to follow `tokens` (the prompt and the tokens so far), at most `room`.
-    pub fn propose(&self, tokens: &[u32], room: usize) -> Vec<u32> {
+    pub fn propose(&mut self, tokens: &[u32], room: usize) -> Vec<u32> {
+        if self.pause > 0 {
+            self.pause -= 1;
+            return Vec::new();
+        }
         propose(tokens, self.next.min(room))
     }
 
@@ -113,6 +124,12 @@ impl Drafter {
         }
         self.stats.add(&DraftStats { steps: 1, drafted: drafted as u64, accepted: accepted as u64 });
         self.next = if accepted == drafted { (2 * self.next).min(self.max) } else { (accepted + 1).min(self.max) };
+        if accepted == 0 {
+            self.pause = (1usize << self.misses.min(8)).min(MAX_PAUSE);
+            self.misses += 1;
+        } else {
+            self.misses = 0;
+        }
     }
 }
 
@@ -150,9 +167,16 @@ mod tests {
         d.verified(6, 6);
         assert_eq!(d.propose(&t[..25], 100).len(), 8, "doubled up to the maximum");
         d.verified(8, 0);
+        // A step that accepted nothing pauses drafting for one step, the next such for two.
+        assert!(d.propose(&t[..25], 100).is_empty());
         assert_eq!(d.propose(&t[..25], 100).len(), 1);
+        d.verified(1, 0);
+        assert!(d.propose(&t[..25], 100).is_empty() && d.propose(&t[..25], 100).is_empty());
+        assert_eq!(d.propose(&t[..25], 100).len(), 1);
+        d.verified(1, 1);
+        assert_eq!(d.propose(&t[..25], 100).len(), 2, "an accepted draft ends the pauses");
         d.verified(0, 0);
-        assert_eq!(d.stats, DraftStats { steps: 4, drafted: 25, accepted: 11 });
+        assert_eq!(d.stats, DraftStats { steps: 6, drafted: 27, accepted: 12 });
         assert!(Drafter::new(Speculate::Off).is_none() && Drafter::new(Speculate::Up(0)).is_none());
     }
 

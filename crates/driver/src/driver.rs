@@ -392,7 +392,7 @@ async fn drive(
         };
         // Past the prompt, a step may carry drafts: as many as the tokens still wanted after
         // the one the step gives anyway.
-        let draft = match &drafter {
+        let draft = match &mut drafter {
             Some(d) if !out.tokens.is_empty() => d.propose(&sequence, req.max_tokens - out.tokens.len() - 1),
             _ => Vec::new(),
         };
