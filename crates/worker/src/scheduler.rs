@@ -1118,6 +1118,64 @@ mod tests {
         out
     }
 
+    /// One step of session 1 through `front` then `back`: every token it gives, with its
+    /// position and logprob's bits.
+    fn split_step(
+        (front, back): (&mut Scheduler, &mut Scheduler),
+        hop_inbox: &mut Inbox<Frame>,
+        inbox: &mut Inbox<Frame>,
+        f: Forward,
+    ) -> Vec<(u64, u32, u32)> {
+        forward(front, f);
+        let Body::Forward(rows) = hop_inbox.try_recv().unwrap().body.unwrap() else { panic!("expected hidden rows") };
+        forward(back, rows);
+        let t = token(inbox);
+        let mut out = vec![(t.position, t.token, t.logprob.to_bits())];
+        out.extend(t.more.iter().map(|m| (m.position, m.token, m.logprob.to_bits())));
+        out
+    }
+
+    #[test]
+    fn speculative_steps_give_the_tokens_single_steps_give_and_drop_rejected_drafts_everywhere() {
+        let bits = drive_split(8, |_, _| {});
+        let truth: Vec<u32> = bits.iter().map(|&(t, _)| t).collect();
+        let (mut front, mut back) = (scheduler(0..3, 64), scheduler(3..6, 64));
+        let (hop, mut hop_inbox) = channel(8);
+        open(&mut front, 1, 0..3, 32, Some(&hop));
+        let (_, mut inbox) = open(&mut back, 1, 3..6, 32, None);
+        let step = |position: u64, tokens: Vec<u32>, draft: Vec<u32>| Forward {
+            session_id: vec![1; 16],
+            position,
+            tokens,
+            sample: true,
+            draft,
+            ..Default::default()
+        };
+        let mut got = split_step((&mut front, &mut back), &mut hop_inbox, &mut inbox, step(0, vec![5, 6, 7], Vec::new()));
+        // Drafts of which the second is wrong: the first is kept, then the token sampled in
+        // place of the second; the back stage keeps 3 + 2 positions, the front still 3 + 4.
+        let wrong = truth[2] + 1;
+        let draft = vec![truth[1], wrong, truth[3]];
+        let tokens = [vec![truth[0]], draft.clone()].concat();
+        got.extend(split_step((&mut front, &mut back), &mut hop_inbox, &mut inbox, step(3, tokens, draft)));
+        assert_eq!(got.len(), 3);
+        assert_eq!((back.sessions[&[1; 16]].kv.positions(), front.sessions[&[1; 16]].kv.positions()), (5, 7));
+        // The next step starts at 5: the front drops the rejected draft's positions too. Every
+        // draft right: three drafts and the token after them.
+        let draft = truth[3..6].to_vec();
+        let tokens = [vec![truth[2]], draft.clone()].concat();
+        got.extend(split_step((&mut front, &mut back), &mut hop_inbox, &mut inbox, step(5, tokens, draft)));
+        let want: Vec<(u64, u32, u32)> = bits[..7].iter().enumerate().map(|(i, &(t, lp))| (3 + i as u64, t, lp)).collect();
+        assert_eq!(got, want, "the tokens, positions and logprobs of one-at-a-time steps");
+        assert_eq!(back.metrics.verify_steps.load(Relaxed), 2);
+        assert_eq!((back.metrics.drafts_accepted.load(Relaxed), back.metrics.drafts_rejected.load(Relaxed)), (4, 2));
+        // Nothing below the last step's first draft is dropped: such a frame is refused.
+        let (reply, mut replies) = channel(2);
+        let f = step(5, vec![truth[2]], Vec::new());
+        front.handle(Cmd::Forward { f, recv_us: 0, at: Instant::now(), reply, conn: 1, uses: ConnUse::default() });
+        assert_eq!(refused(replies.try_recv().unwrap().body.unwrap()), ErrorKind::BadInput);
+    }
+
     fn embed(pooling: dgr_proto::Pooling) -> Option<dgr_proto::Embed> {
         Some(dgr_proto::Embed { pooling: pooling as i32 })
     }
