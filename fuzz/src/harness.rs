@@ -19,8 +19,8 @@ use dgr_proto::{
     check_forward, check_open, check_prefix_probes, check_ticket_open, decode_rows, encode_rows, key_id, session_id, sign_ticket,
     verify_ticket, verifying_key, worker_id, Body, BoundarySchema, Challenge, Embed, Embedding, ErrorKind, ErrorMsg, Forward, Frame,
     Heartbeat, Hello, Hop, Join, Joined, Load, OpenSession, Ping, Pooling, PrefixHeld, PrefixProbe, RefusalKind, Refused, Registration,
-    Role, RouteReply, RouteRequest, RouteStage, Sampling, SeamDtype, SessionRef, SignedTicket, SigningKey, StageInfo, Ticket, TicketError,
-    TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage, VerifyingKey, MAX_CHUNK, MAX_HELD_DIGESTS,
+    Role, RouteReply, RouteRequest, RouteStage, Sampled, Sampling, SeamDtype, SessionRef, SignedTicket, SigningKey, StageInfo, Ticket,
+    TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage, VerifyingKey, MAX_CHUNK, MAX_HELD_DIGESTS,
     PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, Signer};
@@ -611,7 +611,19 @@ fn frame_seeds() -> Vec<(&'static str, Frame)> {
             "forward-tokens",
             Frame::new(Body::Forward(Forward { session_id: id.clone(), tokens: vec![1, 5, 9, 2], sample: true, ..Default::default() })),
         ),
+        (
+            "forward-draft",
+            Frame::new(Body::Forward(Forward {
+                session_id: id.clone(),
+                position: 4,
+                tokens: vec![9, 5, 9],
+                draft: vec![5, 9],
+                sample: true,
+                ..Default::default()
+            })),
+        ),
         ("forward-f32", Frame::new(Body::Forward(rows(2, 8, SeamDtype::F32)))),
+        ("forward-f32-draft", Frame::new(Body::Forward(Forward { draft: vec![3], ..rows(2, 8, SeamDtype::F32) }))),
         ("forward-f16", Frame::new(Body::Forward(rows(3, 16, SeamDtype::F16)))),
         ("forward-bf16", Frame::new(Body::Forward(rows(1, 16, SeamDtype::Bf16)))),
         (
@@ -631,6 +643,31 @@ fn frame_seeds() -> Vec<(&'static str, Frame)> {
         ),
         ("cancel", Frame::new(Body::Cancel(SessionRef { session_id: id.clone(), ..Default::default() }))),
         ("close", Frame::new(Body::Close(SessionRef { session_id: id.clone(), ..Default::default() }))),
+        (
+            "close-cached",
+            Frame::new(Body::Close(SessionRef {
+                session_id: id.clone(),
+                prefix_blocks: vec![vec![7; 32]],
+                positions: 20,
+                ..Default::default()
+            })),
+        ),
+        (
+            "token-speculative",
+            Frame::new(Body::Token(TokenOut {
+                session_id: id.clone(),
+                position: 5,
+                token: 17,
+                logprob: -0.25,
+                more: vec![Sampled {
+                    position: 6,
+                    token: 4,
+                    logprob: -0.5,
+                    top: vec![TopEntry { id: 4, logprob: -0.5, ..Default::default() }],
+                }],
+                ..Default::default()
+            })),
+        ),
         ("error", Frame::new(Body::Error(ErrorMsg::new(&id, ErrorKind::BadInput, 1, "3 rows (at most 2 per frame)")))),
         (
             "usage",
