@@ -194,8 +194,9 @@ fn a_route_reproduces_the_whole_model_bitwise_on_every_reference_prompt() {
             assert_eq!(got["stages"].as_array().map(Vec::len), Some(w.n()), "one stage report per stage: {got}");
             let seams = got["seams"].as_array().expect("seams");
             assert_eq!(seams.len(), w.n() - 1, "one seam report per seam: {got}");
-            // f32 rows of hidden size 576: every position crosses every seam once.
-            let positions = p.tokens.len() + 8 - 1;
+            // f32 rows of hidden size 576: every position crosses every seam once, and so does
+            // each rejected draft.
+            let positions = p.tokens.len() + 8 - 1 + rejected_drafts(&got) as usize;
             for s in seams {
                 assert_eq!(s["bytes"].as_u64(), Some((positions * 576 * 4) as u64), "seam bytes for {} positions: {s}", positions);
             }
@@ -838,8 +839,9 @@ fn a_prompt_prefilled_in_chunks_gives_the_same_output_and_a_full_seam_report() {
         a.extend(["--route", &route]);
         let got = generate_json(&a);
         assert_same_generation(&got, &whole, &format!("the long prompt prefilled in chunks of 64 over {}", layers_of(cuts)));
-        // Every prompt row and each decoded row but the last crossed every seam, as f32 rows of 576.
-        let want = ((long.tokens.len() + 4 - 1) * 576 * 4) as u64;
+        // Every prompt row, each decoded row but the last and each rejected draft crossed every
+        // seam, as f32 rows of 576.
+        let want = ((long.tokens.len() + 4 - 1 + rejected_drafts(&got) as usize) * 576 * 4) as u64;
         let bytes: Vec<u64> = got["seams"].as_array().expect("seams").iter().map(|s| s["bytes"].as_u64().unwrap()).collect();
         println!(
             "{}: {} prompt rows in chunks of 64 + 3 decoded rows: output identical to the whole model; seam bytes reported {bytes:?}, \

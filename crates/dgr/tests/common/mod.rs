@@ -439,6 +439,13 @@ pub fn generate_json(args: &[&str]) -> Value {
     serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("dgr generate {args:?} printed no JSON ({e}): {stdout}"))
 }
 
+/// The draft rows a generation's speculative steps computed and threw away: they crossed every
+/// seam and were decoded by every stage besides the generation's own rows.
+pub fn rejected_drafts(generation: &Value) -> u64 {
+    let d = &generation["drafts"];
+    d["drafted"].as_u64().expect("drafts.drafted") - d["accepted"].as_u64().expect("drafts.accepted")
+}
+
 /// The fields of a generation that a route must reproduce exactly, as their JSON text (so
 /// numbers compare bit for bit as printed).
 pub fn essence(v: &Value) -> Vec<(&'static str, String)> {
