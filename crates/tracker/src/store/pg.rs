@@ -42,8 +42,7 @@ impl Postgres {
             self.prepared.clear();
             self.client = None;
             let mut c = self.cfg.connect(NoTls).map_err(|e| StoreError::Unavailable(format!("connecting: {e}")))?;
-            c.batch_execute(&format!("SET statement_timeout = {}", DEADLINE.as_millis()))
-                .map_err(|e| self.failed(e))?;
+            c.batch_execute(&format!("SET statement_timeout = {}", DEADLINE.as_millis())).map_err(|e| self.failed(e))?;
             self.client = Some(c);
         }
         Ok(self.client.as_mut().expect("connected above"))

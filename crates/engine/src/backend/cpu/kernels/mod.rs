@@ -287,7 +287,7 @@ const PREFETCH: usize = 4096;
 /// may lie past the row.)
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch(blk: *const u8, bb: usize) {
+pub(super) fn prefetch(blk: *const u8, bb: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
     // Blocks shorter than a line: only the first block starting in a line asks for it (every
     // block asking would ask for each line two or three times).

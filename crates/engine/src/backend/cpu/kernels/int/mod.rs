@@ -17,6 +17,8 @@
 //! fast mode too ("fast" means integer kernels where the weights are integer codes).
 
 mod codes;
+#[cfg(target_arch = "x86_64")]
+mod column;
 mod quant;
 mod tile;
 
@@ -96,12 +98,13 @@ pub(super) unsafe fn gemv_with(flavor: Flavor, w: &Rows, k: usize, acts: &Activa
     let row_len = n_blocks * ty.block_bytes();
     let needed = w.n_rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(w.row_bytes).and_then(|b| b.checked_add(row_len)));
     assert!(needed.is_some_and(|n| w.bytes.len() >= n), "{} rows of {row_len} bytes every {} in {}", w.n_rows, w.row_bytes, w.bytes.len());
-    // AVX-512 takes whole groups of 16 rows in tiles; the rest go the portable way.
+    // AVX-512 takes whole groups of 16 rows, in tiles, or a column at a time where there are
+    // too few columns to pay for the tiles' panel; the rest go the portable way.
     let tiled = if matches!(flavor, Flavor::Avx512 | Flavor::Vnni) { w.n_rows / tile::TILE_ROWS * tile::TILE_ROWS } else { 0 };
     if tiled > 0 {
         // SAFETY: the rows are in bounds (above), the outputs of rows `0..tiled` are the
         // caller's, and the flavor's features are this CPU's.
-        unsafe { tiles(flavor, w, tiled, n_blocks, acts, out, stride) };
+        unsafe { sixteens(flavor, w, tiled, n_blocks, acts, out, stride) };
     }
     let rest = Rows { ty, bytes: &w.bytes[tiled * w.row_bytes..], row_bytes: w.row_bytes, n_rows: w.n_rows - tiled };
     let (w, out) = (&rest, out.wrapping_add(tiled));
@@ -142,11 +145,30 @@ unsafe fn dispatch<const N: usize>(flavor: Flavor, w: &Rows, n_blocks: usize, ac
     }
 }
 
-/// Rows `0..n_rows` (a multiple of 16) of `w` by AVX-512 tiles.
+/// Columns below which AVX-512 takes them one at a time rather than by tiles.
+const TILE_MIN_COLUMNS: usize = 2;
+
+/// Rows `0..n_rows` (a multiple of 16) of `w` by AVX-512, 16 rows at a time.
 ///
 /// # Safety
 /// As for `gemv_with`, and `flavor` is AVX-512 (with or without VNNI).
-unsafe fn tiles(flavor: Flavor, w: &Rows, n_rows: usize, n_blocks: usize, acts: &Activations, out: *mut f32, stride: usize) {
+unsafe fn sixteens(flavor: Flavor, w: &Rows, n_rows: usize, n_blocks: usize, acts: &Activations, out: *mut f32, stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if acts.n < TILE_MIN_COLUMNS {
+        return COLUMN.with_borrow_mut(|sc| {
+            for c in 0..acts.n {
+                // SAFETY: as the caller vouches, for column `c`'s outputs.
+                unsafe {
+                    let out = out.add(c * stride);
+                    by_type!(w.ty, T => match flavor {
+                        Flavor::Vnni => column_vnni::<T>(w, n_rows, n_blocks, acts, c, out, sc),
+                        Flavor::Avx512 => column_avx512::<T>(w, n_rows, n_blocks, acts, c, out, sc),
+                        _ => unreachable!("columns are AVX-512's"),
+                    })
+                }
+            }
+        });
+    }
     PANEL.with_borrow_mut(|panel| {
         // SAFETY: as the caller vouches.
         unsafe {
@@ -164,6 +186,9 @@ unsafe fn tiles(flavor: Flavor, w: &Rows, n_rows: usize, n_blocks: usize, acts: 
 thread_local! {
     /// Each thread's panel, kept between calls.
     static PANEL: std::cell::RefCell<tile::Panel> = std::cell::RefCell::new(tile::Panel::default());
+    /// Each thread's scratch for one-column products, kept between calls.
+    #[cfg(target_arch = "x86_64")]
+    static COLUMN: std::cell::RefCell<column::Scratch> = std::cell::RefCell::new(column::Scratch::default());
 }
 
 macro_rules! tiled {
@@ -195,6 +220,30 @@ macro_rules! tiled {
 
 tiled!(tiles_avx512, "avx512f,avx512bw,avx512vl,fma,f16c", false);
 tiled!(tiles_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c", true);
+
+macro_rules! columned {
+    ($name:ident, $features:literal, $vnni:literal) => {
+        /// # Safety
+        /// As for `column::column`, and the CPU has the features.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const T: u8>(
+            w: &Rows,
+            n_rows: usize,
+            n_blocks: usize,
+            acts: &Activations,
+            c: usize,
+            out: *mut f32,
+            sc: &mut column::Scratch,
+        ) {
+            // SAFETY: as the caller vouches; the features are this CPU's.
+            unsafe { column::column::<T, $vnni>(w, n_rows, n_blocks, acts, c, out, sc) }
+        }
+    };
+}
+
+columned!(column_avx512, "avx512f,avx512bw,avx512vl,fma,f16c", false);
+columned!(column_vnni, "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c", true);
 
 /// The same portable body compiled for each instruction set: the integer sums vectorize
 /// however the compiler likes (they are exact), and the float steps are written one by one,
