@@ -75,14 +75,20 @@ fn one_process(stage: &Stage, b: usize, p: usize, gen: usize) -> Result<f64> {
     Ok((b * (gen - 1)) as f64 / t.elapsed().as_secs_f64())
 }
 
-/// Aggregate decode tok/s of `b` concurrent sessions driven through `route`, in steady state:
+/// `b` sessions' prompts of `p` token ids each, distinct per session.
+pub(crate) fn token_prompts(vocab: u32, b: usize, p: usize) -> Vec<Vec<u32>> {
+    (0..b).map(|i| prompt(vocab, i, p)).collect()
+}
+
+/// Aggregate decode tok/s of concurrent sessions, one a prompt, driven through `route`, in steady state:
 /// the tokens produced while every session is decoding (from the last session's first token to
 /// the first session's last), over that window — as llama-batched-bench times generation only
 /// after every prompt is in.
-pub(crate) fn routed(rt: &tokio::runtime::Runtime, route: &Route, vocab: u32, b: usize, p: usize, gen: usize) -> Result<f64> {
-    let reqs: Vec<GenRequest> = (0..b)
-        .map(|i| GenRequest {
-            prompt_tokens: prompt(vocab, i, p),
+pub(crate) fn routed(rt: &tokio::runtime::Runtime, route: &Route, prompts: Vec<Vec<u32>>, gen: usize) -> Result<f64> {
+    let reqs: Vec<GenRequest> = prompts
+        .into_iter()
+        .map(|prompt_tokens| GenRequest {
+            prompt_tokens,
             max_tokens: gen,
             sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
             top_logprobs: 0,
@@ -188,14 +194,14 @@ pub fn run(a: Args) -> Result<()> {
     let ranges: Vec<String> = route.stages.iter().map(|s| format!("{}..{}", s.info.layer_start, s.info.layer_end)).collect();
     let vocab = cfg.vocab as u32;
     one_process(&stage, 1, a.prompt_tokens, 4)?; // warm-up
-    routed(&rt, &route, vocab, 1, a.prompt_tokens, 4)?;
+    routed(&rt, &route, token_prompts(vocab, 1, a.prompt_tokens), 4)?;
     let n = sessions.len();
     let (mut one, mut split, mut peer_s) = (vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
     let mut version = String::new();
     for rep in 0..a.reps {
         for (i, &b) in sessions.iter().enumerate() {
             one[i].push(one_process(&stage, b, a.prompt_tokens, a.gen_tokens)?);
-            split[i].push(routed(&rt, &route, vocab, b, a.prompt_tokens, a.gen_tokens)?);
+            split[i].push(routed(&rt, &route, token_prompts(vocab, b, a.prompt_tokens), a.gen_tokens)?);
         }
         let (l, v) = llama_batched(&bin, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens, &[])?;
         for (i, s) in l.into_iter().enumerate() {

@@ -3,7 +3,7 @@
 //! by llama-batched-bench) behind the same proxies, at each delay asked for.
 
 use super::{median, peer, record};
-use crate::batch::{llama_batched, routed};
+use crate::batch::{llama_batched, routed, token_prompts};
 use crate::delay::DelayProxies;
 use crate::error::{BenchError, Context, Result};
 use crate::model::{ModelArg, NumericsArg};
@@ -29,9 +29,14 @@ pub struct Args {
     /// Compute threads of each process (each worker, each rpc-server)
     #[arg(long, short = 't', default_value_t = 1)]
     threads: usize,
-    /// Prompt tokens of each session (prefilled before decode is timed)
+    /// Prompt tokens of each session for the `tokens` prompts (prefilled before decode is timed)
     #[arg(long, default_value_t = 32)]
     prompt_tokens: usize,
+    /// The prompts dgr's sessions decode from, comma-separated: `tokens` (--prompt-tokens
+    /// deterministic token ids, as llama.cpp's are), `copy` (a text asking for a paragraph
+    /// back: copy-heavy, what speculation drafts well), `free` (a text to continue freely)
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "tokens,copy,free")]
+    prompts: Vec<PromptKind>,
     /// Tokens each session generates
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
@@ -47,6 +52,35 @@ pub struct Args {
     /// Directory for the run's record
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
+}
+
+/// What a session's prompt is.
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq, Debug, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+enum PromptKind {
+    Tokens,
+    Copy,
+    Free,
+}
+
+/// A copy-heavy prompt: the answer repeats the paragraph it was given.
+const COPY: &str = "Copy the text exactly.\nText: The committee met on Tuesday to review the budget for the new library. \
+After a long discussion, the members agreed to fund the reading room, the children's corner and the new computers, \
+and to ask the city for the rest of the money before the end of the year.\nCopy: The committee met on Tuesday";
+/// A free-form prompt: a story to continue.
+const FREE: &str = "The history of the lighthouse keeper's family began in a small fishing village on the northern coast, where";
+
+impl PromptKind {
+    /// `b` sessions' prompts: distinct token ids, or each session the same text.
+    fn prompts(self, tok: &dgr_tokenizer::Tokenizer, vocab: u32, b: usize, p: usize) -> Result<Vec<Vec<u32>>> {
+        let text = match self {
+            PromptKind::Tokens => return Ok(token_prompts(vocab, b, p)),
+            PromptKind::Copy => COPY,
+            PromptKind::Free => FREE,
+        };
+        let tokens = tok.encode_prompt(text).map_err(|e| BenchError::Measure(format!("tokenizing the {self:?} prompt: {e}")))?;
+        Ok(vec![tokens; b])
+    }
 }
 
 fn counts(flag: &str, s: &str) -> Result<Vec<u64>> {
@@ -77,9 +111,11 @@ pub fn run(a: Args) -> Result<()> {
     let servers = RpcServers::start(&rpc, &[50200, 50201], a.threads)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting a runtime")?;
     let vocab = cfg.vocab as u32;
-    let (nd, ns) = (delays.len(), sessions.len());
-    // [delay][sessions] -> samples
-    let (mut dgr, mut llama) = (vec![vec![vec![]; ns]; nd], vec![vec![vec![]; ns]; nd]);
+    let tok = a.model.tokenizer(&g)?;
+    let kinds = &a.prompts;
+    let (nd, ns, nk) = (delays.len(), sessions.len(), kinds.len());
+    // dgr: [prompt][delay][sessions] -> samples; llama.cpp: [delay][sessions]
+    let (mut dgr, mut llama) = (vec![vec![vec![vec![]; ns]; nd]; nk], vec![vec![vec![]; ns]; nd]);
     let mut version = String::new();
     for rep in 0..a.reps {
         for (d, &ms) in delays.iter().enumerate() {
@@ -88,9 +124,11 @@ pub fn run(a: Args) -> Result<()> {
             // stage 0's to stage 1, so a token crosses three delayed hops, as across three hosts.
             let proxies = DelayProxies::start(&swarm.addrs, delay)?;
             let route = rt.block_on(Route::discover(&proxies.addrs, Duration::from_secs(30)))?;
-            routed(&rt, &route, vocab, 1, a.prompt_tokens, 4)?; // warm-up: links open
-            for (i, &b) in sessions.iter().enumerate() {
-                dgr[d][i].push(routed(&rt, &route, vocab, b, a.prompt_tokens, a.gen_tokens)?);
+            routed(&rt, &route, token_prompts(vocab, 1, a.prompt_tokens), 4)?; // warm-up: links open
+            for (k, kind) in kinds.iter().enumerate() {
+                for (i, &b) in sessions.iter().enumerate() {
+                    dgr[k][d][i].push(routed(&rt, &route, kind.prompts(&tok, vocab, b, a.prompt_tokens)?, a.gen_tokens)?);
+                }
             }
             let rpc_proxies = DelayProxies::start(&servers.addrs, delay)?;
             let rpc_args = ["--rpc".to_string(), rpc_proxies.addrs.join(","), "-ngl".into(), "99".into()];
@@ -101,7 +139,13 @@ pub fn run(a: Args) -> Result<()> {
             version = v;
             let show =
                 |x: &[Vec<f64>]| x.iter().map(|s| format!("{:.1}", s.last().copied().unwrap_or(f64::NAN))).collect::<Vec<_>>().join(" / ");
-            eprintln!("rep {rep}, {ms} ms: dgr {} tok/s, llama.cpp RPC {} tok/s ({:?} sessions)", show(&dgr[d]), show(&llama[d]), sessions);
+            let dgr_now: Vec<String> = kinds.iter().zip(&dgr).map(|(k, x)| format!("{k:?} {}", show(&x[d]))).collect();
+            eprintln!(
+                "rep {rep}, {ms} ms: dgr {} tok/s, llama.cpp RPC {} tok/s ({:?} sessions)",
+                dgr_now.join(", "),
+                show(&llama[d]),
+                sessions
+            );
         }
     }
     drop(servers);
@@ -113,16 +157,25 @@ pub fn run(a: Args) -> Result<()> {
         a.gen_tokens,
         a.threads
     );
-    println!("{:>8} {:>9} {:>10} {:>10} {:>11} {:>16}", "delay ms", "sessions", "dgr", "llama.cpp", "dgr/llama", "dgr vs 0 ms");
+    println!(
+        "{:>8} {:>9} {:>8} {:>10} {:>10} {:>11} {:>16}",
+        "delay ms", "sessions", "prompt", "dgr", "llama.cpp", "dgr/llama", "dgr vs 0 ms"
+    );
     let zero = delays.iter().position(|&d| d == 0);
     let mut rows = Vec::new();
     for (d, &ms) in delays.iter().enumerate() {
         for (i, &b) in sessions.iter().enumerate() {
-            let (x, l) = (median(&dgr[d][i]), median(&llama[d][i]));
-            let kept = zero.map(|z| x / median(&dgr[z][i]));
-            let kept_s = kept.map(|k| format!("{k:.3}")).unwrap_or_else(|| "-".into());
-            println!("{ms:>8} {b:>9} {x:>10.1} {l:>10.1} {:>11.3} {kept_s:>16}", x / l);
-            rows.push(json!({ "delay_ms": ms, "sessions": b, "dgr": x, "llama_rpc": l, "dgr_vs_llama": x / l, "dgr_vs_zero_delay": kept }));
+            for (k, kind) in kinds.iter().enumerate() {
+                let (x, l) = (median(&dgr[k][d][i]), median(&llama[d][i]));
+                let kept = zero.map(|z| x / median(&dgr[k][z][i]));
+                let kept_s = kept.map(|k| format!("{k:.3}")).unwrap_or_else(|| "-".into());
+                let name = format!("{kind:?}").to_lowercase();
+                println!("{ms:>8} {b:>9} {name:>8} {x:>10.1} {l:>10.1} {:>11.3} {kept_s:>16}", x / l);
+                rows.push(json!({
+                    "delay_ms": ms, "sessions": b, "prompt": kind, "dgr": x, "llama_rpc": l,
+                    "dgr_vs_llama": x / l, "dgr_vs_zero_delay": kept,
+                }));
+            }
         }
     }
     let path = record::write(
@@ -135,8 +188,9 @@ pub fn run(a: Args) -> Result<()> {
             "peer": { "tool": "llama-batched-bench --rpc (-ngl 99) with 2 ggml-rpc-server processes, each behind the same proxy", "version": version },
             "threads": a.threads,
             "prompt_tokens": a.prompt_tokens,
+            "prompts": { "kinds": kinds, "copy": COPY, "free": FREE, "llama_rpc": "llama-batched-bench's own, --prompt-tokens long" },
             "gen_tokens": a.gen_tokens,
-            "samples": { "delay_ms": delays, "sessions": sessions, "dgr_route": dgr, "llama_rpc": llama },
+            "samples": { "delay_ms": delays, "sessions": sessions, "prompts": kinds, "dgr_route": dgr, "llama_rpc": llama },
             "table": rows,
         }),
     )?;
