@@ -168,7 +168,7 @@ pub fn run(a: Args) -> Result<()> {
             for (k, kind) in kinds.iter().enumerate() {
                 let (x, l) = (median(&dgr[k][d][i]), median(&llama[d][i]));
                 let kept = zero.map(|z| x / median(&dgr[k][z][i]));
-                let kept_s = kept.map(|k| format!("{k:.3}")).unwrap_or_else(|| "-".into());
+                let kept_s = kept.map(|r| format!("{r:.3}")).unwrap_or_else(|| "-".into());
                 let name = format!("{kind:?}").to_lowercase();
                 println!("{ms:>8} {b:>9} {name:>8} {x:>10.1} {l:>10.1} {:>11.3} {kept_s:>16}", x / l);
                 rows.push(json!({

@@ -169,26 +169,31 @@ fn a_replayed_handshake_opens_nothing() {
     assert_eq!(metrics(&hops._workers.addrs[0]).get("dgr_worker_sessions_opened_total"), before, "a replay opened a session");
 }
 
-/// A session on a fresh route from `t`, driven in this process without recovery.
+/// Two greedy tokens of a short prompt along `route`, driven in this process without recovery.
+async fn drive(
+    route: &dgr_driver::Route,
+    ticket: Option<(dgr_proto::SignedTicket, [u8; 16])>,
+) -> Result<dgr_driver::Completion, dgr_driver::DriveError> {
+    let req = dgr_driver::GenRequest {
+        prompt_tokens: prompt("capital").tokens,
+        max_tokens: 2,
+        sampling: dgr_proto::Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
+        top_logprobs: 0,
+        seam_dtype: dgr_proto::SeamDtype::F32,
+        ticket,
+        hash_rows: false,
+        constraint: None,
+    };
+    dgr_driver::generate_on(&dgr_driver::Links::new(), route, &req, &dgr_driver::DriveOptions::default(), |_| dgr_driver::Flow::Continue)
+        .await
+}
+
+/// A session on a fresh route from `t`.
 fn drive_ticketed(t: &Tracker, what: &str) -> Result<dgr_driver::Completion, dgr_driver::DriveError> {
     let model_id = dgr_gguf::model_identity(&model()).unwrap().id;
-    let rt = runtime();
-    rt.block_on(async {
+    runtime().block_on(async {
         let (route, ticket) = dgr_driver::tracker::route(&t.addr, &model_id, "", 64, "", what, &[], &[]).await.expect("a route");
-        let req = dgr_driver::GenRequest {
-            prompt_tokens: prompt("capital").tokens,
-            max_tokens: 2,
-            sampling: dgr_proto::Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
-            top_logprobs: 0,
-            seam_dtype: dgr_proto::SeamDtype::F32,
-            ticket: Some(ticket),
-            hash_rows: false,
-            constraint: None,
-        };
-        dgr_driver::generate_on(&dgr_driver::Links::new(), &route, &req, &dgr_driver::DriveOptions::default(), |_| {
-            dgr_driver::Flow::Continue
-        })
-        .await
+        drive(&route, Some(ticket)).await
     })
 }
 
@@ -231,24 +236,11 @@ fn a_next_hop_the_ticket_does_not_name_is_refused_by_the_previous_stage() {
     println!("next hop refused: {e}");
 }
 
-/// A session on the ticketless route `addrs`, driven in this process without recovery.
+/// A session on the ticketless route `addrs`.
 fn drive_ticketless(addrs: &[String]) -> Result<dgr_driver::Completion, dgr_driver::DriveError> {
     runtime().block_on(async {
         let route = dgr_driver::Route::discover(addrs, Duration::from_secs(5)).await?;
-        let req = dgr_driver::GenRequest {
-            prompt_tokens: prompt("capital").tokens,
-            max_tokens: 2,
-            sampling: dgr_proto::Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
-            top_logprobs: 0,
-            seam_dtype: dgr_proto::SeamDtype::F32,
-            ticket: None,
-            hash_rows: false,
-            constraint: None,
-        };
-        dgr_driver::generate_on(&dgr_driver::Links::new(), &route, &req, &dgr_driver::DriveOptions::default(), |_| {
-            dgr_driver::Flow::Continue
-        })
-        .await
+        drive(&route, None).await
     })
 }
 
