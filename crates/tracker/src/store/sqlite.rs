@@ -6,6 +6,8 @@ use super::StoreError;
 use rusqlite::types::{ToSqlOutput, ValueRef};
 use rusqlite::{Connection, ErrorCode};
 use std::path::Path;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// How long a statement waits for another connection's write lock before the ledger is
@@ -14,6 +16,7 @@ const BUSY: Duration = Duration::from_secs(5);
 
 pub(crate) struct Sqlite {
     db: Connection,
+    _checkpoints: Checkpointer,
 }
 
 impl Sqlite {
@@ -27,7 +30,53 @@ impl Sqlite {
         // WAL with NORMAL syncs at checkpoints, not at every commit: a power loss may lose the
         // last commits but never corrupts the file.
         db.pragma_update(None, "synchronous", "NORMAL").map_err(sql_err)?;
-        Ok(Sqlite { db })
+        // The WAL is copied back into the database by a thread of its own, not by the commit
+        // that fills it (see `Checkpointer`).
+        db.pragma_update(None, "wal_autocheckpoint", 0).map_err(sql_err)?;
+        let checkpoints = Checkpointer::start(path)?;
+        Ok(Sqlite { db, _checkpoints: checkpoints })
+    }
+}
+
+/// How often the checkpointer copies the WAL back into the database.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+/// Checkpoints the WAL from a connection and a thread of its own, so that no commit waits for
+/// one. With SQLite's automatic checkpoints, the commit that took the WAL past 1,000 pages
+/// copied them into the database and synced it, while every request queued behind it waited:
+/// `dgr bench tracker --workers 10000 --ledger-rows 0` measured route p99 7.6–8.0 ms so, and
+/// 3.8–4.7 ms with no checkpoints at all. A passive checkpoint takes no write lock, so commits
+/// go on beside it.
+struct Checkpointer {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Checkpointer {
+    fn start(path: &Path) -> Result<Checkpointer, StoreError> {
+        let db = Connection::open(path).map_err(sql_err)?;
+        db.busy_timeout(BUSY).map_err(sql_err)?;
+        let (stop, stopped) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("ledger-checkpoints".into())
+            .spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(CHECKPOINT_EVERY) {
+                    // A checkpoint that cannot finish now (a reader in the way, the file busy)
+                    // copies the rest at the next tick; the ledger's own calls report its errors.
+                    let _ = db.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+                }
+            })
+            .map_err(|e| StoreError::Unavailable(format!("starting the checkpoint thread: {e}")))?;
+        Ok(Checkpointer { stop: Some(stop), thread: Some(thread) })
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
