@@ -236,14 +236,6 @@ fn a_next_hop_the_ticket_does_not_name_is_refused_by_the_previous_stage() {
     println!("next hop refused: {e}");
 }
 
-/// A session on the ticketless route `addrs`.
-fn drive_ticketless(addrs: &[String]) -> Result<dgr_driver::Completion, dgr_driver::DriveError> {
-    runtime().block_on(async {
-        let route = dgr_driver::Route::discover(addrs, Duration::from_secs(5)).await?;
-        drive(&route, None).await
-    })
-}
-
 #[test]
 fn a_ticketless_route_knows_its_workers_by_the_keys_first_seen_or_pinned() {
     let _g = serial();
@@ -251,16 +243,18 @@ fn a_ticketless_route_knows_its_workers_by_the_keys_first_seen_or_pinned() {
     let b = Workers::start(&[15, 30], &[]);
     let tap_b = Tap::start(&b.addrs[0], None);
     let route = [a.addrs[0].clone(), tap_b.addr.clone()];
-    // The first session teaches this process stage 1's key, and stage 0 its next hop's.
-    drive_ticketless(&route).expect("the first session");
+    // Finding the route learns stage 1's key; its first session teaches stage 0 its next hop's.
+    let rt = runtime();
+    let found = rt.block_on(dgr_driver::Route::discover(&route, Duration::from_secs(5))).expect("the route");
+    rt.block_on(drive(&found, None)).expect("the first session");
     // An impostor of the same layers, with a key of its own, takes stage 1's address over; the
     // real one stops, so stage 0's next dial there reaches the impostor too.
     let impostor = Workers::start(&[15, 30], &[]);
     tap_b.switch(&impostor.addrs[0]);
     drop(b);
-    let e = drive_ticketless(&route).expect_err("the driver took a changed key");
+    let e = rt.block_on(drive(&found, None)).expect_err("the driver took a changed key");
     assert_eq!(e.kind, dgr_driver::FailKind::WrongPeer, "{e}");
-    assert!(e.to_string().contains("first link"), "{e}");
+    assert!(e.to_string().contains("the route names"), "{e}");
     // A new driver process learns the impostor's key on its own first use, but stage 0 saw
     // the real one first.
     let joined = route.join(",");

@@ -28,9 +28,19 @@ impl Route {
         }
         let probes = addrs.iter().enumerate().map(|(i, a)| connect(a, i as u32, timeout, 1 << 20));
         let mut stages = Vec::new();
-        for (addr, r) in addrs.iter().zip(futures::future::join_all(probes).await) {
-            let (_, _, info, _) = r?;
-            stages.push(StageEndpoint { addr: addr.clone(), info, worker_id: String::new() });
+        for (i, (addr, r)) in addrs.iter().zip(futures::future::join_all(probes).await).enumerate() {
+            let (_, _, info, peer) = r?;
+            // The route knows each stage by the key it proves now (or the one pinned at its
+            // address), so every later link there must prove the same; a plaintext link proves none.
+            let worker_id = match peer {
+                Some(id) => {
+                    dgr_proto::check_route_peer(addr, &id)
+                        .map_err(|m| DriveError::new(FailKind::WrongPeer, Some(i as u32), Some(addr), m))?;
+                    id
+                }
+                None => String::new(),
+            };
+            stages.push(StageEndpoint { addr: addr.clone(), info, worker_id });
         }
         let route = Route { stages };
         route.check()?;

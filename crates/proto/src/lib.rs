@@ -38,7 +38,7 @@ pub use ticket::{
     check_ticket_open, key_id, new_signing_key, sign_ticket, verify_ticket, verifying_key, worker_id, SignedTicket, Ticket, TicketError,
 };
 pub use tracker::*;
-pub use trust::{check_peer, parse_peer_key, parse_tracker_key, pin_peer_keys, pin_tracker_keys};
+pub use trust::{check_peer, check_route_peer, parse_peer_key, parse_tracker_key, pin_peer_keys, pin_tracker_keys};
 
 /// Bumped on any incompatible change to the messages or their meaning.
 pub const PROTOCOL_VERSION: u32 = 11;

@@ -63,13 +63,30 @@ pub(crate) fn check(addr: &str, peer: &VerifyingKey) -> Result<(), String> {
 /// accepted.
 pub fn check_peer(addr: &str, id: &str) -> Result<(), String> {
     let peer = parse_tracker_key(id)?;
-    if let Some(pin) = PEER_PINS.read().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.get(addr)) {
-        if *pin == peer {
-            return Ok(());
-        }
-        return Err(format!("the worker at {addr} proved the key {id}, not the one pinned there ({})", hex::encode(pin.as_bytes())));
+    match pinned(addr, id, &peer)? {
+        true => Ok(()),
+        false => first_use(&PEERS_LEARNED, "worker", "--peer-key", addr, &peer),
     }
-    first_use(&PEERS_LEARNED, "worker", "--peer-key", addr, &peer)
+}
+
+/// Why the worker at `addr`, proving `id` as a ticketless route is found, is not accepted: a
+/// key pinned there and not proved. Without a pin, the route knows the stage by this key from
+/// now on (said, as a first use is).
+pub fn check_route_peer(addr: &str, id: &str) -> Result<(), String> {
+    let peer = parse_tracker_key(id)?;
+    if !pinned(addr, id, &peer)? {
+        eprintln!("dgr: trusting the worker at {addr} on first use: its key is {id} (pin it with --peer-key)");
+    }
+    Ok(())
+}
+
+/// Whether a key is pinned for `addr`, refusing `peer` (`id` in hex) where another is.
+fn pinned(addr: &str, id: &str, peer: &VerifyingKey) -> Result<bool, String> {
+    match PEER_PINS.read().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.get(addr)) {
+        Some(pin) if pin == peer => Ok(true),
+        Some(pin) => Err(format!("the worker at {addr} proved the key {id}, not the one pinned there ({})", hex::encode(pin.as_bytes()))),
+        None => Ok(false),
+    }
 }
 
 /// Trust on first use: `addr`'s first key is learned (and said), and any other refused later.
