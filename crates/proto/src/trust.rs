@@ -6,10 +6,11 @@
 //! refused for the life of the process.
 //!
 //! Workers on a ticketless route (`--route`, no tracker to name them) prove their identity keys:
-//! a driver checks each stage's, and a worker its next hop's. An address pinned with `--peer-key
-//! ADDR=HEX` accepts that key only; any other address is trusted on first use, as trackers are.
-//! (A worker restarted without `--key-file` has a new key, so a process that saw the old one
-//! refuses it: restart that process, or give the worker a key file.)
+//! a driver's route knows each stage by the key it proved when the route was found, and a worker
+//! its next hop by the key first seen at that address. An address pinned with `--peer-key
+//! ADDR=HEX` accepts that key only. (A worker restarted without `--key-file` has a new key, so a
+//! route or a worker that saw the old one refuses it: restart that process, or give the worker
+//! a key file.)
 
 use crate::VerifyingKey;
 use std::collections::HashMap;
