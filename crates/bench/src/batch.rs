@@ -96,6 +96,7 @@ pub(crate) fn routed(rt: &tokio::runtime::Runtime, route: &Route, prompts: Vec<V
             ticket: None,
             hash_rows: false,
             constraint: None,
+            stop_tokens: Vec::new(),
         })
         .collect();
     let opts = DriveOptions { step_timeout: Duration::from_secs(60), ..DriveOptions::default() };

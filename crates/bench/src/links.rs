@@ -63,6 +63,7 @@ pub fn run(a: Args) -> Result<()> {
         ticket: None,
         hash_rows: false,
         constraint: None,
+        stop_tokens: Vec::new(),
     };
     let decode = |(route, clear): &(Route, bool)| -> Result<f64> {
         dgr_proto::set_insecure_plaintext(*clear);

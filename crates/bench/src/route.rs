@@ -106,6 +106,7 @@ pub fn run(a: Args) -> Result<()> {
         ticket: None,
         hash_rows: false,
         constraint: None,
+        stop_tokens: Vec::new(),
     };
     let routed = || rt.block_on(dgr_driver::generate(&route, &greq, &DriveOptions::default(), |_| Flow::Continue));
     local::generate(&stage, |_| false, &req, |_| {})?; // warm-up

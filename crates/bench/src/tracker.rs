@@ -69,6 +69,7 @@ pub fn run(a: Args) -> Result<()> {
         ticket,
         hash_rows: false,
         constraint: None,
+        stop_tokens: Vec::new(),
     };
     let sample = |c: Completion, route_ms: f64| Sample {
         decode_tok_s: c.timings.decode_tok_per_s,

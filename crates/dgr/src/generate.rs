@@ -86,14 +86,13 @@ pub fn run(a: Args) -> Result<()> {
     };
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let (out, extra) = if a.route.route.is_some() || a.route.split.is_some() || a.route.tracker.is_some() {
-        let is_eog = |t: u32| tok.is_eog(t);
         let engine = EngineId {
             format: dgr_engine::Format::of(&g),
             backend: BackendKind::Cpu,
             numerics: a.numerics.numerics,
             kv: a.numerics.kv_dtype,
         };
-        match routed::generate(&a.route, &a.model.path()?, n_layers, (a.threads.get(), engine), &req, &is_eog, &mut print)? {
+        match routed::generate(&a.route, &a.model.path()?, n_layers, (a.threads.get(), engine), &req, &tok.eog_ids(), &mut print)? {
             Ok(v) => v,
             Err(e) => {
                 println!("{}", serde_json::json!({ "error": e }));

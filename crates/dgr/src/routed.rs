@@ -52,7 +52,7 @@ pub fn generate(
     n_layers: usize,
     (threads, engine): (usize, EngineId),
     req: &Request,
-    is_eog: &dyn Fn(u32) -> bool,
+    eog: &[u32],
     on_token: &mut dyn FnMut(u32),
 ) -> Result<std::result::Result<(Completion, serde_json::Value), DriveError>> {
     let seam_dtype = SeamDtype::parse(&a.seam_dtype).with_context(|| format!("--seam-dtype {:?}: use f32, f16 or bf16", a.seam_dtype))?;
@@ -111,10 +111,11 @@ pub fn generate(
             ticket: None,
             hash_rows: false,
             constraint: None,
+            stop_tokens: if req.ignore_eos { Vec::new() } else { eog.to_vec() },
         };
         let on_token = |t: &dgr_proto::TokenOut| {
             on_token(t.token);
-            if !req.ignore_eos && is_eog(t.token) {
+            if !req.ignore_eos && eog.contains(&t.token) {
                 Flow::Stop
             } else {
                 Flow::Continue

@@ -101,6 +101,7 @@ fn a_route_embeds_bitwise_as_one_process_alone_and_beside_other_sessions() {
             ticket: None,
             hash_rows: false,
             constraint: None,
+            stop_tokens: Vec::new(),
         };
         let gens = [gen(&refs[0].1), gen(&refs[1].1)];
         let solo: Vec<Vec<u32>> = gens

@@ -70,6 +70,7 @@ fn request(prompt: &[u32], max_tokens: usize, ticket: Option<(dgr_proto::SignedT
         ticket,
         hash_rows: false,
         constraint: None,
+        stop_tokens: Vec::new(),
     }
 }
 

@@ -57,6 +57,7 @@ fn run_with_fault(
             ticket: None,
             hash_rows: false,
             constraint: None,
+            stop_tokens: Vec::new(),
         };
         let mut streamed = Vec::new();
         let on_token = |tok: &dgr_proto::TokenOut| {

@@ -117,6 +117,7 @@ impl Raw {
             hash_rows: false,
             embed: None,
             prefix_blocks: Vec::new(),
+            ring: None,
         }
     }
 
@@ -241,6 +242,30 @@ fn a_32_token_greedy_decode_over_a_route_equals_the_unsplit_model() {
     }
 }
 
+/// A decode goes round the route by itself: after the prompt, every step is started by the last
+/// stage's token arriving at the first stage (`dgr_worker_ring_steps_total`), none by the driver,
+/// and each stage computes exactly the rows of the tokens delivered — on one, two and three
+/// stages, and the same tokens as with the driver-driven steps a spot check still takes.
+#[test]
+fn a_decode_goes_round_the_ring_without_its_driver() {
+    let _serial = serial();
+    let p = prompt("once");
+    let args = ["--prompt", &p.text, "--max-tokens", "16", "--ignore-eos", "--speculate", "off"];
+    let whole = generate_json(&[&args[..], &["--threads", "1"]].concat());
+    for cuts in [&[0, 30][..], SPLITS[0], SPLITS[1]] {
+        let mut w = Workers::start(cuts, &[]);
+        let route = w.route();
+        let got = generate_json(&[&args[..], &["--route", &route]].concat());
+        assert_same_generation(&got, &whole, &format!("16 tokens round a ring over {}", layers_of(cuts)));
+        let ring_steps: Vec<f64> = (0..w.n()).map(|i| w.metrics(i).get("dgr_worker_ring_steps_total")).collect();
+        let decoded: Vec<f64> = (0..w.n()).map(|i| w.metrics(i).get("dgr_worker_tokens_decoded_total")).collect();
+        let mut want = vec![0.0; w.n()];
+        want[0] = 15.0;
+        assert_eq!(ring_steps, want, "{}: steps started round the ring, per stage", layers_of(cuts));
+        assert_eq!(decoded, vec![15.0; w.n()], "{}: decode rows per stage (no step past the last token)", layers_of(cuts));
+    }
+}
+
 /// A worker's KV dtype: its /metrics count the bytes it stores (q8_0 34/128 of f32's per
 /// position), its default budget holds as many bytes in any dtype, and a route of it serves only
 /// runs that ask for its engine.
@@ -329,6 +354,7 @@ fn gen_request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         ticket: None,
         hash_rows: false,
         constraint: None,
+        stop_tokens: Vec::new(),
     }
 }
 

@@ -183,6 +183,7 @@ async fn drive(
         ticket,
         hash_rows: false,
         constraint: None,
+        stop_tokens: Vec::new(),
     };
     dgr_driver::generate_on(&dgr_driver::Links::new(), route, &req, &dgr_driver::DriveOptions::default(), |_| dgr_driver::Flow::Continue)
         .await

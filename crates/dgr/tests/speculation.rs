@@ -67,6 +67,7 @@ fn run_all(route: &Route, cases: &[Case], speculate: Speculate) -> Vec<Completio
                 ticket: None,
                 hash_rows: false,
                 constraint: None,
+                stop_tokens: Vec::new(),
             };
             let (route, opts, stop_after) = (route.clone(), opts.clone(), c.stop_after);
             async move {

@@ -330,6 +330,7 @@ fn the_ledger_is_exact_durable_and_enforces_quotas() {
             ticket: Some(ticket),
             hash_rows: false,
             constraint: None,
+            stop_tokens: Vec::new(),
         };
         let mut n = 0;
         let result = dgr_driver::generate(&route, &req, &DriveOptions::default(), |_| {

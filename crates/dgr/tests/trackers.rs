@@ -84,6 +84,7 @@ fn trackers_on_one_ledger_share_a_key_set() {
             ticket: Some((forged, session)),
             hash_rows: false,
             constraint: None,
+            stop_tokens: Vec::new(),
         };
         let got = rt.block_on(dgr_driver::generate(&route, &req, &Default::default(), |_| dgr_driver::Flow::Continue));
         let e = got.err().unwrap_or_else(|| panic!("a ticket of an outside key (naming {claim:016x}) was accepted"));

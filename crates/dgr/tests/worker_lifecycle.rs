@@ -20,6 +20,7 @@ fn request(tokens: &[u32], max_tokens: usize) -> GenRequest {
         ticket: None,
         hash_rows: false,
         constraint: None,
+        stop_tokens: Vec::new(),
     }
 }
 

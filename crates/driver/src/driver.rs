@@ -1,13 +1,13 @@
 //! Driving one session along a route: open it on every stage, prefill, decode token by token,
 //! and close it — or fail with a structured error naming the stage, within a deadline.
 
-use crate::draft::{Drafter, Speculate};
+use crate::draft::{DraftStats, Speculate};
 use crate::links::{Event, Link, Links};
 use crate::report::{quantile, Completion, FinishReason, SeamReport, StageReport, UsageReport};
 use crate::{DriveError, FailKind, Route, SharedConstraint};
 use dgr_proto::{
-    Body, BoundarySchema, Embed, Forward, Frame, Hop, OpenSession, Ping, Pooling, Sampling, SeamDtype, SessionRef, SignedTicket, TokenOut,
-    PREFIX_BLOCK, STAGE_UNKNOWN,
+    Body, BoundarySchema, Embed, Forward, Frame, Hop, OpenSession, Ping, Pooling, Ring, Sampling, SeamDtype, SessionRef, SignedTicket,
+    TokenOut, MAX_STOP_TOKENS, PREFIX_BLOCK, STAGE_UNKNOWN,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,6 +25,9 @@ pub struct GenRequest {
     pub hash_rows: bool,
     /// A grammar the tokens must follow: its mask goes to the last stage with every step.
     pub constraint: Option<SharedConstraint>,
+    /// Tokens that end the generation (the model's end-of-generation tokens): the route stops
+    /// on them by itself. A generation the caller stops on others may run a step past them.
+    pub stop_tokens: Vec<u32>,
 }
 
 /// A prompt to embed: its final hidden states pooled into one vector on the route's last stage.
@@ -49,6 +52,7 @@ impl EmbedRequest {
             ticket: self.ticket.clone(),
             hash_rows: false,
             constraint: None,
+            stop_tokens: Vec::new(),
         }
     }
 
@@ -67,8 +71,8 @@ pub struct DriveOptions {
     pub probe_wait: Duration,
     pub connect_timeout: Duration,
     pub max_frame: usize,
-    /// Draft tokens a decode step may carry (prompt lookup, verified by the route). Requests
-    /// under a grammar or spot-checked run one token a step.
+    /// Draft tokens a decode step may carry (prompt lookup on the route's first stage, verified
+    /// by the route). Requests under a grammar or spot-checked run one token a step.
     pub speculate: Speculate,
 }
 
@@ -328,6 +332,9 @@ async fn drive(
     let max_positions = (req.prompt_tokens.len() + req.max_tokens) as u64;
     // An embedding pools every prompt row, so it computes them all: it names no prefix.
     let prefix_blocks = if embed.is_some() { Vec::new() } else { dgr_proto::prefix_chain_bytes(&req.prompt_tokens) };
+    // The steps go round the route by themselves, unless the driver must see each token before
+    // the next step: a grammar's mask, a spot check's row hashes.
+    let ring = embed.is_none() && req.constraint.is_none() && !req.hash_rows;
     for i in 0..n {
         let info = &s.route.stages[i as usize].info;
         let open = OpenSession {
@@ -351,6 +358,7 @@ async fn drive(
             hash_rows: req.hash_rows,
             embed,
             prefix_blocks: prefix_blocks.clone(),
+            ring: ring.then(|| ring_part(s.route, req, opts, i)).flatten(),
         };
         s.send(i, Body::Open(open)).await?;
     }
@@ -377,45 +385,32 @@ async fn drive(
     let mut position = cached_tokens as u64;
     let mut input = req.prompt_tokens[cached_tokens..].to_vec();
     let mut decode_start = start;
-    // A grammar's mask is one row's, and a spot check compares one row a step: neither drafts.
-    let mut drafter = Drafter::new(opts.speculate).filter(|_| req.constraint.is_none() && !req.hash_rows);
-    let mut sequence = req.prompt_tokens.clone();
+    // The position of the next token to arrive.
+    let mut expect = req.prompt_tokens.len() as u64;
     'steps: loop {
-        let allowed = match constrain(req, |c| c.allowed())? {
-            Some(Some(mask)) => mask,
-            None => Vec::new(),
-            // The grammar is complete: the generation ends here.
-            Some(None) => {
-                out.finish_reason = FinishReason::Stop;
-                break;
-            }
-        };
-        // Past the prompt, a step may carry drafts: as many as the tokens still wanted after
-        // the one the step gives anyway.
-        let draft = match &mut drafter {
-            Some(d) if !out.tokens.is_empty() => d.propose(&sequence, req.max_tokens - out.tokens.len() - 1),
-            _ => Vec::new(),
-        };
-        input.extend_from_slice(&draft);
-        let f = Forward {
-            session_id: s.id.to_vec(),
-            position,
-            tokens: std::mem::take(&mut input),
-            sample: true,
-            allowed,
-            draft: draft.clone(),
-            ..Default::default()
-        };
-        let rows = f.tokens.len() as u64;
-        s.send(0, Body::Forward(f)).await?;
+        // A ring's steps after its first go round the route without the driver.
+        if !ring || out.tokens.is_empty() {
+            let allowed = match constrain(req, |c| c.allowed())? {
+                Some(Some(mask)) => mask,
+                None => Vec::new(),
+                // The grammar is complete: the generation ends here.
+                Some(None) => {
+                    out.finish_reason = FinishReason::Stop;
+                    break;
+                }
+            };
+            let tokens = std::mem::take(&mut input);
+            let f = Forward { session_id: s.id.to_vec(), position, tokens, sample: true, allowed, ..Default::default() };
+            s.send(0, Body::Forward(f)).await?;
+        }
         let mut t = match s.next(opts.step_timeout, opts).await? {
             (_, Body::Token(t)) if t.session_id == s.id => t,
             (stage, _) => return Err(s.err(FailKind::Protocol, stage, "unexpected frame while waiting for a token")),
         };
         let last = s.route.stages.len() as u32 - 1;
-        let steps = accepted(&mut t, position + rows - draft.len() as u64, &draft).map_err(|m| s.err(FailKind::Protocol, last, m))?;
-        if let Some(d) = drafter.as_mut() {
-            d.verified(draft.len(), steps.len() - 1);
+        let steps = accepted(&mut t, expect, ring).map_err(|m| s.err(FailKind::Protocol, last, m))?;
+        if t.drafted > 0 {
+            out.drafts.add(&DraftStats { steps: 1, drafted: t.drafted as u64, accepted: steps.len() as u64 - 1 });
         }
         if out.tokens.is_empty() {
             out.timings.first_token(start, req.prompt_tokens.len());
@@ -425,12 +420,12 @@ async fn drive(
         for step in steps {
             constrain(req, |c| c.advance(step.token))?;
             out.tokens.push(step.token);
-            sequence.push(step.token);
             *generated = out.tokens.len();
             out.logprobs.push(step.logprob);
             out.top_logprobs.push(step.top.iter().map(|e| (e.id, e.logprob)).collect());
             // The next step starts with this token, at its position.
             position = step.position;
+            expect = step.position + 1;
             input = vec![step.token];
             match on_token(&step) {
                 Flow::Cancel => {
@@ -448,16 +443,27 @@ async fn drive(
             }
         }
     }
-    out.drafts = drafter.map(|d| d.stats).unwrap_or_default();
     out.timings.decoded(decode_start, out.tokens.len().saturating_sub(1));
     report(s.route, &traces, &mut out);
     Ok(out)
 }
 
-/// The tokens of a step whose first token takes position `first` and whose frame carried
-/// `draft`, each as a `TokenOut` of its own (the step's trace on the first), checked: one token,
-/// or the accepted drafts and one more, at consecutive positions.
-fn accepted(t: &mut TokenOut, first: u64, draft: &[u32]) -> Result<Vec<TokenOut>, String> {
+/// Stage `i`'s part in a ring session (`Ring`): the first drafts, the last sends round.
+fn ring_part(route: &Route, req: &GenRequest, opts: &DriveOptions, i: u32) -> Option<Ring> {
+    let (first, last) = (i == 0, i as usize + 1 == route.stages.len());
+    (first || last).then(|| Ring {
+        to: if last && !first { route.stages[0].addr.clone() } else { String::new() },
+        // More stop tokens than a ring takes only cost a step past the last one named.
+        stop: if last { req.stop_tokens.iter().take(MAX_STOP_TOKENS).copied().collect() } else { Vec::new() },
+        speculate: if first { opts.speculate.max() as u32 } else { 0 },
+        prompt: if first { req.prompt_tokens.clone() } else { Vec::new() },
+    })
+}
+
+/// The tokens of a step whose first token takes position `first`, each as a `TokenOut` of its
+/// own (the step's trace on the first), checked: one token, or on a ring the accepted drafts
+/// and one more, at consecutive positions.
+fn accepted(t: &mut TokenOut, first: u64, ring: bool) -> Result<Vec<TokenOut>, String> {
     let more = std::mem::take(&mut t.more);
     let n = more.len() + 1;
     let one = |position, token, logprob, top, trace| TokenOut {
@@ -468,15 +474,14 @@ fn accepted(t: &mut TokenOut, first: u64, draft: &[u32]) -> Result<Vec<TokenOut>
         top,
         trace,
         more: Vec::new(),
+        drafted: 0,
     };
     let mut steps = vec![one(t.position, t.token, t.logprob, std::mem::take(&mut t.top), t.trace.clone())];
     steps.extend(more.into_iter().map(|m| one(m.position, m.token, m.logprob, m.top, Vec::new())));
     let in_place = steps.iter().enumerate().all(|(i, s)| s.position == first + i as u64);
-    if n > draft.len() + 1 || !in_place || steps[..n - 1].iter().zip(draft).any(|(s, d)| s.token != *d) {
-        return Err(format!(
-            "a step of {} drafts answered with {n} tokens that are not its accepted drafts and one more at {first}..",
-            draft.len()
-        ));
+    let drafted = t.drafted as usize;
+    if (drafted > 0 && !ring) || drafted > dgr_proto::MAX_DRAFT || n > drafted + 1 || !in_place {
+        return Err(format!("a step of {drafted} drafts answered with {n} tokens at positions that do not follow {first}"));
     }
     Ok(steps)
 }

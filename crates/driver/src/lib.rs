@@ -20,7 +20,7 @@ pub mod tracker;
 mod trackers;
 
 pub use constraint::{Constraint, SharedConstraint};
-pub use draft::{propose, DraftStats, Speculate};
+pub use draft::{DraftStats, Speculate};
 pub use driver::{embed_on, generate, generate_on, DriveOptions, EmbedRequest, Flow, GenRequest};
 pub use error::{DriveError, FailKind};
 pub use links::Links;

@@ -131,6 +131,7 @@ where
             ticket: ticket.take(),
             hash_rows: req.hash_rows,
             constraint: req.constraint.clone(),
+            stop_tokens: req.stop_tokens.clone(),
         };
         let result = run_session(links, &route, &sub, embed, opts, |t| {
             let now = Instant::now();

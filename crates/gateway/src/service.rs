@@ -276,6 +276,7 @@ impl Gateway {
             ticket: None,
             hash_rows: check,
             constraint: job.constraint.clone(),
+            stop_tokens: if job.ignore_eos { Vec::new() } else { job.model.tokenizer.eog_ids() },
         };
         let mut traces: Vec<Vec<dgr_proto::Hop>> = Vec::new();
         let mut text = TextOut::new(job.stops.clone());

@@ -61,6 +61,7 @@ impl Gateway {
             ticket: Some(ticket),
             hash_rows: true,
             constraint: None,
+            stop_tokens: Vec::new(),
         };
         let mut trace = Vec::new();
         generate_on(&self.links, &route, &req, &DriveOptions::default(), |t| {

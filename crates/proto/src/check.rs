@@ -1,6 +1,6 @@
 //! Validation of what arrives, before a receiver uses any of it.
 
-use crate::{BoundarySchema, ErrorKind, Forward, OpenSession, Pooling, SeamDtype, MAX_DRAFT, PROTOCOL_VERSION};
+use crate::{BoundarySchema, ErrorKind, Forward, OpenSession, Pooling, Ring, SeamDtype, MAX_DRAFT, MAX_STOP_TOKENS, PROTOCOL_VERSION};
 
 /// A session's handle: 128 random bits.
 pub type SessionId = [u8; 16];
@@ -69,7 +69,42 @@ pub fn check_open(open: &OpenSession, ours: &BoundarySchema, dtypes: &[SeamDtype
     if let Some(e) = &open.embed {
         Pooling::try_from(e.pooling).map_err(|_| ProtoError::BadInput(format!("unknown pooling {}", e.pooling)))?;
     }
+    if let Some(r) = &open.ring {
+        check_ring(open, r)?;
+    }
     Ok((id, dtype))
+}
+
+/// A ring's part for this stage: the first stage drafts (from the prompt), the last sends its
+/// tokens to the first (by address, unless it is the first too); no other stage takes part.
+fn check_ring(open: &OpenSession, r: &Ring) -> Result<(), ProtoError> {
+    let bad = |why: &str| Err(ProtoError::BadFrame(format!("a ring session's open: {why}")));
+    let (first, last) = (open.stage_index == 0, open.next.is_empty());
+    if !first && !last {
+        return bad("only the first and last stages take part in a ring");
+    }
+    if open.embed.is_some() {
+        return bad("an embedding samples nothing to send round");
+    }
+    if !last && (!r.to.is_empty() || !r.stop.is_empty()) {
+        return bad("only the last stage sends tokens round");
+    }
+    if last && r.to.is_empty() != first {
+        return bad("the last stage sends to the first stage's address, unless it is the first too");
+    }
+    if !first && (r.speculate != 0 || !r.prompt.is_empty()) {
+        return bad("only the first stage drafts");
+    }
+    if r.stop.len() > MAX_STOP_TOKENS || r.speculate as usize > MAX_DRAFT || r.prompt.len() as u64 > open.max_positions {
+        return Err(ProtoError::BadInput(format!(
+            "a ring of {} stop tokens (at most {MAX_STOP_TOKENS}), {} drafts (at most {MAX_DRAFT}) and a prompt of {} tokens in {} positions",
+            r.stop.len(),
+            r.speculate,
+            r.prompt.len(),
+            open.max_positions
+        )));
+    }
+    Ok(())
 }
 
 /// Checks a Forward's rows against the session it names: token ids for a first stage, hidden
@@ -208,6 +243,40 @@ mod tests {
         let mut short_id = open(schema());
         short_id.session_id.pop();
         assert_eq!(check_open(&short_id, &ours, &[SeamDtype::F32]), Err(ProtoError::BadSessionId(15)));
+    }
+
+    #[test]
+    fn a_ring_names_only_the_first_and_last_stages_their_parts() {
+        let ours = schema();
+        let at = |stage_index, n_stages, next: &str, ring: Ring| OpenSession {
+            stage_index,
+            n_stages,
+            next: next.into(),
+            max_positions: 32,
+            ring: Some(ring),
+            ..open(schema())
+        };
+        let drafts = Ring { speculate: 8, prompt: vec![1, 2, 3], ..Default::default() };
+        let sends = Ring { to: "a:1".into(), stop: vec![2], ..Default::default() };
+        let both = Ring { stop: vec![2], ..drafts.clone() };
+        let ok = [at(0, 3, "b:1", drafts.clone()), at(2, 3, "", sends.clone()), at(0, 1, "", both.clone())];
+        for o in ok {
+            assert!(check_open(&o, &ours, &[SeamDtype::F32]).is_ok(), "{:?}", o.ring);
+        }
+        let refused = [
+            ("a middle stage", at(1, 3, "c:1", drafts.clone())),
+            ("the first stage sending", at(0, 3, "b:1", sends.clone())),
+            ("the last stage drafting", at(2, 3, "", Ring { speculate: 8, ..sends.clone() })),
+            ("a last stage with nowhere to send", at(2, 3, "", Ring { to: String::new(), ..sends.clone() })),
+            ("a lone stage sending elsewhere", at(0, 1, "", Ring { to: "a:1".into(), ..both.clone() })),
+            ("too many stop tokens", at(2, 3, "", Ring { stop: vec![1; MAX_STOP_TOKENS + 1], ..sends.clone() })),
+            ("too many drafts", at(0, 3, "b:1", Ring { speculate: MAX_DRAFT as u32 + 1, ..drafts.clone() })),
+            ("a prompt past the positions", at(0, 3, "b:1", Ring { prompt: vec![1; 33], ..drafts.clone() })),
+            ("an embedding", OpenSession { embed: Some(crate::Embed::default()), ..at(0, 1, "", both.clone()) }),
+        ];
+        for (what, o) in refused {
+            assert!(check_open(&o, &ours, &[SeamDtype::F32]).is_err(), "{what}");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod addr;
 mod check;
 mod client;
 mod codec;
+mod draft;
 mod messages;
 mod net;
 mod prefix;
@@ -22,6 +23,7 @@ pub use addr::{parse_addr, parse_addrs, AddrError, SCHEMES};
 pub use check::{check_forward, check_open, session_id, ProtoError, SessionId};
 pub use client::{TrackerCallError, TrackerClient, TRACKER_MAX_FRAME};
 pub use codec::{codec, DEFAULT_MAX_FRAME};
+pub use draft::{propose, Drafter};
 pub use ed25519_dalek::{SigningKey, VerifyingKey};
 pub use messages::*;
 pub use net::{dial, read_frame, relay_accept, relay_addr, write_frame};
@@ -41,7 +43,7 @@ pub use tracker::*;
 pub use trust::{check_peer, check_route_peer, parse_peer_key, parse_tracker_key, pin_peer_keys, pin_tracker_keys};
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

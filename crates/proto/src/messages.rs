@@ -219,7 +219,34 @@ pub struct OpenSession {
     /// The prompt's prefix-cache chain hashes, one per full block (`prefix_chain`), 32 bytes each.
     #[prost(bytes = "vec", repeated, tag = "12")]
     pub prefix_blocks: Vec<Vec<u8>>,
+    /// Present: the route runs as a ring (`Ring`); the first and last stages are told their part.
+    #[prost(message, optional, tag = "13")]
+    pub ring: Option<Ring>,
 }
+
+/// A session whose decode steps go round the route without its driver: the last stage sends
+/// each step's last token straight to the first stage (and every token to the driver), and the
+/// first stage drafts the next step itself. A step then waits on the route's own seams only.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Ring {
+    /// To the last stage: the first stage's address, where each step's last token goes; empty
+    /// when the last stage is the first too.
+    #[prost(string, tag = "1")]
+    pub to: String,
+    /// To the last stage: tokens that end the generation (no step follows them).
+    #[prost(uint32, repeated, tag = "2")]
+    pub stop: Vec<u32>,
+    /// To the first stage: the most drafts a step may carry (0: none).
+    #[prost(uint32, tag = "3")]
+    pub speculate: u32,
+    /// To the first stage: the whole prompt, which drafts are looked up in (the session's first
+    /// frame may start past a cached prefix).
+    #[prost(uint32, repeated, tag = "4")]
+    pub prompt: Vec<u32>,
+}
+
+/// The most stop tokens a ring session names.
+pub const MAX_STOP_TOKENS: usize = 64;
 
 /// How an embedding session pools its prompt's final-normed rows.
 #[derive(Clone, Copy, PartialEq, prost::Message)]
@@ -324,11 +351,15 @@ pub struct Forward {
     /// for token `i` (ids past the mask excluded); empty: any token.
     #[prost(bytes = "vec", tag = "9")]
     pub allowed: Vec<u8>,
-    /// A speculative step: the tokens of the frame's rows after its first, guessed by the
-    /// driver (at most `MAX_DRAFT`, with `sample`, no mask, `1 + draft.len()` rows). The last
-    /// stage samples every row and keeps the drafts up to the first it did not sample.
+    /// A speculative step: the tokens of the frame's rows after its first, guessed by a ring's
+    /// first stage (at most `MAX_DRAFT`, with `sample`, no mask, `1 + draft.len()` rows). The
+    /// last stage samples every row and keeps the drafts up to the first it did not sample.
     #[prost(uint32, repeated, tag = "10")]
     pub draft: Vec<u32>,
+    /// Sent by a ring session's last stage to its first: the step's last token, whose position
+    /// says how many of the previous step's drafts were accepted.
+    #[prost(bool, tag = "11")]
+    pub ring: bool,
 }
 
 /// The most draft tokens one step verifies.
@@ -362,6 +393,9 @@ pub struct TokenOut {
     /// not). Empty: the step gave one token.
     #[prost(message, repeated, tag = "7")]
     pub more: Vec<Sampled>,
+    /// The drafts the step carried (`more` holds those accepted and one token more).
+    #[prost(uint32, tag = "8")]
+    pub drafted: u32,
 }
 
 /// One more token of a speculative step.

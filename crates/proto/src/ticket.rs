@@ -115,6 +115,11 @@ pub fn check_ticket_open(t: &Ticket, open: &OpenSession, worker_id: &str) -> Res
     }
     let schema = open.schema.as_ref().ok_or(TicketError::Mismatch)?;
     let next = t.stages.get(i + 1).map_or("", |n| n.addr.as_str());
+    // A ring's last stage sends its tokens to the route's first stage and nowhere else.
+    let ring_to = open.ring.as_ref().map_or("", |r| r.to.as_str());
+    if !ring_to.is_empty() && t.stages.first().is_none_or(|f| f.addr != ring_to) {
+        return Err(TicketError::Mismatch);
+    }
     if t.session_id != open.session_id
         || t.model_id != schema.model_id
         || t.stages.len() != open.n_stages as usize
@@ -237,5 +242,9 @@ mod tests {
         let mut other_session = open(0, "b:2", (0, 10), 100);
         other_session.session_id = vec![2; 16];
         assert_eq!(check_ticket_open(&t, &other_session, "w0"), Err(TicketError::Mismatch));
+        // A ring's last stage sends only to the route's first stage.
+        let ring = |to: &str| OpenSession { ring: Some(crate::Ring { to: to.into(), ..Default::default() }), ..open(1, "", (10, 30), 50) };
+        assert_eq!(check_ticket_open(&t, &ring("a:1"), "w1"), Ok(()));
+        assert_eq!(check_ticket_open(&t, &ring("evil:9"), "w1"), Err(TicketError::Mismatch));
     }
 }

@@ -193,6 +193,16 @@ impl Tokenizer {
         }
     }
 
+    /// Every id that ends generation (`is_eog`), in ascending order.
+    pub fn eog_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = match &self.backend {
+            Backend::Gguf(vocab) => vocab.eog_ids().collect(),
+            Backend::Hf(t) => t.eog.iter().copied().collect(),
+        };
+        ids.sort_unstable();
+        ids
+    }
+
     /// Whether `id` is a control token (BOS, end of turn, unknown, unused and the like) rather
     /// than text: a grammar never produces one as text.
     pub fn is_control(&self, id: u32) -> bool {

@@ -279,6 +279,10 @@ impl Vocab {
         self.eog.contains(&id)
     }
 
+    pub(crate) fn eog_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.eog.iter().copied()
+    }
+
     pub(crate) fn piece(&self, id: u32) -> Option<&[u8]> {
         self.pieces.get(id as usize).map(Vec::as_slice)
     }

@@ -14,6 +14,7 @@ mod join;
 mod metrics;
 mod plan;
 mod prefix;
+mod ring;
 mod scheduler;
 mod server;
 mod share;

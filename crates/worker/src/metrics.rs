@@ -29,6 +29,8 @@ pub struct Metrics {
     pub verify_steps: AtomicU64,
     pub drafts_accepted: AtomicU64,
     pub drafts_rejected: AtomicU64,
+    /// Decode steps a ring session's last stage started here (the first stage), with no driver.
+    pub ring_steps: AtomicU64,
     /// Embeddings sent (the last stage of embedding sessions).
     pub embeddings: AtomicU64,
     pub sessions_closed: AtomicU64,
@@ -151,6 +153,12 @@ impl Metrics {
         t.metric("dgr_worker_sessions_opened_total", "Sessions opened.", Counter, get(&self.sessions_opened));
         t.metric("dgr_worker_embeddings_total", "Embeddings pooled and sent (last stage).", Counter, get(&self.embeddings));
         t.metric("dgr_worker_verify_steps_total", "Speculative steps verified (last stage).", Counter, get(&self.verify_steps));
+        t.metric(
+            "dgr_worker_ring_steps_total",
+            "Decode steps that came round a ring from its last stage (first stage).",
+            Counter,
+            get(&self.ring_steps),
+        );
         let mut drafts = t.family("dgr_worker_draft_tokens_total", "Draft tokens verified (last stage), by outcome.", Counter);
         drafts.sample(&[("outcome", "accepted")], get(&self.drafts_accepted));
         drafts.sample(&[("outcome", "rejected")], get(&self.drafts_rejected));

@@ -5,6 +5,7 @@
 use crate::compat::{CompatKey, Phase};
 use crate::plan::{plan, Batch, Policy, Ready};
 use crate::prefix::{self, Key, PrefixCache};
+use crate::ring::{RingIn, RingOut};
 use crate::{Metrics, WorkerConfig};
 use dgr_engine::{Engine, EngineError, Input, LogitRows, Pooler, Pooling, SamplingParams, SeqInput, SeqState, Stage};
 use dgr_proto::{
@@ -56,7 +57,7 @@ pub(crate) enum Cmd {
     Open {
         conn: ConnId,
         uses: ConnUse,
-        open: OpenSession,
+        open: Box<OpenSession>,
         reply: Outbox,
         next: Option<(String, Outbox)>,
         /// From the session's route ticket (empty when ticketless): the ledger's key.
@@ -93,6 +94,8 @@ pub(crate) enum Cmd {
         addr: String,
         conn: Outbox,
         why: String,
+        /// `Integrity` when a frame on it was altered in flight, else `NextStage`.
+        kind: ErrorKind,
     },
     /// The next stage reported an error about one of our sessions.
     PeerError {
@@ -166,6 +169,9 @@ struct Session<K> {
     /// session's next frame may start anywhere from there to the end of the step, dropping the
     /// rejected drafts' positions past its start.
     floor: Option<usize>,
+    /// A ring session's ends: on the last stage where its tokens go, on the first its drafting.
+    ring_out: Option<RingOut>,
+    ring_in: Option<RingIn>,
 }
 
 impl<K> Session<K> {
@@ -327,7 +333,7 @@ impl<E: Engine> Scheduler<E> {
     fn handle(&mut self, c: Cmd) {
         match c {
             Cmd::Open { conn, uses, open, reply, next, request_id, tenant } => {
-                self.open(conn, uses, open, reply, next, (request_id, tenant))
+                self.open(conn, uses, *open, reply, next, (request_id, tenant))
             }
             Cmd::Forward { f, recv_us, at, reply, conn, uses } => {
                 self.last_arrival = at;
@@ -356,13 +362,17 @@ impl<E: Engine> Scheduler<E> {
                     self.remove(&id);
                 }
             }
-            Cmd::PeerLost { addr, conn, why } => {
-                let on_it = self.sessions.values().filter(|s| s.next.as_ref().is_some_and(|(_, tx)| tx.same_channel(&conn)));
+            Cmd::PeerLost { addr, conn, why, kind } => {
+                let on = |tx: &Outbox| tx.same_channel(&conn);
+                let on_it = self.sessions.values().filter(|s| {
+                    s.next.as_ref().is_some_and(|(_, tx)| on(tx)) || s.ring_out.as_ref().and_then(|r| r.to.as_ref()).is_some_and(on)
+                });
                 let ids: Vec<SessionId> = on_it.map(|s| s.id).collect();
                 for id in ids {
                     if let Some(s) = self.remove(&id) {
-                        let msg = format!("lost the next stage at {addr}: {why}");
-                        self.error_to(&s.reply, &id, ErrorKind::NextStage, s.stage_index + 1, msg);
+                        // A ring's last stage sends to the first.
+                        let to = if s.ring_out.is_some() { 0 } else { s.stage_index + 1 };
+                        self.error_to(&s.reply, &id, kind, to, format!("lost the link to the stage at {addr}: {why}"));
                     }
                 }
             }
@@ -405,9 +415,18 @@ impl<E: Engine> Scheduler<E> {
         // The part of our layers the session runs (check_open found it inside them).
         let layers = open.schema.as_ref().map_or(0..0, |s| s.layer_start as usize..s.layer_end as usize);
         let (first, last) = (layers.start == 0, layers.end == self.stage.config().n_layers);
-        if open.next.is_empty() != last {
+        if open.next.is_empty() != last || (open.ring.is_some() && !first && !last) {
             return refuse(self, ErrorKind::BadFrame, "the route's next hop does not fit this stage's place".into());
         }
+        // A ring's last stage sends to the first stage's connection (`next`), or to itself.
+        let (next, ring_out) = match (&open.ring, last) {
+            (Some(r), true) if first == r.to.is_empty() && first == next.is_none() => {
+                (None, Some(RingOut::new(r, next.map(|(_, tx)| tx), open.max_positions)))
+            }
+            (Some(_), true) => return refuse(self, ErrorKind::BadFrame, "a ring's last stage without its first stage's connection".into()),
+            _ => (next, None),
+        };
+        let ring_in = open.ring.as_ref().filter(|_| first).map(|r| RingIn::new(r, open.max_positions));
         let want = open.max_positions as usize;
         if want == 0 || want > self.stage.config().context {
             return refuse(self, ErrorKind::BadInput, format!("{want} positions (the model holds 1..={})", self.stage.config().context));
@@ -497,6 +516,8 @@ impl<E: Engine> Scheduler<E> {
             remembered: 0,
             fresh: true,
             floor: None,
+            ring_out,
+            ring_in,
         };
         self.reserved += cost;
         self.sessions.insert(id, session);
@@ -506,7 +527,7 @@ impl<E: Engine> Scheduler<E> {
         send(&reply, Body::Opened(SessionRef { session_id: id.to_vec(), cached_blocks: pinned as u32, ..Default::default() }));
     }
 
-    fn forward(&mut self, f: Forward, recv_us: u64, at: Instant, reply: Outbox, (conn, uses): (ConnId, ConnUse)) {
+    fn forward(&mut self, mut f: Forward, recv_us: u64, at: Instant, reply: Outbox, (conn, uses): (ConnId, ConnUse)) {
         let me = STAGE_UNKNOWN;
         let id = match session_id(&f.session_id) {
             Ok(id) => id,
@@ -515,12 +536,22 @@ impl<E: Engine> Scheduler<E> {
         let hidden = self.stage.config().hidden;
         let max_rows = self.stage.config().context;
         let Some(s) = self.sessions.get_mut(&id) else {
+            // A ring's token may go round once more while its driver closes the session.
+            if f.ring {
+                return;
+            }
             return self.error_to(&reply, &id, ErrorKind::UnknownSession, me, "no such session on this stage");
         };
         let stage_index = s.stage_index;
         let nonfinite = &self.metrics.nonfinite_frames;
+        // A ring's token comes back to its first stage, which makes it the next step.
+        let ringed = match (f.ring, s.ring_in.as_mut()) {
+            (false, _) => Ok(()),
+            (true, Some(r)) => r.step(&mut f).map_err(|m| (ErrorKind::BadInput, m)),
+            (true, None) => Err((ErrorKind::BadFrame, "a ring's token for a session this stage does not start".into())),
+        };
         // A session's first rows may start past the prefix it was told is cached here.
-        let attached = if s.fresh { Self::attach(&mut self.prefix, &self.metrics, s, f.position) } else { Ok(()) };
+        let attached = ringed.and_then(|()| if s.fresh { Self::attach(&mut self.prefix, &self.metrics, s, f.position) } else { Ok(()) });
         let checked = attached
             .and_then(|()| {
                 check_forward(&f, s.first, hidden, s.dtype, max_rows).map_err(|e| {
@@ -555,6 +586,9 @@ impl<E: Engine> Scheduler<E> {
             });
         match checked {
             Ok(rows) => {
+                if f.ring {
+                    self.metrics.ring_steps.fetch_add(1, Relaxed);
+                }
                 s.floor = None;
                 s.last_active = Instant::now();
                 if s.feed.as_ref().map(|(c, _)| *c) != Some(conn) {
@@ -766,6 +800,7 @@ impl<E: Engine> Scheduler<E> {
                 return;
             }
         };
+        let mut rounds = Vec::new();
         for (i, (mut s, n)) in chosen.into_iter().enumerate() {
             if let Some(msg) = is_bad(i) {
                 self.end(s, Some((ErrorKind::BadInput, msg)));
@@ -843,6 +878,7 @@ impl<E: Engine> Scheduler<E> {
                             trace,
                             allowed,
                             draft,
+                            ring: false,
                         };
                         send(next, Body::Forward(f))
                     }
@@ -857,6 +893,7 @@ impl<E: Engine> Scheduler<E> {
                         s.carry.append(&mut trace);
                         s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
                         let trace = std::mem::take(&mut s.carry);
+                        let round = s.ring_out.as_ref().and_then(|r| Some((r.to.clone(), r.next(&s.id, &drawn)?)));
                         let mut drawn = drawn.into_iter();
                         let first = drawn.next().unwrap_or_default();
                         let t = TokenOut {
@@ -867,8 +904,18 @@ impl<E: Engine> Scheduler<E> {
                             top: first.top,
                             trace,
                             more: drawn.collect(),
+                            drafted: draft.len() as u32,
                         };
                         send(&s.reply, Body::Token(t))
+                            && match round {
+                                None => true,
+                                Some((Some(to), f)) => send(&to, Body::Forward(f)),
+                                // Stage 0 too: the step is queued here once the session is back.
+                                Some((None, f)) => {
+                                    rounds.push(f);
+                                    true
+                                }
+                            }
                     }
                     // A prompt chunk through the whole route: the driver's step deadline restarts.
                     None => {
@@ -887,9 +934,22 @@ impl<E: Engine> Scheduler<E> {
                 s.last_active = Instant::now();
                 self.sessions.insert(s.id, s);
             } else {
-                let kind = if s.next.is_some() { ErrorKind::NextStage } else { ErrorKind::Overloaded };
+                let kind = if s.next.is_some() || s.ring_out.as_ref().is_some_and(|r| r.to.is_some()) {
+                    ErrorKind::NextStage
+                } else {
+                    ErrorKind::Overloaded
+                };
                 self.end(s, Some((kind, "could not pass the step on: the receiver is gone or not reading".into())));
             }
+        }
+        // A one-stage ring's next steps, as if they had arrived from its driver.
+        for f in rounds {
+            let Some((reply, conn)) =
+                session_id(&f.session_id).ok().and_then(|id| self.sessions.get(&id)).map(|s| (s.reply.clone(), s.driver))
+            else {
+                continue;
+            };
+            self.forward(f, unix_us(), Instant::now(), reply, (conn, ConnUse::default()));
         }
     }
 
@@ -1031,7 +1091,15 @@ mod tests {
             ..Default::default()
         };
         let next = next.map(|n| ("next".to_string(), n.clone()));
-        s.handle(Cmd::Open { conn: 1, uses: ConnUse::default(), open, reply, next, request_id: String::new(), tenant: String::new() });
+        s.handle(Cmd::Open {
+            conn: 1,
+            uses: ConnUse::default(),
+            open: Box::new(open),
+            reply,
+            next,
+            request_id: String::new(),
+            tenant: String::new(),
+        });
         (inbox.try_recv().unwrap().body.unwrap(), inbox)
     }
 
@@ -1335,7 +1403,7 @@ mod tests {
         s.handle(Cmd::Open {
             conn: 1,
             uses: driver.clone(),
-            open,
+            open: Box::new(open),
             reply: reply.clone(),
             next: None,
             request_id: String::new(),
@@ -1370,7 +1438,7 @@ mod tests {
         assert!(matches!(opened, Body::Opened(_)));
         let (opened, mut on_fresh) = open(&mut s, 2, 0..3, 16, Some(&fresh));
         assert!(matches!(opened, Body::Opened(_)));
-        s.handle(Cmd::PeerLost { addr: "next".into(), conn: old.clone(), why: "reset".into() });
+        s.handle(Cmd::PeerLost { addr: "next".into(), conn: old.clone(), why: "reset".into(), kind: ErrorKind::NextStage });
         assert_eq!(refused(on_old.try_recv().unwrap().body.unwrap()), ErrorKind::NextStage);
         assert!(!s.sessions.contains_key(&[1; 16]), "the session on the lost connection is freed");
         assert!(s.sessions.contains_key(&[2; 16]), "the session on the fresh connection lives on");

@@ -496,8 +496,8 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                         continue;
                     }
                 };
-                if open.next.is_empty() {
-                    Cmd::Open { conn, uses: uses.clone(), open, reply: out.clone(), next: None, request_id, tenant }
+                if hop(&open).is_empty() {
+                    Cmd::Open { conn, uses: uses.clone(), open: Box::new(open), reply: out.clone(), next: None, request_id, tenant }
                 } else {
                     // Off the read loop: the sessions beside it on this connection (a gateway's
                     // are all on one) go on while its next stage is dialled.
@@ -586,7 +586,8 @@ impl PendingOpen {
     /// it was withdrawn meanwhile. Decided under the connection's `Opening` lock, so it is
     /// queued before the connection's `ConnClosed` or not at all.
     async fn open_after_dial(self, shared: Arc<Shared>, opening: Arc<Mutex<Opening>>) {
-        let next = peer(&shared, &self.open.next).await;
+        let to = hop(&self.open).to_string();
+        let next = peer(&shared, &to).await;
         let mut o = opening.lock().unwrap_or_else(PoisonError::into_inner);
         if o.closed || !o.ids.remove(&self.open.session_id) {
             return;
@@ -596,36 +597,51 @@ impl PendingOpen {
         // proven it in the secure channel's handshake (a plaintext link proves none). Ticketless,
         // it is known by the key pinned or first seen at its address.
         let next = match (next, next_id) {
-            (Ok((tx, Some(proved))), None) => dgr_proto::check_peer(&open.next, &proved).map(|()| tx),
+            (Ok((tx, Some(proved))), None) => dgr_proto::check_peer(&to, &proved).map(|()| tx),
             (Ok((_, Some(proved))), Some(named)) if named != proved => Err(format!("it proved key {proved}, the ticket names {named}")),
             (other, _) => other.map(|(tx, _)| tx),
         };
         match next {
             Ok(tx) => {
-                let (id, next) = (open.session_id.clone(), Some((open.next.clone(), tx)));
-                if shared.cmds.try_send(Cmd::Open { conn, uses, open, reply: reply.clone(), next, request_id, tenant }).is_err() {
+                let (id, next) = (open.session_id.clone(), Some((to, tx)));
+                if shared
+                    .cmds
+                    .try_send(Cmd::Open { conn, uses, open: Box::new(open), reply: reply.clone(), next, request_id, tenant })
+                    .is_err()
+                {
                     send_refusal(&shared.metrics, &reply, &id, ErrorKind::Overloaded, "the worker's queue is full".into());
                 }
             }
             Err(why) => {
-                let msg = format!("cannot reach the next stage at {}: {why}", open.next);
+                let msg = format!("cannot reach the next stage at {to}: {why}");
                 shared.metrics.failure(ErrorKind::NextStage);
-                let e = ErrorMsg::new(&open.session_id, ErrorKind::NextStage, open.stage_index + 1, msg);
+                let next = if open.next.is_empty() { 0 } else { open.stage_index + 1 };
+                let e = ErrorMsg::new(&open.session_id, ErrorKind::NextStage, next, msg);
                 let _ = reply.try_send(Frame::new(Body::Error(e)));
             }
         }
     }
 }
 
-/// In tracker mode, checks the open's ticket and returns its request id, the next stage's
-/// worker id and the API key's name; ticketless, "", None and "".
+/// Where a stage sends what it computes: its next stage, or a ring's last stage the first (empty:
+/// the driver, or itself).
+fn hop(open: &OpenSession) -> &str {
+    match (&open.ring, open.next.is_empty()) {
+        (Some(r), true) => &r.to,
+        _ => &open.next,
+    }
+}
+
+/// In tracker mode, checks the open's ticket and returns its request id, the worker id of the
+/// stage it sends to (`hop`) and the API key's name; ticketless, "", None and "".
 fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<(String, Option<String>, String), TicketError> {
     let Some(gate) = &shared.gate else { return Ok((String::new(), None, String::new())) };
     let signed = open.ticket.as_ref().ok_or(TicketError::Missing)?;
     // Before the first join no key is known: nothing can be verified yet.
     let t = dgr_proto::verify_ticket(signed, |id| gate.key(id), unix_us() / 1000)?;
     dgr_proto::check_ticket_open(&t, open, &gate.worker_id)?;
-    let next = t.stages.get(open.stage_index as usize + 1).map(|s| s.worker_id.clone());
+    let to = if open.next.is_empty() { 0 } else { open.stage_index as usize + 1 };
+    let next = t.stages.get(to).filter(|_| !hop(open).is_empty()).map(|s| s.worker_id.clone());
     Ok((t.request_id, next, t.key_name))
 }
 
@@ -678,14 +694,22 @@ async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<PeerLink, String
     let (cmds, mine) = (shared.cmds.clone(), tx.clone());
     let shared = shared.clone();
     tokio::spawn(async move {
-        let mut why = "connection closed".to_string();
+        let (mut why, mut kind) = ("connection closed".to_string(), ErrorKind::NextStage);
         while let Some(next) = frames.next().await {
             match next.map(Frame::decode) {
+                // The peer found a frame of ours altered in flight: every session on the link
+                // fails as such, not as a lost stage.
+                Ok(Ok(Frame { body: Some(Body::Error(err)) })) if err.session_id.is_empty() && err.error_kind() == ErrorKind::Integrity => {
+                    (why, kind) = (err.message, ErrorKind::Integrity);
+                }
                 Ok(Ok(Frame { body: Some(Body::Error(err)) })) => {
                     let _ = cmds.try_send(Cmd::PeerError { err });
                 }
                 Ok(_) => {}
                 Err(e) => {
+                    if dgr_proto::SecureError::of(&e) == Some(&dgr_proto::SecureError::Integrity) {
+                        kind = ErrorKind::Integrity;
+                    }
                     why = e.to_string();
                     break;
                 }
@@ -701,7 +725,7 @@ async fn dial_peer(shared: Arc<Shared>, addr: String) -> Result<PeerLink, String
                 peers.remove(&addr);
             }
         }
-        let _ = cmds.send(Cmd::PeerLost { addr, conn: mine, why });
+        let _ = cmds.send(Cmd::PeerLost { addr, conn: mine, why, kind });
     });
     Ok((tx, proved))
 }

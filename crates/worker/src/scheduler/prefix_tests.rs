@@ -69,7 +69,7 @@ impl Route {
             };
             let next = (!last).then(|| ("next".to_string(), self.hops[i].0.clone()));
             let (request_id, tenant) = (String::new(), tenant.to_string());
-            s.handle(Cmd::Open { conn: 1, uses: ConnUse::default(), open, reply, next, request_id, tenant });
+            s.handle(Cmd::Open { conn: 1, uses: ConnUse::default(), open: Box::new(open), reply, next, request_id, tenant });
             replies.push(inbox.try_recv().unwrap().body.unwrap());
             inboxes.push(inbox);
         }
