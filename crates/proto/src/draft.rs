@@ -29,7 +29,8 @@ pub fn propose(tokens: &[u32], max: usize) -> Vec<u32> {
 /// A step whose drafts were all accepted doubles the next step's allowance (up to the
 /// maximum); one with a rejection sets it to what was accepted plus one; and after a step that
 /// accepted none, the session drafts nothing for 1, 2, 4 … (at most `MAX_PAUSE`) steps, so text
-/// that does not repeat costs few rows.
+/// that does not repeat costs few rows — unless rows are cheap (the route's steps wait on slow
+/// links far longer than they compute), when a miss costs nothing worth saving.
 #[derive(Debug)]
 pub struct Drafter {
     max: usize,
@@ -58,13 +59,14 @@ impl Drafter {
         propose(tokens, self.next.min(room))
     }
 
-    /// A step with `drafted` drafts of which `accepted` were.
-    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+    /// A step with `drafted` drafts of which `accepted` were; `cheap`: its rows cost the route
+    /// little next to its wait.
+    pub fn verified(&mut self, drafted: usize, accepted: usize, cheap: bool) {
         if drafted == 0 {
             return;
         }
         self.next = if accepted == drafted { (2 * self.next).min(self.max) } else { (accepted + 1).min(self.max) };
-        if accepted == 0 {
+        if accepted == 0 && !cheap {
             self.pause = (1usize << self.misses.min(8)).min(MAX_PAUSE);
             self.misses += 1;
         } else {
@@ -101,20 +103,23 @@ mod tests {
         let t: Vec<u32> = (0..20).chain(0..20).collect();
         assert_eq!(d.propose(&t[..25], 100).len(), 8);
         assert_eq!(d.propose(&t[..25], 3).len(), 3, "no more than the room left");
-        d.verified(8, 2);
+        d.verified(8, 2, false);
         assert_eq!(d.propose(&t[..25], 100).len(), 3);
-        d.verified(3, 3);
-        d.verified(6, 6);
+        d.verified(3, 3, false);
+        d.verified(6, 6, false);
         assert_eq!(d.propose(&t[..25], 100).len(), 8, "doubled up to the maximum");
-        d.verified(8, 0);
+        d.verified(8, 0, false);
         // A step that accepted nothing pauses drafting for one step, the next such for two.
         assert!(d.propose(&t[..25], 100).is_empty());
         assert_eq!(d.propose(&t[..25], 100).len(), 1);
-        d.verified(1, 0);
+        d.verified(1, 0, false);
         assert!(d.propose(&t[..25], 100).is_empty() && d.propose(&t[..25], 100).is_empty());
         assert_eq!(d.propose(&t[..25], 100).len(), 1);
-        d.verified(1, 1);
+        d.verified(1, 1, false);
         assert_eq!(d.propose(&t[..25], 100).len(), 2, "an accepted draft ends the pauses");
+        // Where rows are cheap a miss shrinks the allowance but pauses nothing.
+        d.verified(2, 0, true);
+        assert_eq!(d.propose(&t[..25], 100).len(), 1);
         assert!(Drafter::new(0).is_none());
         assert_eq!(Drafter::new(MAX_DRAFT + 5).unwrap().max, MAX_DRAFT);
     }

@@ -360,6 +360,10 @@ pub struct Forward {
     /// says how many of the previous step's drafts were accepted.
     #[prost(bool, tag = "11")]
     pub ring: bool,
+    /// With `ring`: what the step's stages computed for, in all (µs), so the first stage can
+    /// tell a route that waits on its links from one that waits on its compute.
+    #[prost(uint64, tag = "12")]
+    pub step_compute_us: u64,
 }
 
 /// The most draft tokens one step verifies.

@@ -6,6 +6,7 @@
 
 use crate::scheduler::Outbox;
 use dgr_proto::{Drafter, Forward, Ring, Sampled};
+use std::time::Instant;
 
 /// The last stage's end: where the step's last token goes.
 pub(crate) struct RingOut {
@@ -21,15 +22,16 @@ impl RingOut {
         RingOut { to, stop: r.stop.clone(), end }
     }
 
-    /// The frame that starts the next step after a step gave `tokens` (in position order), or
-    /// None when the generation ends with them.
-    pub fn next(&self, session_id: &[u8], tokens: &[Sampled]) -> Option<Forward> {
+    /// The frame that starts the next step after a step gave `tokens` (in position order) and
+    /// its stages computed for `compute_us` in all, or None when the generation ends with them.
+    pub fn next(&self, session_id: &[u8], tokens: &[Sampled], compute_us: u64) -> Option<Forward> {
         let last = tokens.last()?;
         if last.position + 1 >= self.end || tokens.iter().any(|t| self.stop.contains(&t.token)) {
             return None;
         }
         let (position, tokens) = (last.position, vec![last.token]);
-        Some(Forward { session_id: session_id.to_vec(), position, tokens, ring: true, sample: true, ..Default::default() })
+        let step_compute_us = compute_us;
+        Some(Forward { session_id: session_id.to_vec(), position, tokens, ring: true, sample: true, step_compute_us, ..Default::default() })
     }
 }
 
@@ -41,20 +43,28 @@ pub(crate) struct RingIn {
     /// The last step's drafts and the position of the first.
     drafted: Option<(usize, Vec<u32>)>,
     end: usize,
+    /// When the last ring token arrived: the time between two is the ring's cycle.
+    arrived: Option<Instant>,
 }
+
+/// A step whose stages computed for less than this part of the ring's cycle waited on its links
+/// for the rest: draft rows cost it almost nothing, so drafting does not pause after misses.
+const CHEAP_ROWS: u32 = 4;
 
 impl RingIn {
     pub fn new(r: &Ring, end: u64) -> RingIn {
-        RingIn { drafter: Drafter::new(r.speculate as usize), tokens: r.prompt.clone(), drafted: None, end: end as usize }
+        RingIn { drafter: Drafter::new(r.speculate as usize), tokens: r.prompt.clone(), drafted: None, end: end as usize, arrived: None }
     }
 
-    /// Turns the last stage's token `f` into the next step: the token and its drafts. The
-    /// token's position says how many of the last step's drafts were accepted.
-    pub fn step(&mut self, f: &mut Forward) -> Result<(), String> {
+    /// Turns the last stage's token `f`, arrived `at`, into the next step: the token and its
+    /// drafts. The token's position says how many of the last step's drafts were accepted.
+    pub fn step(&mut self, f: &mut Forward, at: Instant) -> Result<(), String> {
         let p = f.position as usize;
         if f.tokens.len() != 1 || !f.draft.is_empty() || !f.hidden.is_empty() {
             return Err("a ring's frame holds one token and nothing else".into());
         }
+        let cycle = self.arrived.replace(at).map(|t| at.saturating_duration_since(t));
+        let cheap = cycle.is_some_and(|c| f.step_compute_us.saturating_mul(CHEAP_ROWS as u64) < c.as_micros() as u64);
         if let Some((start, draft)) = self.drafted.take() {
             let accepted = p.checked_sub(start).filter(|&a| a <= draft.len());
             let accepted =
@@ -62,7 +72,7 @@ impl RingIn {
             self.tokens.truncate(start);
             self.tokens.extend_from_slice(&draft[..accepted]);
             if let Some(d) = self.drafter.as_mut() {
-                d.verified(draft.len(), accepted);
+                d.verified(draft.len(), accepted, cheap);
             }
         }
         if self.tokens.len() != p || p + 1 >= self.end {
@@ -92,11 +102,11 @@ mod tests {
     #[test]
     fn the_last_stage_stops_at_the_positions_and_the_stop_tokens() {
         let out = RingOut::new(&Ring { stop: vec![2], ..Default::default() }, None, 10);
-        let f = out.next(&[1; 16], &[token(5, 7), token(6, 8)]).unwrap();
+        let f = out.next(&[1; 16], &[token(5, 7), token(6, 8)], 0).unwrap();
         assert_eq!((f.position, f.tokens, f.ring, f.sample), (6, vec![8], true, true));
-        assert!(out.next(&[1; 16], &[token(9, 7)]).is_none(), "the session's last position");
-        assert!(out.next(&[1; 16], &[token(8, 7)]).is_some());
-        assert!(out.next(&[1; 16], &[token(5, 2), token(6, 8)]).is_none(), "a stop token among the step's");
+        assert!(out.next(&[1; 16], &[token(9, 7)], 0).is_none(), "the session's last position");
+        assert!(out.next(&[1; 16], &[token(8, 7)], 0).is_some());
+        assert!(out.next(&[1; 16], &[token(5, 2), token(6, 8)], 0).is_none(), "a stop token among the step's");
     }
 
     #[test]
@@ -104,12 +114,12 @@ mod tests {
         let prompt = vec![1, 2, 3, 4, 1, 2];
         let mut ring = RingIn::new(&Ring { speculate: 4, prompt: prompt.clone(), ..Default::default() }, 20);
         let mut f = Forward { position: 6, tokens: vec![3], ring: true, sample: true, ..Default::default() };
-        ring.step(&mut f).unwrap();
+        ring.step(&mut f, Instant::now()).unwrap();
         // "1 2 3" occurred at the start: 4 1 2 3 followed it.
         assert_eq!((f.tokens.clone(), f.draft.clone()), (vec![3, 4, 1, 2, 3], vec![4, 1, 2, 3]));
         // Two drafts accepted: the next token is at 6 + 1 + 2.
         let mut f = Forward { position: 9, tokens: vec![9], ring: true, sample: true, ..Default::default() };
-        ring.step(&mut f).unwrap();
+        ring.step(&mut f, Instant::now()).unwrap();
         assert_eq!(ring.tokens, [1, 2, 3, 4, 1, 2, 3, 4, 1, 9]);
         // A position the drafts cannot explain, or a frame with more than its token.
         for bad in [
@@ -119,12 +129,30 @@ mod tests {
             let mut again = RingIn::new(&Ring { speculate: 4, prompt: prompt.clone(), ..Default::default() }, 20);
             again.drafted = Some((7, vec![4, 1, 2]));
             again.tokens.push(3);
-            assert!(again.step(&mut bad.clone()).is_err(), "{bad:?}");
+            assert!(again.step(&mut bad.clone(), Instant::now()).is_err(), "{bad:?}");
         }
         // No drafts past the room the positions leave.
         let mut short = RingIn::new(&Ring { speculate: 4, prompt: prompt.clone(), ..Default::default() }, 9);
         let mut f = Forward { position: 6, tokens: vec![3], ..Default::default() };
-        short.step(&mut f).unwrap();
+        short.step(&mut f, Instant::now()).unwrap();
         assert_eq!(f.draft, [4]);
+    }
+
+    #[test]
+    fn a_miss_pauses_drafting_only_where_the_route_waits_on_its_compute() {
+        let ring = Ring { speculate: 4, prompt: vec![1, 2, 3, 4, 1, 2], ..Default::default() };
+        let t0 = Instant::now();
+        let cycle = std::time::Duration::from_millis(100);
+        // After a step of 4 drafts that accepted none, the next step's drafts, when the step
+        // computed for `compute_us` of the 100 ms between two ring tokens.
+        let after_a_miss = |compute_us: u64| {
+            let mut r = RingIn::new(&ring, 32);
+            r.step(&mut Forward { position: 6, tokens: vec![3], ..Default::default() }, t0).unwrap();
+            let mut f = Forward { position: 7, tokens: vec![1], step_compute_us: compute_us, ..Default::default() };
+            r.step(&mut f, t0 + cycle).unwrap();
+            f.draft
+        };
+        assert_eq!(after_a_miss(1_000), [2], "1 ms of 100: drafting goes on (one draft: the miss's allowance)");
+        assert!(after_a_miss(90_000).is_empty(), "90 ms of 100: drafting pauses");
     }
 }

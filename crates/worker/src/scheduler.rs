@@ -547,7 +547,7 @@ impl<E: Engine> Scheduler<E> {
         // A ring's token comes back to its first stage, which makes it the next step.
         let ringed = match (f.ring, s.ring_in.as_mut()) {
             (false, _) => Ok(()),
-            (true, Some(r)) => r.step(&mut f).map_err(|m| (ErrorKind::BadInput, m)),
+            (true, Some(r)) => r.step(&mut f, at).map_err(|m| (ErrorKind::BadInput, m)),
             (true, None) => Err((ErrorKind::BadFrame, "a ring's token for a session this stage does not start".into())),
         };
         // A session's first rows may start past the prefix it was told is cached here.
@@ -878,7 +878,7 @@ impl<E: Engine> Scheduler<E> {
                             trace,
                             allowed,
                             draft,
-                            ring: false,
+                            ..Default::default()
                         };
                         send(next, Body::Forward(f))
                     }
@@ -893,7 +893,8 @@ impl<E: Engine> Scheduler<E> {
                         s.carry.append(&mut trace);
                         s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
                         let trace = std::mem::take(&mut s.carry);
-                        let round = s.ring_out.as_ref().and_then(|r| Some((r.to.clone(), r.next(&s.id, &drawn)?)));
+                        let compute_us = trace.iter().map(|h| h.compute_us).sum();
+                        let round = s.ring_out.as_ref().and_then(|r| Some((r.to.clone(), r.next(&s.id, &drawn, compute_us)?)));
                         let mut drawn = drawn.into_iter();
                         let first = drawn.next().unwrap_or_default();
                         let t = TokenOut {
