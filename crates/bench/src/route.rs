@@ -47,10 +47,13 @@ pub(crate) struct RpcServers {
 }
 
 impl RpcServers {
-    /// One ggml-rpc-server of `threads` threads per port, each listening before this returns.
-    pub fn start(bin: &std::path::Path, ports: &[u16], threads: usize) -> Result<RpcServers> {
+    /// `n` ggml-rpc-servers of `threads` threads each, on free ports, each listening before this
+    /// returns. (A fixed port may be held in TIME_WAIT by an earlier run's connections, and the
+    /// server does not reuse it.)
+    pub fn start(bin: &std::path::Path, n: usize, threads: usize) -> Result<RpcServers> {
         let mut s = RpcServers { children: Vec::new(), addrs: Vec::new() };
-        for p in ports {
+        for _ in 0..n {
+            let p = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).context("finding a free port")?.port();
             let c = Command::new(bin)
                 .args(["-p", &p.to_string(), "-t", &threads.to_string()])
                 .stdout(Stdio::null())
@@ -58,7 +61,7 @@ impl RpcServers {
                 .spawn()
                 .context("starting ggml-rpc-server")?;
             s.children.push(c);
-            wait_listening(*p)?;
+            wait_listening(p)?;
             s.addrs.push(format!("127.0.0.1:{p}"));
         }
         Ok(s)
@@ -83,8 +86,7 @@ pub fn run(a: Args) -> Result<()> {
     let stage = open_engine(g, 0..n_layers, a.numerics.spec(a.threads))?;
     check_split(n_layers, a.split)?;
     let swarm = LocalSwarm::start(&model, &even_split(n_layers, a.split), a.threads, &a.numerics.worker_flags()?)?;
-    let ports: Vec<u16> = (0..a.split as u16).map(|i| 50100 + i).collect();
-    let servers = RpcServers::start(&rpc, &ports, a.threads)?;
+    let servers = RpcServers::start(&rpc, a.split, a.threads)?;
     let rpc_addrs = servers.addrs.join(",");
 
     // The same shape for every contender: one token in, `gen_tokens` out, greedy, EOS ignored.

@@ -108,7 +108,7 @@ pub fn run(a: Args) -> Result<()> {
     // The workers as `dgr up` splits them, with the defaults `dgr worker` has.
     let ranges = balanced_split(&g, cfg.n_layers, 2);
     let swarm = LocalSwarm::start(&model, &ranges, a.threads, &a.numerics.worker_flags()?)?;
-    let servers = RpcServers::start(&rpc, &[50200, 50201], a.threads)?;
+    let servers = RpcServers::start(&rpc, 2, a.threads)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting a runtime")?;
     let vocab = cfg.vocab as u32;
     let tok = a.model.tokenizer(&g)?;
