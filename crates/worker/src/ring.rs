@@ -24,13 +24,12 @@ impl RingOut {
 
     /// The frame that starts the next step after a step gave `tokens` (in position order) and
     /// its stages computed for `compute_us` in all, or None when the generation ends with them.
-    pub fn next(&self, session_id: &[u8], tokens: &[Sampled], compute_us: u64) -> Option<Forward> {
+    pub fn next(&self, session_id: &[u8], tokens: &[Sampled], step_compute_us: u64) -> Option<Forward> {
         let last = tokens.last()?;
         if last.position + 1 >= self.end || tokens.iter().any(|t| self.stop.contains(&t.token)) {
             return None;
         }
         let (position, tokens) = (last.position, vec![last.token]);
-        let step_compute_us = compute_us;
         Some(Forward { session_id: session_id.to_vec(), position, tokens, ring: true, sample: true, step_compute_us, ..Default::default() })
     }
 }

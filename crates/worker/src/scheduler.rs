@@ -893,8 +893,10 @@ impl<E: Engine> Scheduler<E> {
                         s.carry.append(&mut trace);
                         s.carry.push(Hop { sent_unix_us: unix_us(), ..hop });
                         let trace = std::mem::take(&mut s.carry);
-                        let compute_us = trace.iter().map(|h| h.compute_us).sum();
-                        let round = s.ring_out.as_ref().and_then(|r| Some((r.to.clone(), r.next(&s.id, &drawn, compute_us)?)));
+                        let round = s.ring_out.as_ref().and_then(|r| {
+                            let compute_us = trace.iter().map(|h| h.compute_us).sum();
+                            Some((r.to.clone(), r.next(&s.id, &drawn, compute_us)?))
+                        });
                         let mut drawn = drawn.into_iter();
                         let first = drawn.next().unwrap_or_default();
                         let t = TokenOut {

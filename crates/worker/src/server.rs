@@ -496,7 +496,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                         continue;
                     }
                 };
-                if hop(&open).is_empty() {
+                if hop(&open).0.is_empty() {
                     Cmd::Open { conn, uses: uses.clone(), open: Box::new(open), reply: out.clone(), next: None, request_id, tenant }
                 } else {
                     // Off the read loop: the sessions beside it on this connection (a gateway's
@@ -586,7 +586,8 @@ impl PendingOpen {
     /// it was withdrawn meanwhile. Decided under the connection's `Opening` lock, so it is
     /// queued before the connection's `ConnClosed` or not at all.
     async fn open_after_dial(self, shared: Arc<Shared>, opening: Arc<Mutex<Opening>>) {
-        let to = hop(&self.open).to_string();
+        let (to, stage) = hop(&self.open);
+        let to = to.to_string();
         let next = peer(&shared, &to).await;
         let mut o = opening.lock().unwrap_or_else(PoisonError::into_inner);
         if o.closed || !o.ids.remove(&self.open.session_id) {
@@ -615,20 +616,19 @@ impl PendingOpen {
             Err(why) => {
                 let msg = format!("cannot reach the next stage at {to}: {why}");
                 shared.metrics.failure(ErrorKind::NextStage);
-                let next = if open.next.is_empty() { 0 } else { open.stage_index + 1 };
-                let e = ErrorMsg::new(&open.session_id, ErrorKind::NextStage, next, msg);
+                let e = ErrorMsg::new(&open.session_id, ErrorKind::NextStage, stage, msg);
                 let _ = reply.try_send(Frame::new(Body::Error(e)));
             }
         }
     }
 }
 
-/// Where a stage sends what it computes: its next stage, or a ring's last stage the first (empty:
-/// the driver, or itself).
-fn hop(open: &OpenSession) -> &str {
+/// Where a stage sends what it computes, and that stage's index: its next stage, or a ring's last
+/// stage the first (an empty address: the driver, or itself).
+fn hop(open: &OpenSession) -> (&str, u32) {
     match (&open.ring, open.next.is_empty()) {
-        (Some(r), true) => &r.to,
-        _ => &open.next,
+        (Some(r), true) => (&r.to, 0),
+        _ => (&open.next, open.stage_index.saturating_add(1)),
     }
 }
 
@@ -640,8 +640,8 @@ fn check_ticket(shared: &Shared, open: &OpenSession) -> Result<(String, Option<S
     // Before the first join no key is known: nothing can be verified yet.
     let t = dgr_proto::verify_ticket(signed, |id| gate.key(id), unix_us() / 1000)?;
     dgr_proto::check_ticket_open(&t, open, &gate.worker_id)?;
-    let to = if open.next.is_empty() { 0 } else { open.stage_index as usize + 1 };
-    let next = t.stages.get(to).filter(|_| !hop(open).is_empty()).map(|s| s.worker_id.clone());
+    let (to, stage) = hop(open);
+    let next = t.stages.get(stage as usize).filter(|_| !to.is_empty()).map(|s| s.worker_id.clone());
     Ok((t.request_id, next, t.key_name))
 }
 
