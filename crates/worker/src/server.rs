@@ -556,8 +556,13 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                 continue;
             }
         };
-        if shared.cmds.try_send(cmd).is_err() {
-            refuse(&out, &[], ErrorKind::Overloaded, "the worker's queue is full".into());
+        match shared.cmds.try_send(cmd) {
+            Ok(()) => {}
+            Err(std::sync::mpsc::TrySendError::Full(_)) => refuse(&out, &[], ErrorKind::Overloaded, "the worker's queue is full".into()),
+            // The scheduler has ended: a drain finished while this connection was still open.
+            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
+                refuse(&out, &[], ErrorKind::ShuttingDown, "the worker is shutting down".into())
+            }
         }
     }
     opening.lock().unwrap_or_else(PoisonError::into_inner).closed = true;
