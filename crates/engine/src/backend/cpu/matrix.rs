@@ -1,12 +1,13 @@
 //! Weight matrices as views into the mapped file, and the threaded matrix product over them.
 
-use crate::backend::cpu::kernels::int::{self, Activations};
+use crate::backend::cpu::kernels::int::{self, Activations, Packed};
 use crate::backend::cpu::kernels::{self, Columns, FastType, Isa, Line, Rows};
 use crate::backend::cpu::pool::{Disjoint, ThreadPool};
 use crate::backend::cpu::Cpu;
 use crate::backend::Product;
 use crate::{EngineError, Numerics};
 use dgr_gguf::{GgmlType, Gguf};
+use std::sync::Arc;
 
 /// A `rows × k` weight matrix stored row-major in the GGUF file (ggml dims `[k, rows]`).
 #[derive(Clone, Debug)]
@@ -19,6 +20,9 @@ pub struct Matrix {
     region: usize,
     offset: usize,
     row_bytes: usize,
+    /// The rows repacked for the integer kernels (fast numerics on AVX-512), which then read
+    /// them instead of the file's.
+    packed: Option<Arc<Packed>>,
 }
 
 impl Matrix {
@@ -34,7 +38,14 @@ impl Matrix {
             found: t.dims.clone(),
         })? as usize;
         let (region, offset) = g.tensor_location(t).ok_or_else(|| EngineError::MissingTensor(name.into()))?;
-        Ok(Matrix { ty: t.ty, fast, rows, k, region, offset, row_bytes })
+        Ok(Matrix { ty: t.ty, fast, rows, k, region, offset, row_bytes, packed: None })
+    }
+
+    /// Repacks the rows for the integer kernels of `isa`, where they have a packed form, on
+    /// `threads` threads.
+    pub fn pack(&mut self, g: &Gguf, isa: Isa, threads: usize) {
+        let w = Rows { ty: self.fast, bytes: self.rows(g, 0..self.rows), row_bytes: self.row_bytes, n_rows: self.rows };
+        self.packed = Packed::new(isa, &w, self.k, threads).map(Arc::new);
     }
 
     /// Rows `rows` of the matrix, in the mapped region `g` holds them in.
@@ -84,7 +95,8 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, numerics: Numerics, g: &Gguf, 
     }
     let total: usize = jobs.iter().flatten().map(|(w, _)| w.rows).sum();
     // Several chunks per thread, so a late or descheduled thread's share is picked up by others.
-    let grain = (total / (pool.threads() * 8)).clamp(16, 256);
+    // Whole tiles of 16 rows, so that packed matrices' chunks start on a tile.
+    let grain = (total / (pool.threads() * 8)).clamp(16, 256).next_multiple_of(int::packed::TILE);
     pool.run(total, grain, &|items| {
         let mut base = 0;
         for (w, out) in jobs.iter().flatten() {
@@ -132,6 +144,27 @@ thread_local! {
 
 /// Rows `rows` of `w` for every column: the unit of work one thread does without a break.
 fn rows(isa: Isa, model: &Gguf, kind: Kind, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
+    if let (Kind::Int(acts), Some(p)) = (kind, &w.packed) {
+        const TILE: usize = int::packed::TILE;
+        let tiles = rows.start.div_ceil(TILE)..(rows.end / TILE).min(p.tiles());
+        if !tiles.is_empty() {
+            // SAFETY: the kernel writes `dst[c * w.rows + r]` for c < n and the tiles' rows,
+            // which lie inside `rows`: outputs this call alone owns (below).
+            unsafe { int::packed::gemv(p, tiles.clone(), acts, out.at(tiles.start * TILE), w.rows) };
+            let (lo, hi) = (rows.start..tiles.start * TILE, tiles.end * TILE..rows.end);
+            for part in [lo, hi] {
+                if !part.is_empty() {
+                    unpacked(isa, model, kind, w, out, part);
+                }
+            }
+            return;
+        }
+    }
+    unpacked(isa, model, kind, w, out, rows)
+}
+
+/// `rows`, reading `w`'s rows from the file.
+fn unpacked(isa: Isa, model: &Gguf, kind: Kind, w: &Matrix, out: &Disjoint, rows: std::ops::Range<usize>) {
     let m = Rows { ty: w.fast, bytes: w.rows(model, rows.clone()), row_bytes: w.row_bytes, n_rows: rows.len() };
     // This call alone writes rows `rows` of every column of `out` (`matmul` hands each row to
     // one chunk), and `matmul`'s assert keeps them inside the buffer.

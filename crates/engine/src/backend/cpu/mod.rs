@@ -70,7 +70,11 @@ impl Backend for Cpu {
     }
 
     fn matrix(&self, name: &str, k: usize, rows: usize) -> Result<Matrix, EngineError> {
-        Matrix::load(&self.gguf, name, k, rows)
+        let mut m = Matrix::load(&self.gguf, name, k, rows)?;
+        if self.numerics == Numerics::Fast {
+            m.pack(&self.gguf, self.isa, self.threads());
+        }
+        Ok(m)
     }
 
     fn matrix_bytes(&self, m: &Matrix) -> usize {

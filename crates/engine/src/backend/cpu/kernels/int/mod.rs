@@ -19,9 +19,11 @@
 mod codes;
 #[cfg(target_arch = "x86_64")]
 mod column;
+pub(crate) mod packed;
 mod quant;
 mod tile;
 
+pub(crate) use packed::Packed;
 pub(crate) use quant::Activations;
 
 use super::{FastType, Isa, Level, Rows};

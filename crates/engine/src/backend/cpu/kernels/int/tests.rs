@@ -123,3 +123,40 @@ fn every_flavor_and_every_width_gives_the_scalar_bits_close_to_exact() {
         }
     }
 }
+
+#[test]
+fn packed_tiles_give_the_scalar_bits_for_every_width() {
+    let mut rng = Rng(0x0dd_ba11_cafe_f00d);
+    let n = 53; // three tiles, and five rows the packed form leaves to the others
+    for (ty, fast) in block_types() {
+        for k in [256usize, 512, 3584] {
+            let mut rows: Vec<Vec<u8>> = (0..n).map(|_| random_row(&mut rng, ty, k)).collect();
+            // A subnormal f16 factor, which the packed kernels widen by instruction.
+            rows[3][..2].copy_from_slice(&1u16.to_le_bytes());
+            let all_rows = rows.concat();
+            let w = Rows { ty: fast, bytes: &all_rows, row_bytes: all_rows.len() / n, n_rows: n };
+            let cols = columns(&mut rng, 19, k);
+            let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
+            for flavor in Flavor::available().into_iter().filter(|f| matches!(f, Flavor::Avx512 | Flavor::Vnni)) {
+                let Some(p) = packed::Packed::for_flavor(flavor, &w, k, 2) else {
+                    assert!(!packed::packable(fast), "{ty:?} packs");
+                    continue;
+                };
+                assert_eq!(p.tiles(), 3);
+                for width in [1, 2, 3, 7, 8, 9, 16, 19] {
+                    let mut acts = Activations::default();
+                    acts.quantize(&xs[..width], k);
+                    let want = products(Flavor::Scalar, fast, &all_rows, n, k, &acts);
+                    let mut out = vec![f32::NAN; width * n];
+                    // Tiles 1 and 2: rows 16..48 of each column, written from row 16 on.
+                    // SAFETY: outputs `16 + c * n + r` for c < width and r < 32, inside `out`.
+                    unsafe { packed::gemv(&p, 1..3, &acts, out.as_mut_ptr().add(16), n) };
+                    for c in 0..width {
+                        let (got, want) = (&out[c * n + 16..c * n + 48], &want[c * n + 16..c * n + 48]);
+                        assert_eq!(bits(got), bits(want), "{ty:?} {flavor:?} k={k} width={width} column {c}");
+                    }
+                }
+            }
+        }
+    }
+}
