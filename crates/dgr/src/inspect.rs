@@ -33,6 +33,12 @@ pub fn run(a: Args) -> Result<()> {
         println!("file: {} (GGUF v{}, alignment {})", a.file.display(), g.version(), g.alignment());
     }
     println!("engines: {} (the first is the default)", engines.join(", "));
+    let (codes, floats) = g.tensors().iter().filter(|t| t.dims.len() == 2).partition::<Vec<_>, _>(|t| t.ty.block_size() > 1);
+    println!(
+        "numerics: {} matrices of integer codes meet fast numerics' integer activations; {} float matrices compute exactly in every numerics",
+        codes.len(),
+        floats.len()
+    );
     match g.slice() {
         Some(s) => println!(
             "slice: layers {}..{} of model {} ({} of its {} tensors here, every one verified)",

@@ -1,6 +1,7 @@
 //! Accuracy on the real model (SmolLM2-135M-Instruct Q4_1): `dgr score` teacher-forces the 32
 //! tokens llama.cpp generated greedily for each of six prompts (`once`, `capital`, `chat`,
-//! `code`, `list`, `long`) and its log-probabilities are held against two references in
+//! `code`, `list`, `long`) in exact numerics (`accuracy_fast.rs` holds the default, fast, to
+//! its bars) and its log-probabilities are held against two references in
 //! `tests/data`: `smollm2-q4_1-exact.json`, a float64 forward of the same dequantized weights
 //! (no rounding of activations, KV or attention; the truth), and `smollm2-q4_1-llamacpp.json`,
 //! llama-server's own log-probabilities and prompt tokens on the same file (the peer).
@@ -62,6 +63,8 @@ fn teacher_forced_logprobs_are_at_least_as_accurate_as_llama_cpp() {
             "5",
             "--threads",
             "2",
+            "--numerics",
+            "exact",
         ]);
         assert_eq!(ids(&out["prompt_tokens"]), ids(&l["prompt_tokens"]), "{name}: prompt tokenization differs from llama.cpp");
         let steps = out["steps"].as_array().unwrap();

@@ -42,10 +42,14 @@ fn generate(args: &[&str]) -> Value {
     dgr_gemma(&all)
 }
 
-/// Teacher-forced steps of `continuation` after `prompt`, as `dgr score` gives them.
+/// Teacher-forced steps of `continuation` after `prompt`, as `dgr score` gives them in exact
+/// numerics: the near-exact bars below are f32 activations' (`accuracy_fast.rs` holds the
+/// default, fast, to its own).
 fn score(prompt: &str, continuation: &[u64]) -> Value {
     let cont: Vec<String> = continuation.iter().map(u64::to_string).collect();
-    dgr_gemma(&["score", "--prompt", prompt, "--continuation", &cont.join(","), "--top-logprobs", "5", "--threads", "2"])
+    let args =
+        ["score", "--prompt", prompt, "--continuation", &cont.join(","), "--top-logprobs", "5", "--threads", "2", "--numerics", "exact"];
+    dgr_gemma(&args)
 }
 
 /// A step's logprob, from any of the formats: references (`logprob`) and `dgr score`'s.

@@ -111,8 +111,10 @@ fn a_killed_or_stopped_worker_is_replaced_without_changing_a_token() {
         assert_eq!(out.logprobs, logprobs, "{what}: the logprobs");
         assert_eq!(rec.recoveries.len(), 1, "{what}: {:?}", rec.recoveries);
         let r = &rec.recoveries[0];
-        // A speculative step may have delivered the tokens after the 30th with it.
-        let steps = if speculate == Speculate::Off { 30..=30 } else { 30..=30 + dgr_proto::MAX_DRAFT };
+        // The ring runs ahead of the driver: the stage may have computed a step or two more by
+        // the time the fault lands (one more with speculation off was seen); a speculative step
+        // may have delivered the tokens after the 30th with it.
+        let steps = if speculate == Speculate::Off { 30..=32 } else { 30..=32 + dgr_proto::MAX_DRAFT };
         assert!(r.stage == Some(stage as u32) && steps.contains(&r.at_token), "{what}: {r:?}");
         let stall = r.stall_ms.unwrap_or_else(|| panic!("{what}: the replacement delivered no token: {r:?}"));
         println!("{what}: recovered from {} after {} tokens, stall {stall:.0} ms", r.kind, r.at_token);
