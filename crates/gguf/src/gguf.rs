@@ -242,6 +242,17 @@ impl Gguf {
         }
     }
 
+    /// Lets the OS drop this process's resident copy of bytes `range` of region `i` (for bytes
+    /// an engine copied and will not read again): they stay mapped, and read the same from the
+    /// file if touched. Nothing happens to bytes not mapped from a file.
+    pub fn release(&self, i: usize, range: std::ops::Range<usize>) {
+        match &self.bytes {
+            Bytes::Partial { runs, .. } | Bytes::Assembled(runs) => runs.release(i, range),
+            Bytes::Mapped(map) if i == 0 && range.end <= map.len() => crate::mapping::release(map, range.start, range.len()),
+            _ => {}
+        }
+    }
+
     /// Whether [`Gguf::tensor_data`] can return t's bytes.
     pub fn is_mapped(&self, t: &TensorInfo) -> bool {
         self.held(t).is_some()

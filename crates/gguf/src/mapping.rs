@@ -44,6 +44,24 @@ pub(crate) fn map_range(file: &File, start: u64, end: u64) -> std::io::Result<(M
     Ok((map, (start - from) as usize))
 }
 
+/// Lets the kernel drop this process's resident pages of bytes `at..at + len` of `map` (the
+/// whole 64 KiB-aligned pieces inside them, so no neighbour's page goes with them): they stay
+/// mapped, and read the same bytes from the file if touched again. Best effort: a refusal only
+/// leaves them resident.
+pub(crate) fn release(map: &Mmap, at: usize, len: usize) {
+    let align = MAP_ALIGN as usize;
+    let base = map.as_ptr() as usize;
+    let (from, to) = ((base + at).next_multiple_of(align) - base, (base + at + len) / align * align - base);
+    if from < to && to <= map.len() {
+        // SAFETY: `map` is a shared, read-only map of a model file, which does not change while
+        // mapped (the invariant on `Gguf::open`). MADV_DONTNEED on such a map drops only this
+        // process's page-table entries: a later read faults the same bytes in from the file, so
+        // every reference into the map keeps reading what it read before.
+        #[cfg(unix)]
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from) };
+    }
+}
+
 /// Mapped runs of a file, sorted by start and disjoint.
 #[derive(Default)]
 pub(crate) struct Runs(Vec<Run>);
@@ -83,6 +101,13 @@ impl Runs {
         let run = &self.0[i];
         (end <= run.end).then_some(())?;
         Some((i, usize::try_from(start - run.start).ok()?))
+    }
+
+    /// Releases bytes `range` of run `i`'s region (see [`release`]) where the run is mapped.
+    pub fn release(&self, i: usize, range: std::ops::Range<usize>) {
+        if let Some(Run { skip, held: Held::Map(map), .. }) = self.0.get(i) {
+            release(map, skip + range.start, range.len());
+        }
     }
 
     /// Run `i`'s bytes, from its first tensor's first byte (empty for a run that does not exist).

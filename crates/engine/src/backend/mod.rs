@@ -101,8 +101,11 @@ pub trait Backend: Send + Sized + 'static {
     /// The backend for `spec` over `model` (its numerics already checked).
     fn open(model: &Arc<Gguf>, spec: &EngineSpec) -> Result<Self, EngineError>;
 
-    /// Holds tensor `name` of the model, a `rows × k` matrix (ggml dims `[k, rows]`), as stored.
+    /// Holds tensor `name` of the model, a `rows × k` matrix (ggml dims `[k, rows]`), for
+    /// products (as stored, or laid out anew for the backend's kernels).
     fn matrix(&self, name: &str, k: usize, rows: usize) -> Result<Self::Matrix, EngineError>;
+    /// Holds tensor `name` as an embedding table: as stored, its rows only looked up by `embed`.
+    fn table(&self, name: &str, k: usize, rows: usize) -> Result<Self::Matrix, EngineError>;
     /// Bytes of `m` as stored, which a forward reads.
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
     /// Holds a weight vector (a norm's or a bias's).

@@ -58,12 +58,18 @@ fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
 pub(super) fn load<B: Backend>(b: &B, g: &Gguf, cfg: &ModelConfig, range: Range<usize>) -> Result<Weights<B>, EngineError> {
     let (h, kvd, qd, f) = (cfg.hidden, cfg.kv_dim(), cfg.q_dim(), cfg.ffn);
     let mut bytes = 0;
+    let embed = if range.start == 0 {
+        let t = b.table("token_embd.weight", h, cfg.vocab)?;
+        bytes += b.matrix_bytes(&t);
+        Some(t)
+    } else {
+        None
+    };
     let mut matrix = |name: &str, k: usize, rows: usize| -> Result<B::Matrix, EngineError> {
         let m = b.matrix(name, k, rows)?;
         bytes += b.matrix_bytes(&m);
         Ok(m)
     };
-    let embed = if range.start == 0 { Some(matrix("token_embd.weight", h, cfg.vocab)?) } else { None };
     let mut norm_floats = 0;
     let mut norm = |name: &str, len: usize| -> Result<B::Vector, EngineError> {
         norm_floats += len;

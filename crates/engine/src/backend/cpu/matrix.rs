@@ -46,6 +46,11 @@ impl Matrix {
     pub fn pack(&mut self, g: &Gguf, isa: Isa, threads: usize) {
         let w = Rows { ty: self.fast, bytes: self.rows(g, 0..self.rows), row_bytes: self.row_bytes, n_rows: self.rows };
         self.packed = Packed::new(isa, &w, self.k, threads).map(Arc::new);
+        if let Some(p) = &self.packed {
+            // Only the rows past the last whole tile (and, for an embedding table, the rows of
+            // the tokens looked up) are read from the file again.
+            g.release(self.region, self.offset..self.offset + p.tiles() * 16 * self.row_bytes);
+        }
     }
 
     /// Rows `rows` of the matrix, in the mapped region `g` holds them in.

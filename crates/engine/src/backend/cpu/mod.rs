@@ -77,6 +77,10 @@ impl Backend for Cpu {
         Ok(m)
     }
 
+    fn table(&self, name: &str, k: usize, rows: usize) -> Result<Matrix, EngineError> {
+        Matrix::load(&self.gguf, name, k, rows)
+    }
+
     fn matrix_bytes(&self, m: &Matrix) -> usize {
         m.bytes()
     }
