@@ -1,5 +1,5 @@
 use anyhow::{Context, Result};
-use dgr_engine::{BackendKind, EngineId, Format, KvDtype};
+use dgr_engine::{BackendKind, EngineId, Format, KvDtype, Numerics};
 use dgr_gguf::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -23,7 +23,10 @@ fn show(v: &Value) -> String {
 pub fn run(a: Args) -> Result<()> {
     let (g, id) = dgr_hf::describe(&a.file).with_context(|| format!("reading and hashing {}", a.file.display()))?;
     let format = Format::of(&g);
-    let engines: Vec<String> = dgr_engine::available_numerics(BackendKind::Cpu)
+    // The default numerics first.
+    let mut numerics = dgr_engine::available_numerics(BackendKind::Cpu).to_vec();
+    numerics.sort_by_key(|&n| n != Numerics::default());
+    let engines: Vec<String> = numerics
         .iter()
         .flat_map(|&numerics| KvDtype::ALL.iter().map(move |&kv| EngineId { format, backend: BackendKind::Cpu, numerics, kv }.to_string()))
         .collect();

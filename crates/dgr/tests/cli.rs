@@ -339,7 +339,7 @@ fn inspect_describes_the_model() {
     assert!(out.status.success(), "inspect: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("architecture: llama"), "no llama architecture in:\n{text}");
-    assert!(text.contains("engines: gguf-cpu-exact"), "no engine in:\n{text}");
+    assert!(text.contains("engines: gguf-cpu-fast"), "no engine in:\n{text}");
     assert!(text.contains("layers 30"), "not 30 layers:\n{text}");
     for ty in ["Q4_1", "Q8_0", "F32"] {
         assert!(text.lines().any(|l| l.split_whitespace().next() == Some(ty)), "tensor type {ty} not listed:\n{text}");

@@ -54,7 +54,7 @@ fn requests_stay_within_their_engine_and_the_ledger_says_which() {
     assert_eq!(swarm["models"].as_array().unwrap().len(), 2, "two models: {swarm}");
 
     let mut outputs = Vec::new();
-    for (model, engine, mine) in [(&hf, "transformers-cpu-exact", &workers[..2]), (&gguf, "gguf-cpu-exact", &workers[2..])] {
+    for (model, engine, mine) in [(&hf, "transformers-cpu-fast", &workers[..2]), (&gguf, "gguf-cpu-fast", &workers[2..])] {
         let local = generate(model, &[]);
         let routed = generate(model, &["--tracker", &t.addr]);
         assert_eq!(routed["tokens"], local["tokens"], "{}: routed through the swarm vs one process", model.display());
@@ -73,7 +73,7 @@ fn requests_stay_within_their_engine_and_the_ledger_says_which() {
     let usage = t.usage("worker");
     for (i, w) in workers.iter().enumerate() {
         let rows: Vec<&Value> = usage["rows"].as_array().unwrap().iter().filter(|r| r["worker"] == w.id.as_str()).collect();
-        let engine = if i < 2 { "transformers-cpu-exact" } else { "gguf-cpu-exact" };
+        let engine = if i < 2 { "transformers-cpu-fast" } else { "gguf-cpu-fast" };
         assert_eq!(rows.len(), 1, "worker {i}: {usage}");
         assert_eq!((rows[0]["engine"].as_str(), rows[0]["requests"].as_u64()), (Some(engine), Some(1)), "worker {i}: {usage}");
         println!("worker {i}: {} layer-tokens under {engine}", rows[0]["layer_tokens"]);

@@ -292,7 +292,7 @@ fn a_kv_dtype_sets_a_workers_kv_bytes_and_its_routes_engine() {
     let args = ["--prompt", "Once upon a time", "--max-tokens", "8", "--ignore-eos", "--format", "json"];
     let out = Proc::spawn(generate_cmd(&[&args[..], &["--route", &route]].concat())).wait_within(Duration::from_secs(60));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success() && stdout.contains("gguf-cpu-exact-q8_0") && stdout.contains("asks for gguf-cpu-exact"), "{stdout}");
+    assert!(!out.status.success() && stdout.contains("gguf-cpu-fast-q8_0") && stdout.contains("asks for gguf-cpu-fast"), "{stdout}");
     let whole = generate_json(&[&args[..5], &["--kv-dtype", "q8_0"]].concat());
     let routed = generate_json(&[&args[..5], &["--kv-dtype", "q8_0", "--route", &route]].concat());
     assert_same_generation(&routed, &whole, "q8_0 KV over a one-worker route");

@@ -1,8 +1,9 @@
 //! A model no worker could map whole: a synthetic 7B-shaped llama (32 layers, hidden 4096, FFN
 //! 11008, 32 heads, 8 KV heads, 32k vocabulary, Q4_1: about 3.7 GB) cut into three slices, each
-//! served by a worker whose address space is capped below half the whole file. Tokens and
-//! logprobs equal one process on the whole file bitwise; each worker's disk use, VmSize and
-//! VmRSS are printed.
+//! served by a worker whose memory is capped below half the whole file: its address space in
+//! exact numerics, its peak resident memory in fast (whose packed weights lie beside the map).
+//! Tokens and logprobs equal one process on the whole file bitwise in each numerics; each
+//! worker's disk use, VmSize, VmRSS and VmHWM are printed.
 #![cfg(feature = "real-model")]
 
 mod common;
@@ -35,7 +36,7 @@ fn generate(model: &Path, extra: &[&str]) -> serde_json::Value {
 }
 
 #[test]
-fn a_7b_shaped_model_runs_on_three_slices_under_an_address_space_cap() {
+fn a_7b_shaped_model_runs_on_three_slices_under_a_memory_cap() {
     let _serial = serial();
     let dir = std::env::temp_dir().join(format!("dgr-test-7b-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -50,7 +51,7 @@ fn a_7b_shaped_model_runs_on_three_slices_under_an_address_space_cap() {
     );
     let whole_len = std::fs::metadata(&whole).unwrap().len();
     let cap = whole_len / 2 - (64 << 20);
-    println!("whole file: {whole_len} bytes; each worker capped at {cap} bytes of address space (prlimit --as)");
+    println!("whole file: {whole_len} bytes; each worker capped at {cap} bytes");
 
     let mut slices = Vec::new();
     for r in CUTS.windows(2) {
@@ -58,45 +59,59 @@ fn a_7b_shaped_model_runs_on_three_slices_under_an_address_space_cap() {
         run(dgr().args(["slice", "--layers", &format!("{}..{}", r[0], r[1]), "--out"]).arg(&out).arg("--model").arg(&whole), "dgr slice");
         slices.push(out);
     }
-    let want = generate(&whole, &["--threads", "2"]);
-
-    // Three workers, each under the cap, started the way `Workers` starts them but via prlimit.
-    let mut children = Vec::new();
-    let mut addrs = Vec::new();
-    for (r, slice) in CUTS.windows(2).zip(&slices) {
-        let mut child = Command::new("prlimit")
-            .arg(format!("--as={cap}"))
-            .arg(env!("CARGO_BIN_EXE_dgr"))
-            .args(["worker", "--listen", "127.0.0.1:0", "--threads", "2", "--layers", &format!("{}..{}", r[0], r[1]), "--model"])
-            .arg(slice)
-            .env_remove("DGR_MODEL")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("prlimit");
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
-        let ready: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| {
-            let mut err = String::new();
-            let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err);
-            panic!("worker {}..{} under the cap did not start ({e}): {err}", r[0], r[1])
-        });
-        addrs.push(ready["listening"].as_str().unwrap().to_string());
-        children.push(KillOnDrop(child));
+    // Exact numerics reads the weights from the map alone, so the cap is on address space. Fast
+    // numerics (the default) holds its packed weights beside the map and lets the map's pages
+    // go: its address space is about twice its slice, so the cap is on its peak resident memory.
+    for numerics in ["exact", "fast"] {
+        let want = generate(&whole, &["--threads", "2", "--numerics", numerics]);
+        let as_limit = if numerics == "exact" { cap.to_string() } else { "unlimited".into() };
+        // Three workers, started the way `Workers` starts them but via prlimit.
+        let mut children = Vec::new();
+        let mut addrs = Vec::new();
+        for (r, slice) in CUTS.windows(2).zip(&slices) {
+            let mut child = Command::new("prlimit")
+                .arg(format!("--as={as_limit}"))
+                .arg(env!("CARGO_BIN_EXE_dgr"))
+                .args(["worker", "--listen", "127.0.0.1:0", "--threads", "2", "--numerics", numerics])
+                .args(["--layers", &format!("{}..{}", r[0], r[1]), "--model"])
+                .arg(slice)
+                .env_remove("DGR_MODEL")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("prlimit");
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+            let ready: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| {
+                let mut err = String::new();
+                let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err);
+                panic!("{numerics}: worker {}..{} under the cap did not start ({e}): {err}", r[0], r[1])
+            });
+            addrs.push(ready["listening"].as_str().unwrap().to_string());
+            children.push(KillOnDrop(child));
+        }
+        let got = generate(&whole, &["--route", &addrs.join(","), "--numerics", numerics]);
+        for (i, (c, slice)) in children.iter().zip(&slices).enumerate() {
+            let pid = c.0.id();
+            let kb = |field| status_kb(pid, field) << 10;
+            let (vm, rss, peak) = (kb("VmSize:"), kb("VmRSS:"), kb("VmHWM:"));
+            let disk = std::fs::metadata(slice).unwrap().len();
+            println!(
+                "{numerics}: worker {i} (layers {}..{}): slice on disk {disk} bytes, VmSize {vm}, VmRSS {rss}, VmHWM {peak}",
+                CUTS[i],
+                CUTS[i + 1]
+            );
+            if numerics == "exact" {
+                let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+                let line = limits.lines().find(|l| l.starts_with("Max address space")).unwrap();
+                assert!(line.split_whitespace().any(|w| w == cap.to_string()), "worker {i} runs without the cap: {line}");
+            } else {
+                assert!(peak < cap, "fast: worker {i}'s peak resident memory {peak} is not under the cap {cap}");
+            }
+        }
+        assert_same_generation(&got, &want, &format!("{numerics}: three slices under the cap against one process on the whole file"));
+        println!("{numerics}: tokens {} equal bitwise, logprobs and top-5 included", got["tokens"]);
     }
-    let got = generate(&whole, &["--route", &addrs.join(",")]);
-    for (i, (c, slice)) in children.iter().zip(&slices).enumerate() {
-        let pid = c.0.id();
-        let (vm, rss) = (status_kb(pid, "VmSize:") << 10, status_kb(pid, "VmRSS:") << 10);
-        let disk = std::fs::metadata(slice).unwrap().len();
-        println!("worker {i} (layers {}..{}): slice on disk {disk} bytes, VmSize {vm}, VmRSS {rss}", CUTS[i], CUTS[i + 1]);
-        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
-        let line = limits.lines().find(|l| l.starts_with("Max address space")).unwrap();
-        assert!(line.split_whitespace().any(|w| w == cap.to_string()), "worker {i} runs without the cap: {line}");
-    }
-    assert_same_generation(&got, &want, "three slices under the cap against one process on the whole file");
-    println!("tokens {} equal bitwise, logprobs and top-5 included", got["tokens"]);
-    drop(children);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -38,7 +38,7 @@ impl Default for EngineSpec {
     fn default() -> Self {
         EngineSpec {
             backend: BackendKind::Cpu,
-            numerics: Numerics::Exact,
+            numerics: Numerics::default(),
             kv: KvDtype::F32,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             isa: None,

@@ -70,7 +70,7 @@ impl WorkerConfig {
             model,
             layers,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-            numerics: dgr_engine::Numerics::Exact,
+            numerics: dgr_engine::Numerics::default(),
             kv_dtype: dgr_engine::KvDtype::F32,
             max_sessions: 64,
             kv_budget_tokens: 1 << 16,
