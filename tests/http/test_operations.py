@@ -130,8 +130,18 @@ def test_dashboard_charts_a_32_stream_load_and_counts_tokens_while_they_run(swar
     assert not empty, f"charts without data under a 32-stream load: {empty} ({page.points})"
     assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"no PNG screenshot at {shot}"
 
-    # The chart's data endpoint holds the load's points.
-    h = json.loads(http_get(f"{swarm.root}/dashboard/series")[2])
+    # The chart's data endpoint holds the load's points. It samples every `step_s`, so the last
+    # tokens of the load reach it with the next sample: wait for that, with a deadline.
+    total = sum(done)
+
+    def series():
+        return json.loads(http_get(f"{swarm.root}/dashboard/series")[2])
+
+    def counted(h):
+        return sum(v * h["step_s"] for v in h["tokens_per_s"])
+
+    wait_until("the history to count the load's tokens", lambda: counted(series()) >= 0.8 * total, timeout=10, interval=0.5)
+    h = series()
     n = len(h["t"])
     assert n >= 2 and all(len(h[k]) == n for k in ("tokens_per_s", "ttft_p50_ms", "itl_p99_ms", "running", "kv_used_frac")), h
     assert max(h["tokens_per_s"]) > 0, f"no tokens/s in the history: {h['tokens_per_s']}"
@@ -141,6 +151,5 @@ def test_dashboard_charts_a_32_stream_load_and_counts_tokens_while_they_run(swar
     assert any(v is not None and v > 0 for v in h["kv_used_frac"]), f"the history never saw KV in use: {h['kv_used_frac']}"
     assert any(v is not None and v > 0 for v in h["cache_hit_frac"]), f"the history never saw a cache hit: {h['cache_hit_frac']}"
     assert len(h["workers"]) == 2 and all(any(v for v in w["step_ms"] if v) for w in h["workers"]), h["workers"]
-    total = sum(done)
-    generated = sum(v * h["step_s"] for v in h["tokens_per_s"])
+    generated = counted(h)
     assert generated >= 0.8 * total, f"the history counts {generated:.0f} tokens generated, the streams got {total}"

@@ -1507,7 +1507,11 @@ mod tests {
             });
             assert_eq!(
                 s.schema.engine,
-                format!("gguf-cpu-exact{}", if kv == dgr_engine::KvDtype::F32 { String::new() } else { format!("-{kv}") })
+                format!(
+                    "gguf-cpu-{}{}",
+                    dgr_engine::Numerics::default().name(),
+                    if kv == dgr_engine::KvDtype::F32 { String::new() } else { format!("-{kv}") }
+                )
             );
             let (_, mut inbox) = open(&mut s, 1, 0..6, 16, None);
             forward(&mut s, Forward { session_id: vec![1; 16], tokens: vec![5, 6, 7], sample: true, ..Default::default() });

@@ -556,13 +556,9 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
                 continue;
             }
         };
-        match shared.cmds.try_send(cmd) {
-            Ok(()) => {}
-            Err(std::sync::mpsc::TrySendError::Full(_)) => refuse(&out, &[], ErrorKind::Overloaded, "the worker's queue is full".into()),
-            // The scheduler has ended: a drain finished while this connection was still open.
-            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
-                refuse(&out, &[], ErrorKind::ShuttingDown, "the worker is shutting down".into())
-            }
+        if let Err(e) = shared.cmds.try_send(cmd) {
+            let (kind, why) = unqueued(&e);
+            refuse(&out, &[], kind, why.into());
         }
     }
     opening.lock().unwrap_or_else(PoisonError::into_inner).closed = true;
@@ -610,12 +606,10 @@ impl PendingOpen {
         match next {
             Ok(tx) => {
                 let (id, next) = (open.session_id.clone(), Some((to, tx)));
-                if shared
-                    .cmds
-                    .try_send(Cmd::Open { conn, uses, open: Box::new(open), reply: reply.clone(), next, request_id, tenant })
-                    .is_err()
-                {
-                    send_refusal(&shared.metrics, &reply, &id, ErrorKind::Overloaded, "the worker's queue is full".into());
+                let cmd = Cmd::Open { conn, uses, open: Box::new(open), reply: reply.clone(), next, request_id, tenant };
+                if let Err(e) = shared.cmds.try_send(cmd) {
+                    let (kind, why) = unqueued(&e);
+                    send_refusal(&shared.metrics, &reply, &id, kind, why.into());
                 }
             }
             Err(why) => {
@@ -772,4 +766,14 @@ pub async fn bind(addr: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
     let l = TcpListener::bind(addr).await?;
     let a = l.local_addr()?;
     Ok((l, a))
+}
+
+/// Why a command did not reach the scheduler: its queue is full, or the scheduler has ended (a
+/// drain finished while a connection was still open, or an open was still dialling its next
+/// stage).
+fn unqueued<T>(e: &std::sync::mpsc::TrySendError<T>) -> (ErrorKind, &'static str) {
+    match e {
+        std::sync::mpsc::TrySendError::Full(_) => (ErrorKind::Overloaded, "the worker's queue is full"),
+        std::sync::mpsc::TrySendError::Disconnected(_) => (ErrorKind::ShuttingDown, "the worker is shutting down"),
+    }
 }

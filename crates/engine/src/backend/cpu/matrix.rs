@@ -47,9 +47,9 @@ impl Matrix {
         let w = Rows { ty: self.fast, bytes: self.rows(g, 0..self.rows), row_bytes: self.row_bytes, n_rows: self.rows };
         self.packed = Packed::new(isa, &w, self.k, threads).map(Arc::new);
         if let Some(p) = &self.packed {
-            // Only the rows past the last whole tile (and, for an embedding table, the rows of
-            // the tokens looked up) are read from the file again.
-            g.release(self.region, self.offset..self.offset + p.tiles() * 16 * self.row_bytes);
+            // Only the rows past the last whole tile (and a tied head's embedding table, the
+            // rows of the tokens looked up) are read from the file again.
+            g.release(self.region, self.offset..self.offset + p.tiles() * int::packed::TILE * self.row_bytes);
         }
     }
 
