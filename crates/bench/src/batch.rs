@@ -4,7 +4,7 @@ use crate::model::{ModelArg, NumericsArg};
 use crate::plot::{self, Chart};
 use crate::swarm::{balanced_split, check_split, LocalSwarm};
 use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
-use dgr_engine::{open_engine, Input, LogitRows, SeqInput, Stage};
+use dgr_engine::{open_engine, Engine, Input, LogitRows, SeqInput};
 use dgr_proto::{Sampling, SeamDtype};
 use plotters::chart::SeriesLabelPosition;
 use serde_json::json;
@@ -56,9 +56,9 @@ pub struct Args {
 
 /// Aggregate decode tok/s of `b` sequences in one process: prompts prefilled, then
 /// `gen` steps of one batched forward over all `b` sequences.
-fn one_process(stage: &Stage, b: usize, p: usize, gen: usize) -> Result<f64> {
+fn one_process(stage: &impl Engine, b: usize, p: usize, gen: usize) -> Result<f64> {
     let vocab = stage.config().vocab as u32;
-    let mut kvs: Vec<_> = (0..b).map(|_| stage.new_kv(p + gen)).collect();
+    let mut kvs = (0..b).map(|_| stage.new_state(p + gen, stage.layers())).collect::<Result<Vec<_>, _>>()?;
     let mut next: Vec<u32> = Vec::new();
     for (i, kv) in kvs.iter_mut().enumerate() {
         let out = stage.forward(&mut [SeqInput { kv, input: Input::Tokens(&prompt(vocab, i, p)), logits: LogitRows::Last }])?;
@@ -67,7 +67,7 @@ fn one_process(stage: &Stage, b: usize, p: usize, gen: usize) -> Result<f64> {
     let t = Instant::now();
     for _ in 1..gen {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-        let mut batch: Vec<SeqInput> =
+        let mut batch: Vec<SeqInput<_>> =
             kvs.iter_mut().zip(&toks).map(|(kv, t)| SeqInput { kv, input: Input::Tokens(t), logits: LogitRows::Last }).collect();
         let out = stage.forward(&mut batch)?;
         next = out.iter().map(|o| dgr_engine::argmax(&o.logits)).collect();

@@ -2,7 +2,7 @@ use super::{median, peer, prompt, record, spread};
 use crate::bandwidth::{self, Reader};
 use crate::error::{BenchError, Result};
 use crate::model::{ModelArg, NumericsArg};
-use dgr_engine::{open_engine, Input, LogitRows, SeqInput, Stage};
+use dgr_engine::{open_engine, Engine, Input, LogitRows, SeqInput};
 use dgr_gguf::Gguf;
 use serde_json::json;
 use std::path::PathBuf;
@@ -48,14 +48,14 @@ pub struct Args {
 
 /// dgr's prefill and decode rates (tokens/s) for one repetition, shaped like llama-bench's tests:
 /// a prompt of `p` tokens into an empty cache, and `n` single-token steps from an empty cache.
-fn dgr_rep(stage: &Stage, p: usize, n: usize) -> Result<(f64, f64)> {
+fn dgr_rep(stage: &impl Engine, p: usize, n: usize) -> Result<(f64, f64)> {
     let vocab = stage.config().vocab as u32;
     let prompt = prompt(vocab, 0, p);
-    let mut kv = stage.new_kv(p);
+    let mut kv = stage.new_state(p, stage.layers())?;
     let t = Instant::now();
     stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&prompt), logits: LogitRows::Last }])?;
     let prefill = p as f64 / t.elapsed().as_secs_f64();
-    let mut kv = stage.new_kv(n);
+    let mut kv = stage.new_state(n, stage.layers())?;
     let mut token = 1u32;
     let t = Instant::now();
     for _ in 0..n {

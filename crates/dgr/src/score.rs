@@ -1,6 +1,6 @@
 use crate::model::{ModelArg, NumericsArg, ThreadsArg};
 use anyhow::{bail, Context, Result};
-use dgr_engine::{open_engine, Input, LogitRows, SeqInput, Stage};
+use dgr_engine::{open_engine, Engine, Input, LogitRows, SeqInput};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -56,10 +56,10 @@ pub fn run(a: Args) -> Result<()> {
 
 /// Teacher-forced scoring: one forward over the prompt and all but the last continuation token;
 /// the logits after position i give the distribution of continuation token i.
-pub fn score(stage: &Stage, prompt: &[u32], continuation: &[u32], top: usize) -> Result<Vec<serde_json::Value>> {
+pub fn score(stage: &impl Engine, prompt: &[u32], continuation: &[u32], top: usize) -> Result<Vec<serde_json::Value>> {
     let mut input = prompt.to_vec();
     input.extend_from_slice(&continuation[..continuation.len() - 1]);
-    let mut kv = stage.new_kv(input.len());
+    let mut kv = stage.new_state(input.len(), stage.layers())?;
     let out = stage.forward(&mut [SeqInput { kv: &mut kv, input: Input::Tokens(&input), logits: LogitRows::All }])?;
     let vocab = stage.config().vocab;
     let logits = &out[0].logits;

@@ -7,7 +7,7 @@ mod common;
 
 use common::{write_checkpoint, TempDir};
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::{open_engine, Arch, EngineSpec, Input, LogitRows, ModelConfig, SeqInput, Stage};
+use dgr_engine::{open_engine, Arch, EngineSpec, Input, LogitRows, ModelConfig, SeqInput};
 use dgr_gguf::{GgmlType, Gguf};
 use dgr_hf::Checkpoint;
 use std::sync::Arc;
@@ -18,7 +18,7 @@ const LAYERS: usize = 6;
 fn run(g: &Arc<Gguf>, cuts: &[usize], prompt: &[u32]) -> Vec<Vec<f32>> {
     let bounds: Vec<usize> = [0].into_iter().chain(cuts.iter().copied()).chain([LAYERS]).collect();
     let opts = EngineSpec::threads(2);
-    let stages: Vec<Stage> = bounds.windows(2).map(|b| open_engine(g.clone(), b[0]..b[1], opts).unwrap()).collect();
+    let stages: Vec<_> = bounds.windows(2).map(|b| open_engine(g.clone(), b[0]..b[1], opts).unwrap()).collect();
     let mut kvs: Vec<_> = stages.iter().map(|s| s.new_kv(64)).collect();
     let mut tokens = prompt.to_vec();
     let mut out = Vec::new();

@@ -2,8 +2,9 @@
 //! one scheduler that batches every ready session into one forward per step, and metrics.
 //!
 //! Threads: tokio tasks own the sockets (one reader and one writer per connection); one
-//! scheduler thread owns the `Stage` and every session's state. They talk through bounded
-//! queues, so a slow or hostile peer can fill only its own queue.
+//! scheduler thread owns the engine (`open_engine`'s, used through the `Engine` trait) and every
+//! session's state. They talk through bounded queues, so a slow or hostile peer can fill only its
+//! own queue.
 
 mod compat;
 mod config;

@@ -7,7 +7,7 @@ use crate::plan::{plan, Batch, Policy, Ready};
 use crate::prefix::{self, Key, PrefixCache};
 use crate::ring::{RingIn, RingOut};
 use crate::{Metrics, WorkerConfig};
-use dgr_engine::{Engine, EngineError, Input, LogitRows, Pooler, Pooling, SamplingParams, SeqInput, SeqState, Stage};
+use dgr_engine::{Engine, EngineError, Input, LogitRows, Pooler, Pooling, SamplingParams, SeqInput, SeqState};
 use dgr_proto::{
     check_forward, check_open, check_prefix_blocks, session_id, Body, BoundarySchema, Embedding, ErrorKind, ErrorMsg, Forward, Frame, Hop,
     OpenSession, Progress, ProtoError, Sampled, SeamDtype, SessionId, SessionRef, TokenOut, TopEntry, Usage, WorkerUsage, MAX_HELD_DIGESTS,
@@ -184,7 +184,7 @@ impl<K> Session<K> {
     }
 }
 
-pub(crate) struct Scheduler<E: Engine = Stage> {
+pub(crate) struct Scheduler<E: Engine> {
     pub stage: E,
     pub cfg: WorkerConfig,
     pub schema: BoundarySchema,
@@ -1033,8 +1033,11 @@ mod prefix_tests;
 mod tests {
     use super::*;
     use dgr_engine::synth::SynthSpec;
-    use dgr_engine::{open_engine, EngineSpec};
+    use dgr_engine::{open_engine, EngineSpec, Stage};
     use std::ops::Range;
+
+    /// The tests' scheduler: over the CPU engine `open_engine` gives.
+    type Scheduler = super::Scheduler<Stage>;
     use tokio::sync::mpsc::{channel, Receiver as Inbox};
 
     /// A scheduler over layers `held` of a six-layer synthetic model, with KV for `budget`

@@ -7,7 +7,7 @@ use crate::scheduler::{Cmd, ConnId, ConnUse, Outbox, Scheduler};
 use crate::share::Holdings;
 use crate::{Metrics, TrackerLink, WorkerConfig};
 use bytes::Bytes;
-use dgr_engine::{open_engine, EngineSpec, Stage};
+use dgr_engine::{open_engine, Engine, EngineSpec};
 use dgr_gguf::{Gguf, ModelIdentity};
 use dgr_proto::{
     Body, BoundarySchema, ErrorKind, ErrorMsg, Frame, Hello, OpenSession, Ping, Registration, Role, SeamDtype, StageInfo, TicketError,
@@ -336,14 +336,14 @@ fn open_model(path: &std::path::Path, range: &std::ops::Range<usize>) -> Result<
 
 /// Times one decode row through every layer this stage holds (the best of a few runs, after a
 /// warm-up), per layer: the speed a tracker plans routes with.
-fn measure_step(stage: &Stage) -> Result<f64, WorkerError> {
-    let c = stage.config();
+fn measure_step(stage: &impl Engine) -> Result<f64, WorkerError> {
+    let (c, layers) = (stage.config(), stage.layers());
     let hidden = vec![0.01f32; c.hidden];
     let mut best = f64::MAX;
-    let mut kv = stage.new_kv(8);
+    let mut kv = stage.new_state(8, layers.clone())?;
     for _ in 0..4 {
-        let input = if stage.is_first() { dgr_engine::Input::Tokens(&[1]) } else { dgr_engine::Input::Hidden(&hidden) };
-        let logits = if stage.is_last() { dgr_engine::LogitRows::Last } else { dgr_engine::LogitRows::None };
+        let input = if layers.start == 0 { dgr_engine::Input::Tokens(&[1]) } else { dgr_engine::Input::Hidden(&hidden) };
+        let logits = if layers.end == c.n_layers { dgr_engine::LogitRows::Last } else { dgr_engine::LogitRows::None };
         let started = Instant::now();
         stage.forward(&mut [dgr_engine::SeqInput { kv: &mut kv, input, logits }])?;
         best = best.min(started.elapsed().as_secs_f64() * 1e6);

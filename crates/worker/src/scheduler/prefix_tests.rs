@@ -11,6 +11,9 @@ use tokio::sync::mpsc::{channel, Receiver as Inbox};
 
 const LAYERS: usize = 6;
 
+/// The tests' scheduler: over the CPU engine `open_engine` gives.
+type Scheduler = super::Scheduler<dgr_engine::Stage>;
+
 fn stage(spec: &SynthSpec, held: Range<usize>, cache: Option<usize>, kv: KvDtype) -> Scheduler {
     super::tests::scheduler_with(spec.to_gguf().unwrap(), held, |cfg| {
         cfg.kv_budget_tokens = 4096;

@@ -6,10 +6,11 @@
 //! the tiles' panel nor the one-column kernel's staging and 16-way reduction: per 32 codes of 16
 //! rows, 8 (nibbles) or 16 (bytes) loads and one `vpdpwssd` per pair and column.
 //!
-//! The records are the file's size (Q4_K's 2.8% more), so a packed matrix replaces its mapped
-//! rows in memory rather than doubling them: fast numerics never reads a packed matrix's rows
-//! from the file again. The integer sums are the same integers and the float steps the
-//! canonical ones (see `super`), so the results are the scalar path's bits.
+//! The records are the file's size (Q4_K's 2.8% more; Q6_K's 30% more, its codes a byte each),
+//! and fast numerics never reads a packed matrix's whole tiles from the file again, so
+//! `Matrix::pack` releases their mapped pages: resident memory stays about the file's. The
+//! integer sums are the same integers and the float steps the canonical ones (see `super`), so
+//! the results are the scalar path's bits.
 
 use super::codes::{codes, elems, offset};
 use super::quant::GROUP;
@@ -82,9 +83,8 @@ impl std::fmt::Debug for Packed {
 }
 
 impl Packed {
-    /// The whole tiles of `w` (rows of `k` elements) packed, where the kernels that read them
-    /// run on `isa` and `w`'s type has a packed form; else None.
-    /// Packs on `threads` threads.
+    /// The whole tiles of `w` (rows of `k` elements) packed on `threads` threads, where the
+    /// kernels that read them run on `isa` and `w`'s type has a packed form; else None.
     pub(crate) fn new(isa: Isa, w: &Rows, k: usize, threads: usize) -> Option<Packed> {
         Packed::for_flavor(Flavor::of(isa), w, k, threads)
     }
