@@ -87,7 +87,7 @@ pub(crate) fn matmul(pool: &ThreadPool, isa: Isa, numerics: Numerics, g: &Gguf, 
     let fast = |w: &Matrix| numerics == Numerics::Fast && int::has_int(w.fast);
     let mut acts = ACTIVATIONS.take();
     if products.iter().any(|p| fast(p.w)) {
-        acts.quantize(&(0..n).map(|c| &x[c * k..][..k]).collect::<Vec<_>>(), k);
+        acts.quantize(pool, isa, &(0..n).map(|c| &x[c * k..][..k]).collect::<Vec<_>>(), k);
     }
     let mut lines = ALIGNED.take();
     let exact = products.iter().any(|p| !fast(p.w));

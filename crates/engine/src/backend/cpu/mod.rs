@@ -201,14 +201,19 @@ impl Backend for Cpu {
         kv.len += rows;
     }
 
-    /// Every (row, head) a job, spread over the pool. Row t's sequence has already cached its
-    /// keys and values up to and including position pos_of[t].
+    /// Every (row, KV head) a job, spread over the pool: the query heads sharing a KV head go
+    /// together, so each key and value read serves them all — unless that leaves the pool too few
+    /// jobs (a decode step's few rows), when each query head is a job of its own. A head's bits
+    /// are the same either way. Row t's sequence has already cached its keys and values up to and
+    /// including position pos_of[t].
     fn attend(&self, kvs: &[&KvCache], li: usize, rows: &BatchRows, heads: Heads, q: &Vec<f32>, att: &mut Vec<f32>) {
         let Heads { n_head, n_kv, dim: hd, scale, window } = heads;
         let qd = n_head * hd;
         let group = n_head / n_kv;
         let BatchRows { seq_of, pos_of } = rows;
-        let jobs = seq_of.len() * n_head;
+        let together = if seq_of.len() * n_kv >= 4 * self.pool.threads() { group } else { 1 };
+        let per_row = n_head / together;
+        let jobs = seq_of.len() * per_row;
         let out = Disjoint::new(att);
         // Per sequence: the layer's keys and values, slots per key row, and the position in slot 0.
         let caches: Vec<(&Store, usize, usize)> = kvs
@@ -221,16 +226,17 @@ impl Backend for Cpu {
         self.pool.run(jobs, 1, &|chunk| {
             SCRATCH.with_borrow_mut(|scratch| {
                 for job in chunk {
-                    let (t, head) = (job / n_head, job % n_head);
+                    let (t, head) = (job / per_row, job % per_row * together);
                     let (store, slots, start) = caches[seq_of[t]];
                     let first = window.map_or(0, |w| (pos_of[t] + 1).saturating_sub(w));
-                    // SAFETY: job (t, head) alone touches att[t*qd + head*hd ..][..hd] (heads of
-                    // a row are `hd` apart and rows `qd = n_head * hd` apart), and `slice` checks
-                    // the bounds.
-                    let dst = unsafe { out.slice(t * qd + head * hd, hd) };
-                    let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                    let at = t * qd + head * hd;
+                    // SAFETY: job (t, head) alone touches att[at..][..together * hd] (the heads
+                    // head..head + together of row t: heads are `hd` apart and rows `qd = n_head *
+                    // hd` apart), and `slice` checks the bounds.
+                    let dst = unsafe { out.slice(at, together * hd) };
+                    let qh = &q[at..at + together * hd];
                     let ctx = first - start..pos_of[t] + 1 - start;
-                    ops::attend(self.isa, qh, store, slots, ctx, (head / group) * hd, scale, scratch, dst);
+                    ops::attend(self.isa, qh, hd, store, slots, ctx, (head / group) * hd, scale, scratch, dst);
                 }
             })
         });

@@ -152,19 +152,24 @@ fn sigmoid(x: f32) -> f32 {
     }
 }
 
-/// Causal attention of one query head over the cached positions in slots `ctx` of one KV head,
-/// whose slice starts at `offset` of each key and value row of `kv` (a layer of `cap` slots per
-/// key row). Scores are scaled by `scale`; `scratch` holds the scores (and q8_0 key scales).
+/// Causal attention of the query heads in `q` that share one KV head, over the cached positions
+/// in slots `ctx` of that head, whose slice starts at `offset` of each key and value row of `kv`
+/// (a layer of `cap` slots per key row). `q` and `out` hold `q.len() / hd` heads of `hd` side by
+/// side. Scores are scaled by `scale`; `scratch`
+/// holds the scores (and q8_0 key scales).
 ///
 /// Compiled once per instruction set for the wider vectors. Every reduction runs element by
 /// element in a fixed order (scores over the head's dimensions in turn, values over positions in
-/// turn) with plain multiplies and adds, so every version gives the same bits. A stored f16 or
-/// q8_0 value is read as the f32 it stands for (exactly: an f16 widened, an int8 times its f16
-/// scale), so such a cache attends bitwise as an f32 cache holding those values would.
+/// turn) with plain multiplies and adds, so every version gives the same bits, and a head's bits
+/// do not depend on the heads beside it: up to `HEADS` heads go together only so that each key
+/// and value read serves them all. A stored f16 or q8_0 value is read as the f32 it stands for
+/// (exactly: an f16 widened, an int8 times its f16 scale), so such a cache attends bitwise as an
+/// f32 cache holding those values would.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     isa: Isa,
     q: &[f32],
+    hd: usize,
     kv: &Store,
     cap: usize,
     ctx: Range<usize>,
@@ -173,7 +178,6 @@ pub fn attend(
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    let hd = q.len();
     let fits = |width: usize, k: usize, v: usize, cols: Range<usize>| cols.end <= width && k >= width * cap && v >= ctx.end * width;
     let ok = match kv {
         Store::F32(p) => fits(p.width, p.k.len(), p.v.len(), offset..offset + hd),
@@ -186,10 +190,8 @@ pub fn attend(
                 && fits(s.width, s.k.len(), s.v.len(), offset / block..(offset + hd).div_ceil(*block))
         }
     };
-    assert!(ctx.start < ctx.end && ctx.end <= cap && ok);
-    scratch.scores.clear();
-    scratch.scores.resize(ctx.len(), 0.0);
-    let at = Head { cap, start: ctx.start, offset };
+    assert!(hd > 0 && q.len().is_multiple_of(hd) && q.len() == out.len() && ctx.start < ctx.end && ctx.end <= cap && ok);
+    let at = Head { cap, start: ctx.start, offset, hd, n: ctx.len() };
     match isa.level() {
         // SAFETY: an `Isa` at the AVX-512 level exists only where detection found AVX-512F/BW,
         // FMA and F16C on this CPU (its field is private); the body itself is safe code.
@@ -203,7 +205,7 @@ pub fn attend(
 }
 
 /// Per thread: attention's scores, and for q8_0 the f32 of a head's key scales and the rotated
-/// query, so no job allocates.
+/// queries, so no job allocates.
 #[derive(Default)]
 pub struct Scratch {
     scores: Vec<f32>,
@@ -211,14 +213,20 @@ pub struct Scratch {
     query: Vec<f32>,
 }
 
-/// Where a job's head lies in its layer: `cap` slots per key row, the first visible slot, and
-/// the head's first column of each key and value row.
+/// Where a job's KV head lies in its layer: `cap` slots per key row, the first visible slot and
+/// how many are visible, the head's first column of each key and value row, and its size.
 #[derive(Clone, Copy)]
 struct Head {
     cap: usize,
     start: usize,
     offset: usize,
+    hd: usize,
+    n: usize,
 }
+
+/// The most query heads attended together: their sums of a `BLOCK` in registers (eight AVX-512
+/// vectors, sixteen AVX2).
+const HEADS: usize = 4;
 
 /// `attend_body` compiled for AVX-512.
 ///
@@ -242,10 +250,9 @@ unsafe fn attend_avx2(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut
 
 #[inline(always)]
 fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
-    let Head { cap, start, offset } = at;
-    let Scratch { scores: s, key_scales, query } = scratch;
-    let n = s.len();
-    // q8_0 keys are rotated (`kv::rotated`): the query is rotated alike and scaled by 1/block
+    let Head { cap, start, offset, hd, n } = at;
+    let Scratch { scores, key_scales, query } = scratch;
+    // q8_0 keys are rotated (`kv::rotated`): the queries are rotated alike and scaled by 1/block
     // (exact, a power of two), so that q'·k' = q·H·H·k / block = q·k.
     let q = match kv {
         Store::Q8_0 { block, .. } if block.is_power_of_two() => {
@@ -259,63 +266,31 @@ fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratc
         }
         _ => q,
     };
-    // Key row r's slot j (j from the first visible slot) is k[r * cap + start + j].
-    let key = |d: usize, j0: usize, len: usize| (offset + d) * cap + start + j0..(offset + d) * cap + start + j0 + len;
-    let padded = n.div_ceil(BLOCK) * BLOCK;
     if let Store::Q8_0 { scale: sc, block, .. } = kv {
         // The head's key scales as f32, a row per q8_0 block of the head over the visible slots,
         // padded to whole `BLOCK`s so that each run of them is an array.
+        let padded = n.div_ceil(BLOCK) * BLOCK;
         key_scales.clear();
-        for r in offset / block..(offset + q.len()).div_ceil(*block) {
+        for r in offset / block..(offset + hd).div_ceil(*block) {
             let from = r * cap + start;
             key_scales.extend(sc.k[from..from + n].iter().map(|&h| f16_value(h)));
             key_scales.resize(key_scales.len() + padded - n, 0.0);
         }
     }
-    for j0 in (0..n).step_by(BLOCK) {
-        let len = BLOCK.min(n - j0);
-        let dst = &mut s[j0..j0 + len];
-        match kv {
-            Store::F32(p) => sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], ())), |x, _, _| x),
-            Store::F16(p) => sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], ())), |x, _, _| f16_value(x)),
-            Store::Q8_0 { q: p, block, .. } => {
-                let ks = &*key_scales;
-                let lanes = |d: usize| -> &[f32; BLOCK] {
-                    let from = d / block * padded + j0;
-                    ks[from..from + BLOCK].try_into().unwrap_or(&[0.0; BLOCK])
-                };
-                sums(dst, q.iter().enumerate().map(|(d, &qd)| (qd, &p.k[key(d, j0, len)], lanes(d))), |x: i8, l: &[f32; BLOCK], i| {
-                    x as f32 * l[i]
-                })
-            }
+    let heads = q.len() / hd;
+    scores.clear();
+    scores.resize(HEADS.min(heads) * n, 0.0);
+    let mut h0 = 0;
+    while h0 < heads {
+        let g = (heads - h0).min(HEADS);
+        let (q, out, s) = (&q[h0 * hd..(h0 + g) * hd], &mut out[h0 * hd..(h0 + g) * hd], &mut scores[..g * n]);
+        match g {
+            1 => heads_body::<1>(q, kv, at, scale, key_scales, s, out),
+            2 => heads_body::<2>(q, kv, at, scale, key_scales, s, out),
+            3 => heads_body::<3>(q, kv, at, scale, key_scales, s, out),
+            _ => heads_body::<HEADS>(q, kv, at, scale, key_scales, s, out),
         }
-    }
-    let mut max = f32::NEG_INFINITY;
-    for x in s.iter_mut() {
-        *x *= scale;
-        max = max.max(*x);
-    }
-    for x in s.iter_mut() {
-        *x = exp(*x - max);
-    }
-    let sum: f64 = s.iter().map(|&x| x as f64).sum();
-    let inv = (1.0 / sum) as f32;
-    let s = &*s;
-    let weights = || s.iter().enumerate().map(|(j, &p)| (start + j, flush(p * inv)));
-    for o0 in (0..out.len()).step_by(BLOCK) {
-        let len = BLOCK.min(out.len() - o0);
-        let dst = &mut out[o0..o0 + len];
-        let value = |width: usize, j: usize| j * width + offset + o0..j * width + offset + o0 + len;
-        match kv {
-            Store::F32(p) => sums(dst, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| x),
-            Store::F16(p) => sums(dst, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| f16_value(x)),
-            Store::Q8_0 { q: p, scale: sc, block } => {
-                // A run of at most `BLOCK` of a head's columns lies in one q8_0 block.
-                let b = (offset + o0) / block;
-                let terms = weights().map(|(j, c)| (c, &p.v[value(p.width, j)], f16_value(sc.v[j * sc.width + b])));
-                sums(dst, terms, |x: i8, d: f32, _| x as f32 * d)
-            }
-        }
+        h0 += g;
     }
     // The rotated values sum to the rotated output: rotated back, H·H = block·I.
     if let Store::Q8_0 { block, .. } = kv {
@@ -328,29 +303,100 @@ fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratc
     }
 }
 
-/// Scores or outputs `attend_body` keeps in registers at a time: four AVX2 vectors, two AVX-512.
+/// `G` query heads (`q`, `out`) over one KV head: each head's scores in its `n` of `s`.
+#[inline(always)]
+fn heads_body<const G: usize>(q: &[f32], kv: &Store, at: Head, scale: f32, key_scales: &[f32], s: &mut [f32], out: &mut [f32]) {
+    let Head { cap, start, offset, hd, n } = at;
+    // Key row r's slot j (j from the first visible slot) is k[r * cap + start + j].
+    let key = |d: usize, j0: usize, len: usize| (offset + d) * cap + start + j0..(offset + d) * cap + start + j0 + len;
+    let query = |d: usize| -> [f32; G] { std::array::from_fn(|i| q[i * hd + d]) };
+    let padded = n.div_ceil(BLOCK) * BLOCK;
+    for j0 in (0..n).step_by(BLOCK) {
+        let len = BLOCK.min(n - j0);
+        match kv {
+            Store::F32(p) => sums(s, n, j0, len, (0..hd).map(|d| (query(d), &p.k[key(d, j0, len)], ())), |x, _, _| x),
+            Store::F16(p) => sums(s, n, j0, len, (0..hd).map(|d| (query(d), &p.k[key(d, j0, len)], ())), |x, _, _| f16_value(x)),
+            Store::Q8_0 { q: p, block, .. } => {
+                let lanes = |d: usize| -> &[f32; BLOCK] {
+                    let from = d / block * padded + j0;
+                    key_scales[from..from + BLOCK].try_into().unwrap_or(&[0.0; BLOCK])
+                };
+                let terms = (0..hd).map(|d| (query(d), &p.k[key(d, j0, len)], lanes(d)));
+                sums(s, n, j0, len, terms, |x: i8, l: &[f32; BLOCK], i| x as f32 * l[i])
+            }
+        }
+    }
+    let mut inv = [0f32; G];
+    for (s, inv) in s.chunks_exact_mut(n).zip(&mut inv) {
+        let mut max = f32::NEG_INFINITY;
+        for x in s.iter_mut() {
+            *x *= scale;
+            max = max.max(*x);
+        }
+        for x in s.iter_mut() {
+            *x = exp(*x - max);
+        }
+        let sum: f64 = s.iter().map(|&x| x as f64).sum();
+        *inv = (1.0 / sum) as f32;
+    }
+    let s = &*s;
+    let weights = || (0..n).map(|j| (start + j, std::array::from_fn::<f32, G, _>(|i| flush(s[i * n + j] * inv[i]))));
+    for o0 in (0..hd).step_by(BLOCK) {
+        let len = BLOCK.min(hd - o0);
+        let value = |width: usize, j: usize| j * width + offset + o0..j * width + offset + o0 + len;
+        match kv {
+            Store::F32(p) => sums(out, hd, o0, len, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| x),
+            Store::F16(p) => sums(out, hd, o0, len, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| f16_value(x)),
+            Store::Q8_0 { q: p, scale: sc, block } => {
+                // A run of at most `BLOCK` of a head's columns lies in one q8_0 block.
+                let b = (offset + o0) / block;
+                let terms = weights().map(|(j, c)| (c, &p.v[value(p.width, j)], f16_value(sc.v[j * sc.width + b])));
+                sums(out, hd, o0, len, terms, |x: i8, d: f32, _| x as f32 * d)
+            }
+        }
+    }
+}
+
+/// Scores or outputs `attend_body` keeps in registers at a time for each head: four AVX2
+/// vectors, two AVX-512.
 const BLOCK: usize = 32;
 
-/// `dst[i] = Σ c * value(row[i], extra, i)` over `terms` (c, row, extra) in order (a multiply,
-/// then an add), each row `dst.len()` long: for a whole `BLOCK`, with the sums in registers
-/// rather than loaded and stored again for each term.
+/// For each of `G` heads `i`, `dst[i * stride + at + l] = Σ c[i] * value(row[l], extra, l)` for
+/// `l < len`, over `terms` (c, row, extra) in order (a multiply, then an add), each row `len`
+/// long: for a whole `BLOCK`, with the sums in registers rather than loaded and stored again for
+/// each term, and each row read once for all the heads.
 #[inline(always)]
-fn sums<'a, T: Copy + 'a, E: Copy>(dst: &mut [f32], terms: impl Iterator<Item = (f32, &'a [T], E)>, value: impl Fn(T, E, usize) -> f32) {
-    match <&mut [f32; BLOCK]>::try_from(&mut *dst) {
-        Ok(dst) => {
-            let mut acc = [0f32; BLOCK];
-            for (c, row, e) in terms {
-                for (i, (a, x)) in acc.iter_mut().zip(&row[..BLOCK]).enumerate() {
-                    *a += c * value(*x, e, i);
+fn sums<'a, T: Copy + 'a, E: Copy, const G: usize>(
+    dst: &mut [f32],
+    stride: usize,
+    at: usize,
+    len: usize,
+    terms: impl Iterator<Item = ([f32; G], &'a [T], E)>,
+    value: impl Fn(T, E, usize) -> f32,
+) {
+    if len == BLOCK {
+        let mut acc = [[0f32; BLOCK]; G];
+        for (c, row, e) in terms {
+            let Some(row) = row.first_chunk::<BLOCK>() else { unreachable!("a whole block's rows are BLOCK long") };
+            let x: [f32; BLOCK] = std::array::from_fn(|l| value(row[l], e, l));
+            for (acc, c) in acc.iter_mut().zip(c) {
+                for (a, x) in acc.iter_mut().zip(x) {
+                    *a += c * x;
                 }
             }
-            *dst = acc;
         }
-        Err(_) => {
-            dst.fill(0.0);
-            for (c, row, e) in terms {
-                for (i, (a, x)) in dst.iter_mut().zip(row).enumerate() {
-                    *a += c * value(*x, e, i);
+        for (i, acc) in acc.iter().enumerate() {
+            dst[i * stride + at..i * stride + at + BLOCK].copy_from_slice(acc);
+        }
+    } else {
+        for i in 0..G {
+            dst[i * stride + at..i * stride + at + len].fill(0.0);
+        }
+        for (c, row, e) in terms {
+            for (l, x) in row.iter().enumerate().take(len) {
+                let x = value(*x, e, l);
+                for (i, c) in c.iter().enumerate() {
+                    dst[i * stride + at + l] += c * x;
                 }
             }
         }
@@ -415,26 +461,30 @@ mod tests {
         let q = [1.0f32, 2.0];
         let kv = Store::F32(crate::backend::cpu::kv::Plane { k: vec![0.5, 0.5, 9.0, 9.0], v: vec![7.0, -1.0, 3.0, 4.0], width: 4 });
         let mut out = [0f32; 2];
-        attend(Isa::SCALAR, &q, &kv, 1, 0..1, 2, 0.5, &mut Scratch::default(), &mut out);
+        attend(Isa::SCALAR, &q, 2, &kv, 1, 0..1, 2, 0.5, &mut Scratch::default(), &mut out);
         assert_eq!(out, [3.0, 4.0]);
     }
 
     #[test]
     fn attention_matches_a_float64_softmax_on_every_isa_over_any_window_in_every_kv_dtype() {
         // Head sizes below and past a whole block of outputs (q8_0 blocks of the whole head, and
-        // of 32), over more positions than a block.
+        // of 32), over more positions than a block, for query groups of one head up to past
+        // `HEADS` (7, as Qwen2-7B's).
         for (hd, n, cap) in [(8usize, 37usize, 40usize), (40, 70, 72), (64, 70, 72)] {
             for &dtype in KvDtype::ALL {
-                attention_case(dtype, hd, n, cap);
+                for heads in [1, 3, 7] {
+                    attention_case(dtype, hd, n, cap, heads);
+                }
             }
         }
     }
 
-    /// The second of three heads, over `n` positions of a cache of `cap` slots.
-    fn attention_case(dtype: KvDtype, hd: usize, n: usize, cap: usize) {
+    /// `heads` query heads over the second of three KV heads, over `n` positions of a cache of
+    /// `cap` slots: each head as a float64 softmax would give it, and bitwise as it alone would.
+    fn attention_case(dtype: KvDtype, hd: usize, n: usize, cap: usize, heads: usize) {
         let (off, width) = (hd, 3 * hd);
         let f = |i: usize| ((i * 7919 % 101) as f32 / 50.0) - 1.0;
-        let q: Vec<f32> = (0..hd).map(|i| f(i + 3)).collect();
+        let q: Vec<f32> = (0..heads * hd).map(|i| f(i + 3)).collect();
         let keys: Vec<f32> = (0..width * n).map(f).collect();
         let values: Vec<f32> = (0..width * n).map(|i| f(i + 11)).collect();
         let mut kv = Store::new(dtype, width, cap, KvDtype::q8_block(hd));
@@ -444,21 +494,29 @@ mod tests {
         let Store::F32(stood) = &exactly else { unreachable!() };
         let (kt, v) = (&stood.k, &stood.v);
         let scale = 1.0 / (hd as f32).sqrt();
+        let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for lo in [0, 5, n - 1] {
-            let scores: Vec<f64> =
-                (lo..n).map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() * scale as f64).collect();
-            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
-            let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let total: f64 = w.iter().sum();
-            let exact: Vec<f64> = (0..hd).map(|d| (lo..n).map(|p| w[p - lo] / total * v[p * width + off + d] as f64).sum()).collect();
-            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            let (mut want, mut first) = (vec![0f32; hd], None::<Vec<f32>>);
-            attend(Isa::SCALAR, &q, &exactly, cap, lo..n, off, scale, &mut Scratch::default(), &mut want);
+            let (mut want, mut first) = (vec![0f32; heads * hd], None::<Vec<f32>>);
+            attend(Isa::SCALAR, &q, hd, &exactly, cap, lo..n, off, scale, &mut Scratch::default(), &mut want);
             for isa in Isa::available() {
-                let mut out = vec![0f32; hd];
-                attend(isa, &q, &kv, cap, lo..n, off, scale, &mut Scratch::default(), &mut out);
-                for (o, e) in out.iter().zip(&exact) {
-                    assert!((*o as f64 - e).abs() < 1e-5, "{dtype} hd {hd} {isa:?} from {lo}: {o} vs {e}");
+                let mut out = vec![0f32; heads * hd];
+                attend(isa, &q, hd, &kv, cap, lo..n, off, scale, &mut Scratch::default(), &mut out);
+                for h in 0..heads {
+                    let (q, out) = (&q[h * hd..(h + 1) * hd], &out[h * hd..(h + 1) * hd]);
+                    let scores: Vec<f64> = (lo..n)
+                        .map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() * scale as f64)
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let total: f64 = w.iter().sum();
+                    let exact: Vec<f64> =
+                        (0..hd).map(|d| (lo..n).map(|p| w[p - lo] / total * v[p * width + off + d] as f64).sum()).collect();
+                    for (o, e) in out.iter().zip(&exact) {
+                        assert!((*o as f64 - e).abs() < 1e-5, "{dtype} hd {hd} {isa:?} head {h} from {lo}: {o} vs {e}");
+                    }
+                    let mut alone = vec![0f32; hd];
+                    attend(isa, q, hd, &kv, cap, lo..n, off, scale, &mut Scratch::default(), &mut alone);
+                    assert_eq!(bits(&alone), bits(out), "{dtype} hd {hd} {isa:?} head {h} of {heads} from {lo}");
                 }
                 // f16 attends bitwise as f32 over the values it stands for; q8_0 through its
                 // rotation, the same bits on every instruction set.

@@ -2,6 +2,12 @@
 //! once per product, by portable code every instruction set shares (so the integers, scales and
 //! sums are the same bits on every path).
 
+use crate::backend::cpu::kernels::Isa;
+#[cfg(target_arch = "x86_64")]
+use crate::backend::cpu::kernels::Level;
+use crate::backend::cpu::pool::ThreadPool;
+use std::sync::Mutex;
+
 /// The largest code: a 32-value chunk's largest magnitude maps to it.
 const QMAX: f32 = 32767.0;
 
@@ -33,46 +39,122 @@ pub(super) const GROUP: usize = 8;
 
 impl Activations {
     /// Quantizes the columns `xs` (each at least `k` values, `k` a multiple of 32) into `self`,
-    /// reusing its buffers.
-    pub(crate) fn quantize(&mut self, xs: &[&[f32]], k: usize) {
+    /// reusing its buffers, a group of `GROUP` columns a job on `pool` (each group's values are
+    /// in ranges of their own in every array).
+    pub(crate) fn quantize(&mut self, pool: &ThreadPool, isa: Isa, xs: &[&[f32]], k: usize) {
         assert!(k.is_multiple_of(32) && xs.iter().all(|x| x.len() >= k));
         let n = xs.len();
+        let groups = n.div_ceil(GROUP);
         self.k = k;
         self.n = n;
         self.codes.resize(n * k, 0);
         self.scales.resize(n * k / 32, 0.0);
         self.sums16.resize(n * k / 16, 0.0);
         self.sums32.resize(n * k / 32, 0.0);
-        for (c, x) in xs.iter().enumerate() {
-            for (j, chunk) in x[..k].chunks_exact(32).enumerate() {
-                let at = c * k / 32 + j;
-                let codes = &mut self.codes[at * 32..][..32];
-                self.scales[at] = quantize_chunk(chunk.try_into().expect("32 values"), codes.try_into().expect("32 codes"));
-                let half = |h: usize| chunk[16 * h..16 * h + 16].iter().map(|&v| v as f64).sum::<f64>();
-                let (lo, hi) = (half(0), half(1));
-                self.sums16[2 * at] = lo as f32;
-                self.sums16[2 * at + 1] = hi as f32;
-                self.sums32[at] = (lo + hi) as f32;
-            }
-        }
-        let groups = n.div_ceil(GROUP);
         self.pairs.resize(groups * GROUP * k / 2, 0);
         self.scales_t.resize(groups * GROUP * k / 32, 0.0);
         self.sums16_t.resize(groups * GROUP * k / 16, 0.0);
         self.sums32_t.resize(groups * GROUP * k / 32, 0.0);
-        for c in 0..n {
-            let (base, i) = (c / GROUP * GROUP, c % GROUP);
-            let codes = &self.codes[c * k..][..k];
-            for p in 0..k / 2 {
-                self.pairs[(base * k / 2) + p * GROUP + i] = codes[2 * p] as u16 as u32 | (codes[2 * p + 1] as u16 as u32) << 16;
+        let (per16, per32) = (GROUP * k / 16, GROUP * k / 32);
+        let mut parts: Vec<Mutex<Group>> = Vec::with_capacity(groups);
+        let mut codes = self.codes.chunks_mut(GROUP * k);
+        let (mut scales, mut sums16, mut sums32) =
+            (self.scales.chunks_mut(per32), self.sums16.chunks_mut(per16), self.sums32.chunks_mut(per32));
+        let mut pairs = self.pairs.chunks_mut(GROUP * k / 2);
+        let mut scales_t = self.scales_t.chunks_mut(per32);
+        let (mut sums16_t, mut sums32_t) = (self.sums16_t.chunks_mut(per16), self.sums32_t.chunks_mut(per32));
+        for xs in xs.chunks(GROUP) {
+            let mut next = || -> Option<Group> {
+                Some(Group {
+                    xs,
+                    codes: codes.next()?,
+                    scales: scales.next()?,
+                    sums16: sums16.next()?,
+                    sums32: sums32.next()?,
+                    pairs: pairs.next()?,
+                    scales_t: scales_t.next()?,
+                    sums16_t: sums16_t.next()?,
+                    sums32_t: sums32_t.next()?,
+                })
+            };
+            parts.push(Mutex::new(next().expect("every array has a range per group")));
+        }
+        pool.run(groups, 1, &|range| {
+            for g in &parts[range] {
+                let mut g = g.lock().unwrap_or_else(|p| p.into_inner());
+                match isa.level() {
+                    // SAFETY: an `Isa` at the AVX-512 level exists only where detection found
+                    // AVX-512F/BW, FMA and F16C on this CPU; the body itself is safe code.
+                    #[cfg(target_arch = "x86_64")]
+                    Level::Avx512 => unsafe { group_avx512(&mut g, k) },
+                    // SAFETY: likewise, detection found AVX2, FMA and F16C.
+                    #[cfg(target_arch = "x86_64")]
+                    Level::Avx2 => unsafe { group_avx2(&mut g, k) },
+                    _ => group_body(&mut g, k),
+                }
             }
-            for j in 0..k / 32 {
-                self.scales_t[base * k / 32 + j * GROUP + i] = self.scales[c * k / 32 + j];
-                self.sums32_t[base * k / 32 + j * GROUP + i] = self.sums32[c * k / 32 + j];
-            }
-            for j in 0..k / 16 {
-                self.sums16_t[base * k / 16 + j * GROUP + i] = self.sums16[c * k / 16 + j];
-            }
+        });
+    }
+}
+
+/// One group's columns and its ranges of the arrays (see `Activations`).
+struct Group<'a, 'x> {
+    xs: &'a [&'x [f32]],
+    codes: &'a mut [i16],
+    scales: &'a mut [f32],
+    sums16: &'a mut [f32],
+    sums32: &'a mut [f32],
+    pairs: &'a mut [u32],
+    scales_t: &'a mut [f32],
+    sums16_t: &'a mut [f32],
+    sums32_t: &'a mut [f32],
+}
+
+/// `group_body` compiled for AVX-512 (portable operations: the same bits as every other build).
+///
+/// # Safety
+/// The CPU has AVX-512F/BW, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+unsafe fn group_avx512(g: &mut Group, k: usize) {
+    group_body(g, k)
+}
+
+/// `group_body` compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2(g: &mut Group, k: usize) {
+    group_body(g, k)
+}
+
+#[inline(always)]
+fn group_body(g: &mut Group, k: usize) {
+    for (c, x) in g.xs.iter().enumerate() {
+        for (j, chunk) in x[..k].chunks_exact(32).enumerate() {
+            let at = c * k / 32 + j;
+            let codes = &mut g.codes[at * 32..][..32];
+            g.scales[at] = quantize_chunk(chunk.try_into().expect("32 values"), codes.try_into().expect("32 codes"));
+            let half = |h: usize| chunk[16 * h..16 * h + 16].iter().map(|&v| v as f64).sum::<f64>();
+            let (lo, hi) = (half(0), half(1));
+            g.sums16[2 * at] = lo as f32;
+            g.sums16[2 * at + 1] = hi as f32;
+            g.sums32[at] = (lo + hi) as f32;
+        }
+    }
+    for c in 0..g.xs.len() {
+        let codes = &g.codes[c * k..][..k];
+        for p in 0..k / 2 {
+            g.pairs[p * GROUP + c] = codes[2 * p] as u16 as u32 | (codes[2 * p + 1] as u16 as u32) << 16;
+        }
+        for j in 0..k / 32 {
+            g.scales_t[j * GROUP + c] = g.scales[c * k / 32 + j];
+            g.sums32_t[j * GROUP + c] = g.sums32[c * k / 32 + j];
+        }
+        for j in 0..k / 16 {
+            g.sums16_t[j * GROUP + c] = g.sums16[c * k / 16 + j];
         }
     }
 }

@@ -1,5 +1,6 @@
 use super::super::tests::{bits, random_row, Rng, TYPES};
 use super::*;
+use crate::backend::cpu::pool::ThreadPool;
 use dgr_gguf::GgmlType;
 
 /// The block types: the ones with an integer kernel.
@@ -24,6 +25,13 @@ fn columns(rng: &mut Rng, n: usize, k: usize) -> Vec<Vec<f32>> {
                 .collect()
         })
         .collect()
+}
+
+/// `xs` quantized on two threads with the instruction set the tests run (`DGR_ISA`).
+fn quantized(xs: &[&[f32]], k: usize) -> Activations {
+    let mut a = Activations::default();
+    a.quantize(&ThreadPool::new(2), Isa::detect(), xs, k);
+    a
 }
 
 fn products(flavor: Flavor, ty: FastType, rows: &[u8], n: usize, k: usize, acts: &Activations) -> Vec<f32> {
@@ -61,8 +69,17 @@ fn quantized_values_are_within_half_a_step() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let cols = columns(&mut rng, 3, 512);
     let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
-    let mut a = Activations::default();
-    a.quantize(&xs, 512);
+    let mut a = quantized(&xs, 512);
+    // Every instruction set and thread count quantizes to the same bits.
+    for isa in Isa::available() {
+        for threads in [1, 3] {
+            let mut b = Activations::default();
+            b.quantize(&ThreadPool::new(threads), isa, &xs, 512);
+            assert_eq!((&a.codes, &a.pairs), (&b.codes, &b.pairs), "{isa:?}, {threads} threads");
+            let floats = |a: &Activations| [&a.scales, &a.sums16, &a.sums32, &a.scales_t, &a.sums16_t, &a.sums32_t].map(|v| bits(v));
+            assert_eq!(floats(&a), floats(&b), "{isa:?}, {threads} threads");
+        }
+    }
     for (c, x) in cols.iter().enumerate() {
         for (i, v) in x.iter().enumerate() {
             let s = a.scales[c * 16 + i / 32];
@@ -74,10 +91,10 @@ fn quantized_values_are_within_half_a_step() {
     // A NaN or an infinity makes its chunk's scale NaN, so every product it meets is NaN.
     let mut bad = cols[0].clone();
     bad[40] = f32::INFINITY;
-    a.quantize(&[&bad], 512);
+    a = quantized(&[&bad], 512);
     assert!(a.scales[1].is_nan() && a.scales[0].is_finite() && a.codes[32..64].iter().all(|&q| q == 0));
     bad[40] = f32::NAN;
-    a.quantize(&[&bad], 512);
+    a = quantized(&[&bad], 512);
     assert!(a.scales[1].is_nan());
 }
 
@@ -91,8 +108,7 @@ fn every_flavor_and_every_width_gives_the_scalar_bits_close_to_exact() {
             let rows: Vec<Vec<u8>> = (0..n).map(|_| random_row(&mut rng, ty, k)).collect();
             let cols = columns(&mut rng, 19, k);
             let xs: Vec<&[f32]> = cols.iter().map(|c| &c[..]).collect();
-            let mut acts = Activations::default();
-            acts.quantize(&xs, k);
+            let acts = quantized(&xs, k);
             let all_rows = rows.concat();
             let want = products(Flavor::Scalar, fast, &all_rows, n, k, &acts);
             // Each product is within its quantization's bound of the exact one: every value
@@ -110,8 +126,7 @@ fn every_flavor_and_every_width_gives_the_scalar_bits_close_to_exact() {
             }
             for flavor in Flavor::available() {
                 for width in [1, 2, 3, 4, 7, 8, 11, 16, 19] {
-                    let mut part = Activations::default();
-                    part.quantize(&xs[..width], k);
+                    let part = quantized(&xs[..width], k);
                     let out = products(flavor, fast, &all_rows, n, k, &part);
                     assert_eq!(bits(&out), bits(&want[..width * n]), "{ty:?} {flavor:?} k={k} width={width}");
                 }
@@ -144,8 +159,7 @@ fn packed_tiles_give_the_scalar_bits_for_every_width() {
                 };
                 assert_eq!(p.tiles(), 3);
                 for width in [1, 2, 3, 7, 8, 9, 16, 19] {
-                    let mut acts = Activations::default();
-                    acts.quantize(&xs[..width], k);
+                    let acts = quantized(&xs[..width], k);
                     let want = products(Flavor::Scalar, fast, &all_rows, n, k, &acts);
                     let mut out = vec![f32::NAN; width * n];
                     // Tiles 1 and 2: rows 16..48 of each column, written from row 16 on.
