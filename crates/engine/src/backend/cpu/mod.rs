@@ -202,10 +202,10 @@ impl Backend for Cpu {
     }
 
     /// Every (row, KV head) a job, spread over the pool: the query heads sharing a KV head go
-    /// together, so each key and value read serves them all — unless that leaves the pool too few
-    /// jobs (a decode step's few rows), when each query head is a job of its own. A head's bits
-    /// are the same either way. Row t's sequence has already cached its keys and values up to and
-    /// including position pos_of[t].
+    /// together, so each key and value read serves them all and their chains of adds overlap —
+    /// unless that leaves the pool too few jobs (a decode step's few rows), when each query head
+    /// is a job of its own. A head's bits are the same either way. Row t's sequence has already
+    /// cached its keys and values up to and including position pos_of[t].
     fn attend(&self, kvs: &[&KvCache], li: usize, rows: &BatchRows, heads: Heads, q: &Vec<f32>, att: &mut Vec<f32>) {
         let Heads { n_head, n_kv, dim: hd, scale, window } = heads;
         let qd = n_head * hd;

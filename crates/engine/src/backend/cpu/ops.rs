@@ -303,31 +303,32 @@ fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratc
     }
 }
 
-/// `G` query heads (`q`, `out`) over one KV head: each head's scores in its `n` of `s`.
+/// `G` query heads (`q`, `out`) over one KV head: each head's scores, then weights, in its `n`
+/// of `s`.
 #[inline(always)]
 fn heads_body<const G: usize>(q: &[f32], kv: &Store, at: Head, scale: f32, key_scales: &[f32], s: &mut [f32], out: &mut [f32]) {
     let Head { cap, start, offset, hd, n } = at;
+    // Term t's coefficient of each head: value t of each head's `len` in `x`.
+    let c = |t: usize, x: &[f32], len: usize| -> [f32; G] { std::array::from_fn(|i| x[i * len + t]) };
     // Key row r's slot j (j from the first visible slot) is k[r * cap + start + j].
     let key = |d: usize, j0: usize, len: usize| (offset + d) * cap + start + j0..(offset + d) * cap + start + j0 + len;
-    let query = |d: usize| -> [f32; G] { std::array::from_fn(|i| q[i * hd + d]) };
     let padded = n.div_ceil(BLOCK) * BLOCK;
     for j0 in (0..n).step_by(BLOCK) {
         let len = BLOCK.min(n - j0);
         match kv {
-            Store::F32(p) => sums(s, n, j0, len, (0..hd).map(|d| (query(d), &p.k[key(d, j0, len)], ())), |x, _, _| x),
-            Store::F16(p) => sums(s, n, j0, len, (0..hd).map(|d| (query(d), &p.k[key(d, j0, len)], ())), |x, _, _| f16_value(x)),
+            Store::F32(p) => sums(s, n, j0, len, hd, |d| (c(d, q, hd), &p.k[key(d, j0, len)], ()), |x, _, _| x),
+            Store::F16(p) => sums(s, n, j0, len, hd, |d| (c(d, q, hd), &p.k[key(d, j0, len)], ()), |x, _, _| f16_value(x)),
             Store::Q8_0 { q: p, block, .. } => {
                 let lanes = |d: usize| -> &[f32; BLOCK] {
                     let from = d / block * padded + j0;
                     key_scales[from..from + BLOCK].try_into().unwrap_or(&[0.0; BLOCK])
                 };
-                let terms = (0..hd).map(|d| (query(d), &p.k[key(d, j0, len)], lanes(d)));
-                sums(s, n, j0, len, terms, |x: i8, l: &[f32; BLOCK], i| x as f32 * l[i])
+                let term = |d: usize| (c(d, q, hd), &p.k[key(d, j0, len)], lanes(d));
+                sums(s, n, j0, len, hd, term, |x: i8, l: &[f32; BLOCK], i| x as f32 * l[i])
             }
         }
     }
-    let mut inv = [0f32; G];
-    for (s, inv) in s.chunks_exact_mut(n).zip(&mut inv) {
+    for s in s.chunks_exact_mut(n) {
         let mut max = f32::NEG_INFINITY;
         for x in s.iter_mut() {
             *x *= scale;
@@ -337,21 +338,23 @@ fn heads_body<const G: usize>(q: &[f32], kv: &Store, at: Head, scale: f32, key_s
             *x = exp(*x - max);
         }
         let sum: f64 = s.iter().map(|&x| x as f64).sum();
-        *inv = (1.0 / sum) as f32;
+        let inv = (1.0 / sum) as f32;
+        for x in s.iter_mut() {
+            *x = flush(*x * inv);
+        }
     }
     let s = &*s;
-    let weights = || (0..n).map(|j| (start + j, std::array::from_fn::<f32, G, _>(|i| flush(s[i * n + j] * inv[i]))));
     for o0 in (0..hd).step_by(BLOCK) {
         let len = BLOCK.min(hd - o0);
-        let value = |width: usize, j: usize| j * width + offset + o0..j * width + offset + o0 + len;
+        let value = |width: usize, j: usize| (start + j) * width + offset + o0..(start + j) * width + offset + o0 + len;
         match kv {
-            Store::F32(p) => sums(out, hd, o0, len, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| x),
-            Store::F16(p) => sums(out, hd, o0, len, weights().map(|(j, c)| (c, &p.v[value(p.width, j)], ())), |x, _, _| f16_value(x)),
+            Store::F32(p) => sums(out, hd, o0, len, n, |j| (c(j, s, n), &p.v[value(p.width, j)], ()), |x, _, _| x),
+            Store::F16(p) => sums(out, hd, o0, len, n, |j| (c(j, s, n), &p.v[value(p.width, j)], ()), |x, _, _| f16_value(x)),
             Store::Q8_0 { q: p, scale: sc, block } => {
                 // A run of at most `BLOCK` of a head's columns lies in one q8_0 block.
                 let b = (offset + o0) / block;
-                let terms = weights().map(|(j, c)| (c, &p.v[value(p.width, j)], f16_value(sc.v[j * sc.width + b])));
-                sums(out, hd, o0, len, terms, |x: i8, d: f32, _| x as f32 * d)
+                let term = |j: usize| (c(j, s, n), &p.v[value(p.width, j)], f16_value(sc.v[(start + j) * sc.width + b]));
+                sums(out, hd, o0, len, n, term, |x: i8, d: f32, _| x as f32 * d)
             }
         }
     }
@@ -362,44 +365,53 @@ fn heads_body<const G: usize>(q: &[f32], kv: &Store, at: Head, scale: f32, key_s
 const BLOCK: usize = 32;
 
 /// For each of `G` heads `i`, `dst[i * stride + at + l] = Σ c[i] * value(row[l], extra, l)` for
-/// `l < len`, over `terms` (c, row, extra) in order (a multiply, then an add), each row `len`
-/// long: for a whole `BLOCK`, with the sums in registers rather than loaded and stored again for
-/// each term, and each row read once for all the heads.
+/// `l < len` (at most `BLOCK`), over the terms `term(0..count)` = (c, row, extra) in order (a
+/// multiply, then an add), each row `len` long. A whole `BLOCK` keeps the sums in registers
+/// rather than loading and storing them again for each term, for every head at once: a chain of
+/// adds per head in flight (one head's waits on each add), each its own array of sums (an array
+/// indexed by head the compiler does not keep in registers), each row converted once for all.
 #[inline(always)]
 fn sums<'a, T: Copy + 'a, E: Copy, const G: usize>(
     dst: &mut [f32],
     stride: usize,
     at: usize,
     len: usize,
-    terms: impl Iterator<Item = ([f32; G], &'a [T], E)>,
+    count: usize,
+    term: impl Fn(usize) -> ([f32; G], &'a [T], E),
     value: impl Fn(T, E, usize) -> f32,
 ) {
-    if len == BLOCK {
-        let mut acc = [[0f32; BLOCK]; G];
-        for (c, row, e) in terms {
-            let Some(row) = row.first_chunk::<BLOCK>() else { unreachable!("a whole block's rows are BLOCK long") };
-            let x: [f32; BLOCK] = std::array::from_fn(|l| value(row[l], e, l));
-            for (acc, c) in acc.iter_mut().zip(c) {
-                for (a, x) in acc.iter_mut().zip(x) {
-                    *a += c * x;
-                }
-            }
-        }
-        for (i, acc) in acc.iter().enumerate() {
-            dst[i * stride + at..i * stride + at + BLOCK].copy_from_slice(acc);
-        }
-    } else {
+    if len < BLOCK {
         for i in 0..G {
-            dst[i * stride + at..i * stride + at + len].fill(0.0);
-        }
-        for (c, row, e) in terms {
-            for (l, x) in row.iter().enumerate().take(len) {
-                let x = value(*x, e, l);
-                for (i, c) in c.iter().enumerate() {
-                    dst[i * stride + at + l] += c * x;
+            let dst = &mut dst[i * stride + at..i * stride + at + len];
+            dst.fill(0.0);
+            for t in 0..count {
+                let (c, row, e) = term(t);
+                for (l, (a, x)) in dst.iter_mut().zip(row).enumerate() {
+                    *a += c[i] * value(*x, e, l);
                 }
             }
         }
+        return;
+    }
+    macro_rules! heads {
+        ($($a:ident $i:literal),+) => {{
+            $(let mut $a = [0f32; BLOCK];)+
+            for t in 0..count {
+                let (c, row, e) = term(t);
+                let Some(row) = row.first_chunk::<BLOCK>() else { unreachable!("a whole block's rows are BLOCK long") };
+                for l in 0..BLOCK {
+                    let x = value(row[l], e, l);
+                    $($a[l] += c[$i] * x;)+
+                }
+            }
+            $(dst[$i * stride + at..$i * stride + at + BLOCK].copy_from_slice(&$a);)+
+        }};
+    }
+    match G {
+        1 => heads!(a0 0),
+        2 => heads!(a0 0, a1 1),
+        3 => heads!(a0 0, a1 1, a2 2),
+        _ => heads!(a0 0, a1 1, a2 2, a3 3),
     }
 }
 

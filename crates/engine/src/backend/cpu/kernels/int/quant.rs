@@ -171,6 +171,7 @@ fn round(v: f32) -> f32 {
 /// Writes a chunk's codes and returns its scale. A chunk of zeros has scale 0 and codes 0; one
 /// holding a NaN or an infinity has scale NaN (and codes 0), so the products it meets are NaN on
 /// every path, as an exact product would be.
+#[inline(always)]
 fn quantize_chunk(x: &[f32; 32], codes: &mut [i16; 32]) -> f32 {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     if !amax.is_finite() || x.iter().any(|v| v.is_nan()) {
