@@ -155,8 +155,7 @@ fn sigmoid(x: f32) -> f32 {
 /// Causal attention of the query heads in `q` that share one KV head, over the cached positions
 /// in slots `ctx` of that head, whose slice starts at `offset` of each key and value row of `kv`
 /// (a layer of `cap` slots per key row). `q` and `out` hold `q.len() / hd` heads of `hd` side by
-/// side. Scores are scaled by `scale`; `scratch`
-/// holds the scores (and q8_0 key scales).
+/// side. Scores are scaled by `scale`; `scratch` holds the scores (and q8_0 key scales).
 ///
 /// Compiled once per instruction set for the wider vectors. Every reduction runs element by
 /// element in a fixed order (scores over the head's dimensions in turn, values over positions in
@@ -380,6 +379,7 @@ fn sums<'a, T: Copy + 'a, E: Copy, const G: usize>(
     term: impl Fn(usize) -> ([f32; G], &'a [T], E),
     value: impl Fn(T, E, usize) -> f32,
 ) {
+    const { assert!(G >= 1 && G <= HEADS, "the arms below name every head") };
     if len < BLOCK {
         for i in 0..G {
             let dst = &mut dst[i * stride + at..i * stride + at + len];
