@@ -258,25 +258,24 @@ macro_rules! packed {
                 }
                 return;
             }
+            // Each group's pointers once, not once a tile.
+            let groups: Vec<Cols> = (0..acts.n).step_by(GROUP).map(|c0| Cols::group(acts, c0)).collect();
             for t in tiles.clone() {
-                let mut c0 = 0;
-                while c0 < acts.n {
-                    let cols = Cols::group(acts, c0);
+                for (cols, c0) in groups.iter().zip((0..acts.n).step_by(GROUP)) {
                     // SAFETY: as the caller vouches, for tile `t`'s rows of columns `c0..`.
                     unsafe {
                         let out = out.add(c0 * stride + (t - tiles.start) * TILE);
                         match (acts.n - c0).min(GROUP) {
-                            8 => tile::<T, $vnni, 8>(p, t, &cols, out, stride),
-                            7 => tile::<T, $vnni, 7>(p, t, &cols, out, stride),
-                            6 => tile::<T, $vnni, 6>(p, t, &cols, out, stride),
-                            5 => tile::<T, $vnni, 5>(p, t, &cols, out, stride),
-                            4 => tile::<T, $vnni, 4>(p, t, &cols, out, stride),
-                            3 => tile::<T, $vnni, 3>(p, t, &cols, out, stride),
-                            2 => tile::<T, $vnni, 2>(p, t, &cols, out, stride),
-                            _ => tile::<T, $vnni, 1>(p, t, &cols, out, stride),
+                            8 => tile::<T, $vnni, 8>(p, t, cols, out, stride),
+                            7 => tile::<T, $vnni, 7>(p, t, cols, out, stride),
+                            6 => tile::<T, $vnni, 6>(p, t, cols, out, stride),
+                            5 => tile::<T, $vnni, 5>(p, t, cols, out, stride),
+                            4 => tile::<T, $vnni, 4>(p, t, cols, out, stride),
+                            3 => tile::<T, $vnni, 3>(p, t, cols, out, stride),
+                            2 => tile::<T, $vnni, 2>(p, t, cols, out, stride),
+                            _ => tile::<T, $vnni, 1>(p, t, cols, out, stride),
                         }
                     }
-                    c0 += GROUP;
                 }
             }
         }
