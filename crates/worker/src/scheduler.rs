@@ -1035,10 +1035,10 @@ mod tests {
     use dgr_engine::synth::SynthSpec;
     use dgr_engine::{open_engine, EngineSpec, Stage};
     use std::ops::Range;
+    use tokio::sync::mpsc::{channel, Receiver as Inbox};
 
     /// The tests' scheduler: over the CPU engine `open_engine` gives.
     type Scheduler = super::Scheduler<Stage>;
-    use tokio::sync::mpsc::{channel, Receiver as Inbox};
 
     /// A scheduler over layers `held` of a six-layer synthetic model, with KV for `budget`
     /// positions over all of them.
