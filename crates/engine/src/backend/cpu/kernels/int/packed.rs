@@ -319,21 +319,22 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
                     _ => (d, second),
                 };
                 let q = r.add(head + j * cb);
-                let mut sums = [_mm512_setzero_si512(); C];
+                // Two chains of dots a column, joined at each group's end (see `dot`).
+                let (mut s0, mut s1) = ([_mm512_setzero_si512(); C], [_mm512_setzero_si512(); C]);
                 if bytes(ty) {
-                    for i in 0..16 {
-                        let w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q.add(32 * i) as *const __m256i));
-                        for c in 0..C {
-                            sums[c] = dot::<VNNI>(sums[c], w, pair(cols, c, 16 * chunk + i));
-                        }
-                        if sixteens && i == 7 {
+                    for i in (0..16).step_by(2) {
+                        let w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q.add(32 * i) as *const __m256i));
+                        let w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q.add(32 * i + 32) as *const __m256i));
+                        dots::<VNNI, C>(&mut s0, w0, cols, 16 * chunk + i);
+                        dots::<VNNI, C>(&mut s1, w1, cols, 16 * chunk + i + 1);
+                        if sixteens && i == 6 {
                             // Q6_K's first group of 16 ends here.
-                            steps::<C>(&mut acc, &sums, m, o, cols, chunk, off);
-                            sums = [_mm512_setzero_si512(); C];
+                            steps::<C>(&mut acc, &joined(&s0, &s1), m, o, cols, chunk, off);
+                            (s0, s1) = ([_mm512_setzero_si512(); C], [_mm512_setzero_si512(); C]);
                         }
                     }
                     let m = if sixteens { _mm512_mul_ps(widen(r.add(32 + 32 * j + 16), true), d) } else { m };
-                    steps::<C>(&mut acc, &sums, m, o, cols, chunk, off);
+                    steps::<C>(&mut acc, &joined(&s0, &s1), m, o, cols, chunk, off);
                 } else {
                     for i in 0..8 {
                         let w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q.add(32 * i) as *const __m256i));
@@ -348,12 +349,10 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
                             lo = _mm512_sub_epi16(lo, sub);
                             hi = _mm512_sub_epi16(hi, sub);
                         }
-                        for c in 0..C {
-                            sums[c] = dot::<VNNI>(sums[c], lo, pair(cols, c, 16 * chunk + i));
-                            sums[c] = dot::<VNNI>(sums[c], hi, pair(cols, c, 16 * chunk + 8 + i));
-                        }
+                        dots::<VNNI, C>(&mut s0, lo, cols, 16 * chunk + i);
+                        dots::<VNNI, C>(&mut s1, hi, cols, 16 * chunk + 8 + i);
                     }
-                    steps::<C>(&mut acc, &sums, m, o, cols, chunk, off);
+                    steps::<C>(&mut acc, &joined(&s0, &s1), m, o, cols, chunk, off);
                 }
             }
         }
@@ -366,38 +365,86 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
 // The kernel's steps as functions, not closures: a closure does not take on the kernel's target
 // features, so the intrinsics in it would be calls.
 
-/// Pair `i` of column `c`, in every lane.
+/// Each column's `s` plus the lane sums of the products of `w`'s 16-bit pairs and the column's
+/// pair `p` (a lone column's pairs are two i16 codes, not necessarily 4-byte aligned).
 ///
 /// # Safety
-/// As for `tile`: the pair is inside the column's array.
+/// As for `tile`: the pairs are inside the columns' arrays; the CPU has AVX-512 BW (and VNNI
+/// when `VNNI`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn pair(cols: &Cols, c: usize, i: usize) -> std::arch::x86_64::__m512i {
-    // SAFETY: as the caller vouches; a lone column's pairs are two i16 codes, not necessarily
-    // 4-byte aligned.
-    unsafe { std::arch::x86_64::_mm512_set1_epi32(cols.pair[c].add(i * cols.step).read_unaligned() as i32) }
-}
-
-/// `s` plus the lane sums of the products of `w`'s and `a`'s 16-bit pairs.
-///
-/// # Safety
-/// The CPU has AVX-512 BW (and VNNI when `VNNI`).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn dot<const VNNI: bool>(
-    s: std::arch::x86_64::__m512i,
-    w: std::arch::x86_64::__m512i,
-    a: std::arch::x86_64::__m512i,
-) -> std::arch::x86_64::__m512i {
+unsafe fn dots<const VNNI: bool, const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std::arch::x86_64::__m512i, cols: &Cols, p: usize) {
     use std::arch::x86_64::*;
-    // SAFETY: register operations, with the caller's features.
+    // SAFETY: as the caller vouches.
     unsafe {
         if VNNI {
-            _mm512_dpwssd_epi32(s, w, a)
+            // A group's columns lie side by side, 4 bytes apart (`Cols::group`).
+            dpwssd(s, w, cols.pair[0].add(p * cols.step));
         } else {
-            _mm512_add_epi32(s, _mm512_madd_epi16(w, a))
+            for c in 0..C {
+                let a = _mm512_set1_epi32(cols.pair[c].add(p * cols.step).read_unaligned() as i32);
+                s[c] = _mm512_add_epi32(s[c], _mm512_madd_epi16(w, a));
+            }
         }
     }
+}
+
+/// `vpdpwssd` of `w` and the pair of each of the `C` columns at `a`, `a + 4` … broadcast from
+/// memory, written out: LLVM otherwise turns dots into `vpmaddwd` + `vpaddd` to shorten a chain
+/// on CPUs it does not know to be fast at them (its `fast-dpwssd` tuning, which
+/// `target_feature` cannot name), and that pair takes 1.4 times a dot's time on Zen 4. The
+/// kernels keep two chains a column instead. One block for all the columns, so that one address
+/// serves them.
+///
+/// # Safety
+/// The `4 * C` bytes at `a` are readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn dpwssd<const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std::arch::x86_64::__m512i, a: *const u32) {
+    macro_rules! dots {
+        ($($c:literal $at:literal),+) => {
+            // SAFETY: reads the `4 * C` bytes at `a`, as the caller vouches; the features are
+            // this function's.
+            unsafe {
+                std::arch::asm!(
+                    $(concat!("vpdpwssd {", $c, "}, {w}, dword ptr [{a} + ", $at, "]{{1to16}}"),)+
+                    $(inout(zmm_reg) s[$c],)+
+                    w = in(zmm_reg) w,
+                    a = in(reg) a,
+                    options(pure, readonly, nostack, preserves_flags)
+                )
+            }
+        };
+    }
+    match C {
+        1 => dots!(0 0),
+        2 => dots!(0 0, 1 4),
+        3 => dots!(0 0, 1 4, 2 8),
+        4 => dots!(0 0, 1 4, 2 8, 3 12),
+        5 => dots!(0 0, 1 4, 2 8, 3 12, 4 16),
+        6 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20),
+        7 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24),
+        _ => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24, 7 28),
+    }
+}
+
+/// Each column's two chains added up.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn joined<const C: usize>(
+    s0: &[std::arch::x86_64::__m512i; C],
+    s1: &[std::arch::x86_64::__m512i; C],
+) -> [std::arch::x86_64::__m512i; C] {
+    let mut out = *s0;
+    for c in 0..C {
+        // SAFETY: a register add, with the caller's features.
+        out[c] = unsafe { std::arch::x86_64::_mm512_add_epi32(s0[c], s1[c]) };
+    }
+    out
 }
 
 /// The canonical float steps (see `super`) for one group's integer sums of `C` columns: its
