@@ -90,7 +90,7 @@ impl Activations {
                     // SAFETY: likewise, detection found AVX2, FMA and F16C.
                     #[cfg(target_arch = "x86_64")]
                     Level::Avx2 => unsafe { group_avx2(&mut g, k) },
-                    _ => group_body(&mut g, k),
+                    _ => group_body::<false>(&mut g, k),
                 }
             }
         });
@@ -110,14 +110,14 @@ struct Group<'a, 'x> {
     sums32_t: &'a mut [f32],
 }
 
-/// `group_body` compiled for AVX-512 (portable operations: the same bits as every other build).
+/// `group_body` compiled for AVX-512, its chunks quantized by `chunk_avx512`.
 ///
 /// # Safety
-/// The CPU has AVX-512F/BW, FMA and F16C.
+/// The CPU has AVX-512F/BW/DQ, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,fma,f16c")]
 unsafe fn group_avx512(g: &mut Group, k: usize) {
-    group_body(g, k)
+    group_body::<true>(g, k)
 }
 
 /// `group_body` compiled for AVX2.
@@ -127,18 +127,23 @@ unsafe fn group_avx512(g: &mut Group, k: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group_avx2(g: &mut Group, k: usize) {
-    group_body(g, k)
+    group_body::<false>(g, k)
 }
 
+/// The group's columns chunk by chunk, then the tiles' layout of them. With `AVX512`, only
+/// from `group_avx512`.
 #[inline(always)]
-fn group_body(g: &mut Group, k: usize) {
+fn group_body<const AVX512: bool>(g: &mut Group, k: usize) {
     for (c, x) in g.xs.iter().enumerate() {
-        for (j, chunk) in x[..k].chunks_exact(32).enumerate() {
+        for (j, values) in x[..k].chunks_exact(32).enumerate() {
             let at = c * k / 32 + j;
-            let codes = &mut g.codes[at * 32..][..32];
-            g.scales[at] = quantize_chunk(chunk.try_into().expect("32 values"), codes.try_into().expect("32 codes"));
-            let half = |h: usize| chunk[16 * h..16 * h + 16].iter().map(|&v| v as f64).sum::<f64>();
-            let (lo, hi) = (half(0), half(1));
+            let (x, codes) = (values.try_into().expect("32 values"), (&mut g.codes[at * 32..][..32]).try_into().expect("32 codes"));
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: only `group_avx512` asks for it, where the CPU has AVX-512F/BW/DQ.
+            let (scale, lo, hi) = if AVX512 { unsafe { chunk_avx512(x, codes) } } else { chunk(x, codes) };
+            #[cfg(not(target_arch = "x86_64"))]
+            let (scale, lo, hi) = chunk(x, codes);
+            g.scales[at] = scale;
             g.sums16[2 * at] = lo as f32;
             g.sums16[2 * at + 1] = hi as f32;
             g.sums32[at] = (lo + hi) as f32;
@@ -168,27 +173,98 @@ fn round(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
-/// Writes a chunk's codes and returns its scale. A chunk of zeros has scale 0 and codes 0; one
-/// holding a NaN or an infinity has scale NaN (and codes 0), so the products it meets are NaN on
-/// every path, as an exact product would be.
+/// Writes a chunk's codes and returns its scale and the sums of its halves. A chunk of zeros
+/// has scale 0 and codes 0; one holding a NaN or an infinity has scale NaN (and codes 0), so the
+/// products it meets are NaN on every path, as an exact product would be.
 #[inline(always)]
-fn quantize_chunk(x: &[f32; 32], codes: &mut [i16; 32]) -> f32 {
+fn chunk(x: &[f32; 32], codes: &mut [i16; 32]) -> (f32, f64, f64) {
+    let sums = (sum16(&x[..16]), sum16(&x[16..]));
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     if !amax.is_finite() || x.iter().any(|v| v.is_nan()) {
         codes.fill(0);
-        return f32::NAN;
+        return (f32::NAN, sums.0, sums.1);
     }
     if amax == 0.0 {
         codes.fill(0);
-        return 0.0;
+        return (0.0, sums.0, sums.1);
     }
-    // A chunk so small that the reciprocal overflows is scaled in two steps.
-    let (pre, amax) = if amax < 1e-30 { (2f32.powi(64), amax * 2f32.powi(64)) } else { (1.0, amax) };
-    let inv = QMAX / amax;
+    let (pre, inv, scale) = factors(amax);
     for (q, v) in codes.iter_mut().zip(x) {
         let v = v * pre;
         // |v * inv| is at most QMAX and a rounding: the clamp only guards that rounding.
         *q = round(v * inv).clamp(-QMAX, QMAX) as i16;
     }
-    amax / QMAX / pre
+    (scale, sums.0, sums.1)
+}
+
+/// For a chunk's largest magnitude (finite, not 0): what its values are multiplied by first and
+/// then to become codes, and its scale. A chunk so small that the reciprocal overflows is scaled
+/// in two steps.
+#[inline(always)]
+fn factors(amax: f32) -> (f32, f32, f32) {
+    let (pre, amax) = if amax < 1e-30 { (2f32.powi(64), amax * 2f32.powi(64)) } else { (1.0, amax) };
+    (pre, QMAX / amax, amax / QMAX / pre)
+}
+
+/// The sum of 16 values in f64 in a fixed tree (each value and its eighth neighbour, then
+/// halves): what `chunk_avx512` does in vectors.
+#[inline(always)]
+fn sum16(x: &[f32]) -> f64 {
+    let l: [f64; 8] = std::array::from_fn(|i| x[i] as f64 + x[i + 8] as f64);
+    let q: [f64; 4] = std::array::from_fn(|i| l[i] + l[i + 4]);
+    (q[0] + q[2]) + (q[1] + q[3])
+}
+
+/// `chunk` in AVX-512 vectors: the same operations on the same values in the same order (a
+/// maximum and a conversion of an integer-valued float are exact in any order), so the same
+/// bits; the portable version leaves much of it scalar.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW/DQ.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+#[inline]
+unsafe fn chunk_avx512(x: &[f32; 32], codes: &mut [i16; 32]) -> (f32, f64, f64) {
+    use std::arch::x86_64::*;
+    // SAFETY: loads and stores of the 32 values and codes.
+    unsafe {
+        let v = [_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(x.as_ptr().add(16))];
+        let sums = (sum16_avx512(v[0]), sum16_avx512(v[1]));
+        let mask = _mm512_set1_epi32(0x7fff_ffff);
+        let mags = [_mm512_and_si512(_mm512_castps_si512(v[0]), mask), _mm512_and_si512(_mm512_castps_si512(v[1]), mask)];
+        let inf = _mm512_set1_epi32(0x7f80_0000);
+        if _mm512_cmpge_epi32_mask(mags[0], inf) | _mm512_cmpge_epi32_mask(mags[1], inf) != 0 {
+            codes.fill(0);
+            return (f32::NAN, sums.0, sums.1);
+        }
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_castsi512_ps(mags[0]), _mm512_castsi512_ps(mags[1])));
+        if amax == 0.0 {
+            codes.fill(0);
+            return (0.0, sums.0, sums.1);
+        }
+        let (pre, inv, scale) = factors(amax);
+        const MAGIC: f32 = 12_582_912.0;
+        for (h, v) in v.into_iter().enumerate() {
+            let t = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(pre)), _mm512_set1_ps(inv));
+            let r = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(MAGIC)), _mm512_set1_ps(MAGIC));
+            let r = _mm512_max_ps(_mm512_min_ps(r, _mm512_set1_ps(QMAX)), _mm512_set1_ps(-QMAX));
+            _mm256_storeu_si256(codes.as_mut_ptr().add(16 * h) as *mut __m256i, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(r)));
+        }
+        (scale, sums.0, sums.1)
+    }
+}
+
+/// `sum16` of the 16 values of `v`, in the same tree.
+///
+/// # Safety
+/// The CPU has AVX-512F/DQ.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq")]
+#[inline]
+unsafe fn sum16_avx512(v: std::arch::x86_64::__m512) -> f64 {
+    use std::arch::x86_64::*;
+    let l = _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(v)));
+    let q = _mm256_add_pd(_mm512_castpd512_pd256(l), _mm512_extractf64x4_pd::<1>(l));
+    let h = _mm_add_pd(_mm256_castpd256_pd128(q), _mm256_extractf128_pd::<1>(q));
+    _mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h))
 }
