@@ -373,7 +373,12 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
 /// when `VNNI`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn dots<const VNNI: bool, const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std::arch::x86_64::__m512i, cols: &Cols, p: usize) {
+unsafe fn dots<const VNNI: bool, const C: usize>(
+    s: &mut [std::arch::x86_64::__m512i; C],
+    w: std::arch::x86_64::__m512i,
+    cols: &Cols,
+    p: usize,
+) {
     use std::arch::x86_64::*;
     // SAFETY: as the caller vouches.
     unsafe {
