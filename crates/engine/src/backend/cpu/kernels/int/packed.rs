@@ -319,7 +319,7 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
                     _ => (d, second),
                 };
                 let q = r.add(head + j * cb);
-                // Two chains of dots a column, joined at each group's end (see `dot`).
+                // Two chains of dots a column, joined at each group's end (see `dpwssd`).
                 let (mut s0, mut s1) = ([_mm512_setzero_si512(); C], [_mm512_setzero_si512(); C]);
                 if bytes(ty) {
                     for i in (0..16).step_by(2) {

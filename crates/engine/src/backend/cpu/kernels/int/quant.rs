@@ -113,9 +113,9 @@ struct Group<'a, 'x> {
 /// `group_body` compiled for AVX-512, its chunks quantized by `chunk_avx512`.
 ///
 /// # Safety
-/// The CPU has AVX-512F/BW/DQ, FMA and F16C.
+/// The CPU has AVX-512F/BW, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 unsafe fn group_avx512(g: &mut Group, k: usize) {
     group_body::<true>(g, k)
 }
@@ -139,7 +139,7 @@ fn group_body<const AVX512: bool>(g: &mut Group, k: usize) {
             let at = c * k / 32 + j;
             let (x, codes) = (values.try_into().expect("32 values"), (&mut g.codes[at * 32..][..32]).try_into().expect("32 codes"));
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: only `group_avx512` asks for it, where the CPU has AVX-512F/BW/DQ.
+            // SAFETY: only `group_avx512` asks for it, where the CPU has AVX-512F/BW.
             let (scale, lo, hi) = if AVX512 { unsafe { chunk_avx512(x, codes) } } else { chunk(x, codes) };
             #[cfg(not(target_arch = "x86_64"))]
             let (scale, lo, hi) = chunk(x, codes);
@@ -169,9 +169,11 @@ fn group_body<const AVX512: bool>(g: &mut Group, k: usize) {
 /// baseline instruction set has no rounding instruction.)
 #[inline(always)]
 fn round(v: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
     (v + MAGIC) - MAGIC
 }
+
+/// 1.5 × 2^23 (see `round`).
+const MAGIC: f32 = 12_582_912.0;
 
 /// Writes a chunk's codes and returns its scale and the sums of its halves. A chunk of zeros
 /// has scale 0 and codes 0; one holding a NaN or an infinity has scale NaN (and codes 0), so the
@@ -220,9 +222,9 @@ fn sum16(x: &[f32]) -> f64 {
 /// bits; the portable version leaves much of it scalar.
 ///
 /// # Safety
-/// The CPU has AVX-512F/BW/DQ.
+/// The CPU has AVX-512F/BW.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+#[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn chunk_avx512(x: &[f32; 32], codes: &mut [i16; 32]) -> (f32, f64, f64) {
     use std::arch::x86_64::*;
@@ -243,7 +245,6 @@ unsafe fn chunk_avx512(x: &[f32; 32], codes: &mut [i16; 32]) -> (f32, f64, f64) 
             return (0.0, sums.0, sums.1);
         }
         let (pre, inv, scale) = factors(amax);
-        const MAGIC: f32 = 12_582_912.0;
         for (h, v) in v.into_iter().enumerate() {
             let t = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(pre)), _mm512_set1_ps(inv));
             let r = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(MAGIC)), _mm512_set1_ps(MAGIC));
@@ -257,13 +258,14 @@ unsafe fn chunk_avx512(x: &[f32; 32], codes: &mut [i16; 32]) -> (f32, f64, f64) 
 /// `sum16` of the 16 values of `v`, in the same tree.
 ///
 /// # Safety
-/// The CPU has AVX-512F/DQ.
+/// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn sum16_avx512(v: std::arch::x86_64::__m512) -> f64 {
     use std::arch::x86_64::*;
-    let l = _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(v)));
+    let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let l = _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), _mm512_cvtps_pd(high));
     let q = _mm256_add_pd(_mm512_castpd512_pd256(l), _mm512_extractf64x4_pd::<1>(l));
     let h = _mm_add_pd(_mm256_castpd256_pd128(q), _mm256_extractf128_pd::<1>(q));
     _mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h))
