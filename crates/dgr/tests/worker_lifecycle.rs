@@ -182,15 +182,19 @@ fn sessions_past_the_kv_budget_or_session_cap_are_refused_with_a_clear_error() {
     assert_eq!(e.kind, "overloaded", "{e}");
     assert!(e.message.contains("KV positions"), "{e}");
     // One session fits; a second one at the same time is refused, and the first is unharmed.
+    // The second starts once the first has its first token (so it holds the one slot), and the
+    // first then takes at least 23 × 5 ms more, however loaded the machine is.
     let route = rt.block_on(Route::discover(&w.addrs, Duration::from_secs(5))).expect("route");
+    let started = tokio::sync::Notify::new();
     let (first, second) = rt.block_on(async {
         let (slow, opts) = (request(&p.tokens, 24), DriveOptions::default());
         let one = dgr_driver::generate(&route, &slow, &opts, |_| {
+            started.notify_one();
             std::thread::sleep(Duration::from_millis(5));
             Flow::Continue
         });
         let two = async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            started.notified().await;
             dgr_driver::generate(&route, &request(&p.tokens, 4), &DriveOptions::default(), |_| Flow::Continue).await
         };
         tokio::join!(one, two)
