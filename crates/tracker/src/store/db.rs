@@ -106,6 +106,11 @@ pub(crate) trait Db: Send {
     /// Rows changed.
     fn execute(&mut self, sql: &'static str, params: &[Value]) -> Result<u64, StoreError>;
     fn query(&mut self, sql: &'static str, params: &[Value]) -> Result<Vec<Row>, StoreError>;
+    /// Each statement's rows, the statements run in order; where the backend can, all are sent
+    /// before any answer is read (one round trip). Any failure fails the call.
+    fn pipeline(&mut self, steps: &[(&'static str, &[Value])]) -> Result<Vec<Vec<Row>>, StoreError> {
+        steps.iter().map(|(sql, params)| self.query(sql, params)).collect()
+    }
     /// Inserts rows into `table` as fast as the backend allows (Postgres: COPY), inside the
     /// caller's transaction; a duplicate key fails the whole call.
     fn bulk_insert(&mut self, table: &str, columns: &[&str], rows: &[Row]) -> Result<(), StoreError>;

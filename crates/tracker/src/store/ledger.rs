@@ -23,9 +23,12 @@ trait Call: Send {
     fn run(&mut self, store: &mut Store) -> bool;
     /// Answers the caller with what its last run returned.
     fn answer(self: Box<Self>);
-    /// A reservation or a usage report, which a group runs with the others of its kind.
+    /// A reservation or a usage report, which a group settles together (`Store::settle_group`).
     fn batched(&mut self) -> Batched<'_> {
         Batched::No
+    }
+    fn is_batched(&self) -> bool {
+        false
     }
 }
 
@@ -107,6 +110,10 @@ impl<A: Kind> Call for Grouped<A> {
     fn batched(&mut self) -> Batched<'_> {
         self.args.batched(&mut self.out)
     }
+
+    fn is_batched(&self) -> bool {
+        true
+    }
 }
 
 type Job = Box<dyn Call>;
@@ -148,12 +155,12 @@ impl Ledger {
         self.ask(|reply| Box::new(Pending { f, out: None, reply })).await
     }
 
-    /// `Store::reserve`, run with the other reservations of its group (`Store::reserve_group`).
+    /// `Store::reserve`, settled with the other calls of its group (`Store::settle_group`).
     pub async fn reserve(&self, r: Reservation) -> Result<Grant, StoreError> {
         self.ask(|reply| Box::new(Grouped { args: r, out: None, reply })).await
     }
 
-    /// `Store::record_report`, run with the other reports of its group (`Store::record_group`).
+    /// `Store::record_report`, settled with the other calls of its group (`Store::settle_group`).
     pub async fn record(&self, usage: RequestUsage, now_ms: u64) -> Result<Option<bool>, StoreError> {
         self.ask(|reply| Box::new(Grouped { args: Report { usage, now_ms }, out: None, reply })).await
     }
@@ -191,9 +198,9 @@ impl Ledger {
     }
 }
 
-/// Takes what is queued (up to `GROUP` calls) and runs it in one transaction, so many requests
-/// share one commit: the database's write lock, BEGIN and COMMIT and the log flush are paid once
-/// per group (`Store::run_grouped`: a call that fails makes each run again alone).
+/// Takes what is queued (up to `GROUP` calls) and runs it as one group, so many requests share
+/// a commit: the database's write lock, BEGIN and COMMIT and the log flush are paid once per
+/// group, and on Postgres the round trips too (`Store::settle_group`).
 fn serve(mut store: Store, jobs: &Mutex<Receiver<Job>>) {
     loop {
         let mut calls = Vec::new();
@@ -204,17 +211,22 @@ fn serve(mut store: Store, jobs: &Mutex<Receiver<Job>>) {
             calls.push(first);
             calls.extend(std::iter::from_fn(|| rx.try_recv().ok()).take(GROUP - 1));
         }
-        store.run_grouped(&mut calls, run_all, |c, s| c.run(s));
-        for c in calls {
+        let (mut settled, mut plain): (Vec<Job>, Vec<Job>) = calls.into_iter().partition(|c| c.is_batched());
+        if !settled.is_empty() && !settle(&mut store, &mut settled) {
+            // Rolled back: each runs alone, as it would have without the others.
+            for c in settled.iter_mut() {
+                c.run(&mut store);
+            }
+        }
+        store.run_grouped(&mut plain, |cs, s| cs.iter_mut().all(|c| c.run(s)), |c, s| c.run(s));
+        for c in settled.into_iter().chain(plain) {
             c.answer();
         }
     }
 }
 
-/// Runs a group: its reservations together, its usage reports together, then each other call;
-/// whether every one succeeded.
-fn run_all(calls: &mut [Job], store: &mut Store) -> bool {
-    let plain: Vec<bool> = calls.iter_mut().map(|c| matches!(c.batched(), Batched::No)).collect();
+/// Runs a group's reservations and usage reports together; whether that succeeded.
+fn settle(store: &mut Store, calls: &mut [Job]) -> bool {
     let (mut reserves, mut records) = (Vec::new(), Vec::new());
     for c in calls.iter_mut() {
         match c.batched() {
@@ -223,19 +235,14 @@ fn run_all(calls: &mut [Job], store: &mut Store) -> bool {
             Batched::No => {}
         }
     }
-    if !reserves.is_empty() {
-        let args: Vec<&Reservation> = reserves.iter().map(|(r, _)| *r).collect();
-        let Ok(grants) = store.reserve_group(&args) else { return false };
-        for ((_, out), g) in reserves.into_iter().zip(grants) {
-            *out = Some(Ok(g));
-        }
+    let args: Vec<&Reservation> = reserves.iter().map(|(r, _)| *r).collect();
+    let reports: Vec<&Report> = records.iter().map(|(r, _)| *r).collect();
+    let Ok((grants, stored)) = store.settle_group(&args, &reports) else { return false };
+    for ((_, out), g) in reserves.into_iter().zip(grants) {
+        *out = Some(g);
     }
-    if !records.is_empty() {
-        let args: Vec<&Report> = records.iter().map(|(r, _)| *r).collect();
-        let Ok(stored) = store.record_group(&args) else { return false };
-        for ((_, out), s) in records.into_iter().zip(stored) {
-            *out = Some(Ok(s));
-        }
+    for ((_, out), s) in records.into_iter().zip(stored) {
+        *out = Some(s);
     }
-    calls.iter_mut().zip(plain).filter(|(_, plain)| *plain).all(|(c, _)| c.run(store))
+    true
 }

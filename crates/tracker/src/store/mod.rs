@@ -28,7 +28,7 @@ use sha2::{Digest, Sha256};
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The database cannot be reached (down, unreachable, locked past the deadline): routes are
     /// refused until it is back, never served unbilled.
@@ -209,11 +209,17 @@ impl Store {
     }
 
     fn group<C>(&mut self, calls: &mut [C], all: impl FnOnce(&mut [C], &mut Store) -> bool) -> Result<(), StoreError> {
+        self.grouped(|s| if all(calls, s) { Ok(()) } else { Err(StoreError::Conflict("a call of the group failed".into())) })
+    }
+
+    /// Runs `f` in one transaction that the calls inside it share, rolled back if `f` or the
+    /// commit fails.
+    fn grouped<T>(&mut self, f: impl FnOnce(&mut Store) -> Result<T, StoreError>) -> Result<T, StoreError> {
         self.db.batch(self.begin())?;
         self.grouped = true;
-        let all = all(calls, self);
+        let done = f(self);
         self.grouped = false;
-        let done = if all { self.db.batch("COMMIT") } else { Err(StoreError::Conflict("a call of the group failed".into())) };
+        let done = done.and_then(|v| self.db.batch("COMMIT").map(|()| v));
         if done.is_err() {
             let _ = self.db.batch("ROLLBACK");
         }
@@ -415,24 +421,39 @@ impl Store {
         })
     }
 
-    /// Reserves for each of a group's routes, as `reserve` one after another would. On Postgres
-    /// the group's first use of each request id is reserved in two statements for all
-    /// (`group::reserve`); a repeat runs alone after them, as if it came next.
-    pub fn reserve_group(&mut self, calls: &[&Reservation]) -> Result<Vec<Grant>, StoreError> {
-        let single = |s: &mut Store, c: &Reservation| s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms);
-        if self.db.dialect() == Dialect::Sqlite || calls.len() == 1 {
-            return calls.iter().map(|c| single(self, c)).collect();
+    /// A group's reservations and usage reports, answered as `reserve` and `record_report` one
+    /// after another would. An error means nothing was written; a call can still fail alone. On SQLite they run in turn in one transaction. On Postgres each request id's
+    /// first use of a kind is settled for all (`group::settle`: one round trip while keys have
+    /// room), and a repeat runs alone after them, as if it came next.
+    pub fn settle_group(&mut self, reserves: &[&Reservation], reports: &[&Report]) -> Result<group::Settled, StoreError> {
+        let alone = |s: &mut Store, c: &Reservation| s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms);
+        if self.db.dialect() == Dialect::Sqlite {
+            return self.grouped(|s| {
+                let grants = reserves.iter().map(|c| alone(s, c)).collect::<Result<Vec<_>, _>>()?;
+                let recorded = reports.iter().map(|r| s.record_report(r)).collect::<Result<Vec<_>, _>>()?;
+                Ok((grants.into_iter().map(Ok).collect(), recorded.into_iter().map(Ok).collect()))
+            });
         }
-        let (firsts, repeats) = first_uses(calls, |c| &c.request_id);
-        let batch: Vec<&Reservation> = firsts.iter().map(|&i| calls[i]).collect();
-        let mut out: Vec<Option<Grant>> = vec![None; calls.len()];
-        for (i, g) in firsts.into_iter().zip(self.tx(|db| group::reserve(db, &batch))?) {
-            out[i] = Some(g);
+        let (reserve_firsts, reserve_repeats) = first_uses(reserves, |c| &c.request_id);
+        let (report_firsts, report_repeats) = first_uses(reports, |r| &r.usage.request_id);
+        let first_reserves: Vec<&Reservation> = reserve_firsts.iter().map(|&i| reserves[i]).collect();
+        let first_reports: Vec<&Report> = report_firsts.iter().map(|&i| reports[i]).collect();
+        let (grants, recorded) = group::settle(&mut *self.db, &first_reserves, &first_reports)?;
+        let mut g: Vec<Option<Result<Grant, StoreError>>> = (0..reserves.len()).map(|_| None).collect();
+        for (i, grant) in reserve_firsts.into_iter().zip(grants) {
+            g[i] = Some(grant);
         }
-        for i in repeats {
-            out[i] = Some(single(self, calls[i])?);
+        for i in reserve_repeats {
+            g[i] = Some(alone(self, reserves[i]));
         }
-        Ok(out.into_iter().flatten().collect())
+        let mut r: Vec<Option<Result<Option<bool>, StoreError>>> = (0..reports.len()).map(|_| None).collect();
+        for (i, done) in report_firsts.into_iter().zip(recorded) {
+            r[i] = Some(done);
+        }
+        for i in report_repeats {
+            r[i] = Some(self.record_report(reports[i]));
+        }
+        Ok((g.into_iter().flatten().collect(), r.into_iter().flatten().collect()))
     }
 
     /// Gives back a reservation that no route came of.
@@ -489,25 +510,6 @@ impl Store {
             Some(name) => self.record_request(&name, &r.usage, r.now_ms).map(Some),
             None => Ok(None),
         }
-    }
-
-    /// `record_report` for each of a group's reports, as one after another would. On Postgres
-    /// the group's first report of each request id is stored in one statement for all
-    /// (`group::record`); a repeat runs alone after them.
-    pub fn record_group(&mut self, reports: &[&Report]) -> Result<Vec<Option<bool>>, StoreError> {
-        if self.db.dialect() == Dialect::Sqlite || reports.len() == 1 {
-            return reports.iter().map(|r| self.record_report(r)).collect();
-        }
-        let (firsts, repeats) = first_uses(reports, |r| &r.usage.request_id);
-        let batch: Vec<&Report> = firsts.iter().map(|&i| reports[i]).collect();
-        let mut out = vec![None; reports.len()];
-        for (i, r) in firsts.into_iter().zip(self.tx(|db| group::record(db, &batch))?) {
-            out[i] = r;
-        }
-        for i in repeats {
-            out[i] = self.record_report(reports[i])?;
-        }
-        Ok(out)
     }
 
     /// Stores many requests of one key in one transaction, as fast as the backend takes rows

@@ -47,6 +47,7 @@ on_both!(
     reservations_reserve_once_settle_and_expire,
     concurrent_reservations_fill_the_quota_exactly,
     one_request_reserved_by_many_calls_at_once_reserves_once,
+    one_request_reserved_in_two_trackers_groups_reserves_once,
     every_stage_of_a_request_is_stored_once,
     trackers_starting_together_share_one_signing_key,
     a_newer_schema_is_refused,
@@ -54,7 +55,33 @@ on_both!(
     a_call_failing_in_a_group_is_rolled_back_alone,
     a_group_reserves_as_its_calls_would_one_after_another,
     a_group_records_as_its_reports_would_one_after_another,
+    a_group_of_reservations_and_reports_settles_as_one_after_another,
 );
+
+/// The reservation statements' generic plans (those the server settles on for a prepared
+/// statement) look each request up by index: a whole-table scan there grows with the dead rows
+/// of every settled reservation.
+#[cfg(feature = "postgres-tests")]
+#[test]
+fn reservation_plans_look_requests_up_by_index() {
+    let spec = postgres("plans");
+    Store::open(&spec).unwrap();
+    let LedgerSpec::Postgres(url) = &spec else { unreachable!("a Postgres spec") };
+    let mut db = pg::Postgres::new(url).unwrap();
+    db.batch("SET plan_cache_mode = force_generic_plan").unwrap();
+    for (name, sql, args) in
+        [("fast", group::FAST, "ARRAY['h'], ARRAY['r'], ARRAY[1], ARRAY[1]"), ("keys", group::KEYS, "ARRAY['h'], ARRAY['r']")]
+    {
+        db.batch(&format!("PREPARE {name} AS {}", db::postgres_sql(sql))).unwrap();
+        let explain: &'static str = Box::leak(format!("EXPLAIN EXECUTE {name}({args})").into_boxed_str());
+        let plan: Vec<String> = db.query(explain, &[]).unwrap().into_iter().map(|r| r[0].clone().text().unwrap()).collect();
+        let plan = plan.join("\n");
+        for table in ["requests", "reservations"] {
+            assert!(plan.contains(&format!("Index Only Scan using {table}_pkey")), "{name}: no index lookup in {table}:\n{plan}");
+            assert!(!plan.contains(&format!("Seq Scan on {table}")), "{name} scans {table}:\n{plan}");
+        }
+    }
+}
 
 fn request(id: &str, prompt: u64, completion: u64, layer_tokens: u64) -> RequestUsage {
     RequestUsage {
@@ -199,6 +226,31 @@ fn one_request_reserved_by_many_calls_at_once_reserves_once(spec: LedgerSpec) {
     assert_eq!(Store::open(&spec).unwrap().key_totals("k").unwrap(), (0, 30));
 }
 
+/// As above, with each call in its tracker's group (`Ledger::reserve`): on Postgres both groups
+/// find room for the request, and the one that stores the reservation second gives its budget
+/// back.
+fn one_request_reserved_in_two_trackers_groups_reserves_once(spec: LedgerSpec) {
+    Store::open(&spec).unwrap().add_key("k", "key-k", 1000, 0).unwrap();
+    let ledgers = [Ledger::start(&spec, spec.default_threads()).unwrap(), Ledger::start(&spec, spec.default_threads()).unwrap()];
+    let barrier = Arc::new(std::sync::Barrier::new(16));
+    let threads: Vec<_> = (0..16)
+        .map(|i| {
+            let (ledger, barrier) = (ledgers[i % 2].clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                barrier.wait();
+                let r = Reservation { api_key: "key-k".into(), request_id: "same".into(), budget: 30, expires_ms: u64::MAX / 2 };
+                rt.block_on(ledger.reserve(r)).unwrap()
+            })
+        })
+        .collect();
+    let grants: Vec<Grant> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let new = grants.iter().filter(|g| matches!(g, Grant::Granted { new: true, .. })).count();
+    assert_eq!(new, 1, "{grants:?}");
+    assert!(grants.iter().all(|g| matches!(g, Grant::Granted { .. })), "{grants:?}");
+    assert_eq!(Store::open(&spec).unwrap().key_totals("k").unwrap(), (0, 30));
+}
+
 /// A request's stages are stored with it, once; a repeat changes nothing.
 fn every_stage_of_a_request_is_stored_once(spec: LedgerSpec) {
     let mut s = Store::open(&spec).unwrap();
@@ -269,7 +321,7 @@ fn a_call_failing_in_a_group_is_rolled_back_alone(spec: LedgerSpec) {
     assert!(s.find_key("key-other").unwrap().is_none());
 }
 
-/// Reservations for two keys of equal quota: key `g`'s as one group (`reserve_group`), key `s`'s
+/// Reservations for two keys of equal quota: key `g`'s as one group (`settle_group`), key `s`'s
 /// the same calls one after another (`reserve`). Equal answers and totals, with request ids
 /// repeated inside the group, a request settled and one held before, unknown and unlimited
 /// keys, and budgets where a big request does not fit and a later small one does. The first
@@ -314,7 +366,8 @@ fn a_group_reserves_as_its_calls_would_one_after_another(spec: LedgerSpec) {
                 .collect()
         };
         let group = calls(&g);
-        let grouped: Vec<Grant> = s.reserve_group(&group.iter().collect::<Vec<_>>()).unwrap().into_iter().map(|x| named(x, &g)).collect();
+        let grouped: Vec<Grant> =
+            s.settle_group(&group.iter().collect::<Vec<_>>(), &[]).unwrap().0.into_iter().map(|x| named(x.unwrap(), &g)).collect();
         let alone: Vec<Grant> =
             calls(&a).iter().map(|c| named(s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms).unwrap(), &a)).collect();
         assert_eq!(grouped, alone, "round {round}");
@@ -326,7 +379,7 @@ fn a_group_reserves_as_its_calls_would_one_after_another(spec: LedgerSpec) {
     }
 }
 
-/// Reports for two keys: key `g`'s as one group (`record_group`), key `s`'s the same reports
+/// Reports for two keys: key `g`'s as one group (`settle_group`), key `s`'s the same reports
 /// one after another (`record_report`). Equal answers, rows and totals, with request ids
 /// repeated inside the group, reports stored before, reservations to settle, several stages,
 /// and an unknown key.
@@ -358,7 +411,8 @@ fn a_group_records_as_its_reports_would_one_after_another(spec: LedgerSpec) {
             .collect()
     };
     let g = reports("g");
-    let grouped = s.record_group(&g.iter().collect::<Vec<_>>()).unwrap();
+    let grouped: Vec<Option<bool>> =
+        s.settle_group(&[], &g.iter().collect::<Vec<_>>()).unwrap().1.into_iter().map(Result::unwrap).collect();
     let alone: Vec<Option<bool>> = reports("s").iter().map(|r| s.record_report(r).unwrap()).collect();
     assert_eq!(grouped, alone);
     assert!(grouped.contains(&None) && grouped.contains(&Some(true)) && grouped.contains(&Some(false)), "{grouped:?}");
@@ -367,6 +421,51 @@ fn a_group_records_as_its_reports_would_one_after_another(spec: LedgerSpec) {
     let strip = |who: &str| rows.iter().find(|r| r.who == who).map(|r| UsageRow { who: String::new(), ..r.clone() });
     assert_eq!(strip("g"), strip("s"));
     assert!(strip("g").is_some());
+}
+
+/// Reservations and reports in one group (key `g`'s), and the same calls one after another,
+/// the reservations first (key `s`'s): equal answers and totals. Some reports settle a
+/// reservation of the same group, one repeats, one settles a request reserved before, and a
+/// reservation asks for a request already recorded.
+fn a_group_of_reservations_and_reports_settles_as_one_after_another(spec: LedgerSpec) {
+    let mut s = Store::open(&spec).unwrap();
+    for k in ["g", "s"] {
+        s.add_key(k, &format!("key-{k}"), 1000, 0).unwrap();
+        assert!(s.reserve(&format!("key-{k}"), &format!("{k}-old"), 100, u64::MAX / 2).is_ok());
+        assert!(s.record_request(k, &request(&format!("{k}-done"), 1, 2, 0), 0).unwrap());
+    }
+    let calls = |k: &str| -> (Vec<Reservation>, Vec<Report>) {
+        let ids = ["a", "b", "c", "done", "d"];
+        let reserves = ids
+            .iter()
+            .map(|id| Reservation { api_key: format!("key-{k}"), request_id: format!("{k}-{id}"), budget: 200, expires_ms: u64::MAX / 2 })
+            .collect();
+        let reports = ["a", "old", "b", "a"]
+            .iter()
+            .map(|id| {
+                let mut u = request(&format!("{k}-{id}"), 5, 6, 0);
+                u.api_key = format!("key-{k}");
+                Report { usage: u, now_ms: 7 }
+            })
+            .collect();
+        (reserves, reports)
+    };
+    let (reserves, reports) = calls("g");
+    let (grants, recorded) = s.settle_group(&reserves.iter().collect::<Vec<_>>(), &reports.iter().collect::<Vec<_>>()).unwrap();
+    let grouped: Vec<String> = grants.into_iter().map(|g| format!("{:?}", g.unwrap()).replace("\"g\"", "K")).collect();
+    let recorded: Vec<Option<bool>> = recorded.into_iter().map(Result::unwrap).collect();
+    let (reserves, reports) = calls("s");
+    let alone: Vec<String> = reserves
+        .iter()
+        .map(|c| format!("{:?}", s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms).unwrap()).replace("\"s\"", "K"))
+        .collect();
+    let recorded_alone: Vec<Option<bool>> = reports.iter().map(|r| s.record_report(r).unwrap()).collect();
+    assert_eq!(grouped, alone);
+    assert_eq!(recorded, recorded_alone);
+    assert_eq!(recorded, [Some(true), Some(true), Some(true), Some(false)]);
+    assert_eq!(s.key_totals("g").unwrap(), s.key_totals("s").unwrap());
+    // 3 + 3 × 11 used; 100 held before and 4 × 200 reserved, of which 3 settled.
+    assert_eq!(s.key_totals("g").unwrap(), (36, 400));
 }
 
 fn trackers_starting_together_share_one_signing_key(spec: LedgerSpec) {
