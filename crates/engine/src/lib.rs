@@ -13,6 +13,7 @@ mod id;
 mod model;
 mod open;
 mod sample;
+mod softmax;
 pub mod synth;
 
 pub use backend::cpu::kernels::Isa;

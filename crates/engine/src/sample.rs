@@ -29,15 +29,12 @@ fn uniform(seed: u64, position: u64) -> f64 {
     (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// The first index of the largest logit (NaN never wins).
+/// The first index of the largest logit (NaN never wins; a row with no number at all gives
+/// its last index). The largest value first, then where it is: two loops the compiler
+/// vectorizes, where one that kept the best index walked the vocabulary one compare at a time.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] || logits[best].is_nan() {
-            best = i;
-        }
-    }
-    best as u32
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    logits.iter().position(|&l| l == max).unwrap_or(logits.len().saturating_sub(1)) as u32
 }
 
 /// Chooses the token at `position` (the position the chosen token will occupy).
@@ -49,10 +46,14 @@ pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
     if cand.is_empty() {
         return argmax(logits);
     }
-    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if p.top_k > 0 {
+    // Most likely first, ties by lower id: a total order, so the k best found without sorting
+    // the whole vocabulary, then sorted, are the k a full sort puts first.
+    let rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if p.top_k > 0 && p.top_k < cand.len() {
+        cand.select_nth_unstable_by(p.top_k - 1, rank);
         cand.truncate(p.top_k);
     }
+    cand.sort_by(rank);
     let max = cand[0].1 as f64;
     let t = p.temperature as f64;
     let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
@@ -136,7 +137,7 @@ pub fn mask_logits(logits: &mut [f32], allowed: &[u8]) -> Result<(), MaskError> 
 /// (id, logprob), most likely first, ties by lower id).
 pub fn logprobs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
-    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let lse = crate::softmax::log_sum_exp(logits, max);
     let lp = |i: usize| (logits[i] as f64 - lse) as f32;
     let mut top: Vec<u32> = Vec::with_capacity(k + 1);
     if k > 0 {
@@ -160,6 +161,37 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_maximum() {
         assert_eq!(sample(&[1.0, 3.0, 3.0, -1.0], &SamplingParams::default(), 0), 1);
+        let nan = f32::NAN;
+        let inf = f32::NEG_INFINITY;
+        for (row, best) in [
+            (vec![], 0),
+            (vec![nan, nan, nan], 2),
+            (vec![nan, 1.0, nan, 2.0, 2.0], 3),
+            (vec![nan, inf, inf], 1),
+            (vec![inf, nan], 0),
+            (vec![-0.0, 0.0], 0),
+        ] {
+            assert_eq!(argmax(&row), best, "{row:?}");
+        }
+    }
+
+    #[test]
+    fn the_k_best_are_those_a_full_sort_puts_first() {
+        let logits: Vec<f32> = (0..5000).map(|i| ((i * 31 % 97) as f32 * 0.05).cos()).collect();
+        for top_k in [1, 2, 40, 4999, 5000, 6000] {
+            let p = SamplingParams { temperature: 0.7, top_k, top_p: 0.9, seed: 11 };
+            let all = SamplingParams { top_k: 0, ..p };
+            // The same draws as the full sort's k best: the k best of a sorted copy, kept by mask.
+            let mut sorted: Vec<u32> = (0..logits.len() as u32).collect();
+            sorted.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+            let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+            for &i in sorted.iter().take(top_k) {
+                masked[i as usize] = logits[i as usize];
+            }
+            for pos in 0..30 {
+                assert_eq!(sample(&logits, &p, pos), sample(&masked, &all, pos), "top_k {top_k}, position {pos}");
+            }
+        }
     }
 
     #[test]
