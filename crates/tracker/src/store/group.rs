@@ -47,7 +47,9 @@ const HOLD: &str = "WITH stored AS (
 /// one held already), 2 if settled, 3 if newly reserved, 4 if room was made but another call
 /// stored its reservation first (its budget is to be given back), 5 if its key had no room
 /// for the group's calls together: those are decided one by one after (`exact`). As
-/// `one_trip::RESERVE`, the requests' state is read in the statement's snapshot.
+/// `one_trip::RESERVE`, the requests' state is read in the statement's snapshot. The budgets'
+/// sum is NUMERIC (SUM's type over BIGINT), so a stranger's huge budget is over quota, never an
+/// overflow that fails the group.
 ///
 /// Here and in `KEYS` each request's state is a lateral lookup by index. Written as EXISTS, the
 /// server may plan it as one hashed scan of the whole table, and the generic plan it keeps for
@@ -64,7 +66,7 @@ pub(super) const FAST: &str = "WITH input AS (
     new AS (SELECT * FROM input WHERE quota > 0 AND NOT settled AND NOT held),
     room AS (
         UPDATE key_usage u SET reserved_tokens = u.reserved_tokens + w.tokens
-        FROM (SELECT key_name, MAX(quota) AS quota, CAST(SUM(budget) AS INTEGER) AS tokens FROM new GROUP BY key_name) w
+        FROM (SELECT key_name, MAX(quota) AS quota, SUM(budget) AS tokens FROM new GROUP BY key_name) w
         WHERE u.key_name = w.key_name AND u.used_tokens + u.reserved_tokens + w.tokens <= w.quota
         RETURNING u.key_name),
     stored AS (
@@ -83,8 +85,8 @@ pub(super) const FAST: &str = "WITH input AS (
 /// transaction of its own: what a lost race over a request id reserved twice gives back, and
 /// the reservations of keys near their quota, decided one by one in the group's order
 /// (`exact`). An error is returned only when nothing was written (the caller then runs each
-/// call alone); a reservation that failed after that has its own error. No request id may
-/// appear twice in a kind.
+/// call alone); once the group is committed, a call that fails has its own error. No request
+/// id may appear twice in a kind.
 pub(super) fn settle(db: &mut dyn Db, calls: &[&Reservation], reports: &[&Report]) -> Result<Settled, StoreError> {
     let reserve_params = [
         Value::Texts(calls.iter().map(|c| key_hash(&c.api_key)).collect()),
@@ -108,24 +110,22 @@ pub(super) fn settle(db: &mut dyn Db, calls: &[&Reservation], reports: &[&Report
             return Err(e);
         }
     };
+    // Committed: from here on, what fails is told to the calls it concerns.
     let mut answers = answers.into_iter().skip(1);
     let fast = if calls.is_empty() { Vec::new() } else { answers.next().unwrap_or_default() };
-    let recorded = if reports.is_empty() { Vec::new() } else { record_answers(answers.next().unwrap_or_default(), reports.len())? };
-    let recorded: Vec<Result<Option<bool>, StoreError>> = recorded.into_iter().map(Ok).collect();
-    if fast.len() != calls.len() {
-        return Err(StoreError::Decode(format!("{} answers for {} reservations", fast.len(), calls.len())));
-    }
+    let recorded = if reports.is_empty() { Ok(Vec::new()) } else { record_answers(answers.next().unwrap_or_default(), reports.len()) };
+    let recorded: Vec<Result<Option<bool>, StoreError>> = match recorded {
+        Ok(r) => r.into_iter().map(Ok).collect(),
+        Err(e) => vec![Err(e); reports.len()],
+    };
+    let codes = match fast_answers(fast, calls.len()) {
+        Ok(codes) => codes,
+        Err(e) => return Ok((vec![Err(e); calls.len()], recorded)),
+    };
 
     let mut out: Vec<Option<Result<Grant, StoreError>>> = Vec::with_capacity(calls.len());
     let (mut undecided, mut lost): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-    for (i, row) in fast.into_iter().enumerate() {
-        let mut row = row.into_iter();
-        let code = row.next().unwrap_or(Value::Null).int()?;
-        let key_name = match row.next().unwrap_or(Value::Null) {
-            Value::Null => None,
-            v => Some(v.text()?),
-        };
-        let any_key = row.next().unwrap_or(Value::Null).int()? != 0;
+    for (i, (code, key_name, any_key)) in codes.into_iter().enumerate() {
         out.push(match (code, key_name) {
             (0, _) if any_key => Some(Ok(Grant::UnknownKey)),
             (0, _) => Some(Ok(Grant::Anonymous)),
@@ -140,7 +140,7 @@ pub(super) fn settle(db: &mut dyn Db, calls: &[&Reservation], reports: &[&Report
                 undecided.push(i);
                 None
             }
-            (code, key) => return Err(StoreError::Decode(format!("reservation answer {code} for key {key:?}"))),
+            (code, key) => Some(Err(StoreError::Decode(format!("reservation answer {code} for key {key:?}")))),
         });
     }
     for i in lost {
@@ -308,6 +308,24 @@ fn record_params(reports: &[&Report]) -> [Value; 14] {
         Value::Ints(stages.iter().map(|(_, s)| int(s.tokens_decoded)).collect()),
         Value::Ints(stages.iter().map(|(_, s)| int(s.layer_tokens)).collect()),
     ]
+}
+
+/// `FAST`'s answers: each reservation's code, its key's name, and whether any key exists.
+fn fast_answers(rows: Vec<Vec<Value>>, calls: usize) -> Result<Vec<(i64, Option<String>, bool)>, StoreError> {
+    if rows.len() != calls {
+        return Err(StoreError::Decode(format!("{} answers for {calls} reservations", rows.len())));
+    }
+    rows.into_iter()
+        .map(|row| {
+            let mut row = row.into_iter();
+            let code = row.next().unwrap_or(Value::Null).int()?;
+            let key_name = match row.next().unwrap_or(Value::Null) {
+                Value::Null => None,
+                v => Some(v.text()?),
+            };
+            Ok((code, key_name, row.next().unwrap_or(Value::Null).int()? != 0))
+        })
+        .collect()
 }
 
 /// `RECORD`'s answers: None for an unknown key, else whether the request was new.

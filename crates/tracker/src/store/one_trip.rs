@@ -19,7 +19,7 @@ const RESERVE: &str = "WITH settled AS (SELECT 1 FROM requests WHERE request_id 
     held AS (SELECT 1 FROM reservations WHERE request_id = ?1),
     room AS (
         UPDATE key_usage SET reserved_tokens = reserved_tokens + ?3
-        WHERE key_name = ?2 AND used_tokens + reserved_tokens + ?3 <= ?5
+        WHERE key_name = ?2 AND used_tokens + reserved_tokens + CAST(CAST(?3 AS INTEGER) AS NUMERIC) <= CAST(?5 AS INTEGER)
             AND NOT EXISTS (SELECT 1 FROM settled) AND NOT EXISTS (SELECT 1 FROM held)
         RETURNING 1),
     stored AS (

@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 fn unique(tag: &str) -> String {
     static N: AtomicUsize = AtomicUsize::new(0);
     let rand: [u8; 4] = crate::server::random();
+    // The tag cut short: Postgres keeps 63 bytes of a database's name, which must keep the rest.
+    let tag = &tag[..tag.len().min(24)];
     format!("{tag}_{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), hex::encode(rand))
 }
 
@@ -324,7 +326,8 @@ fn a_call_failing_in_a_group_is_rolled_back_alone(spec: LedgerSpec) {
 /// Reservations for two keys of equal quota: key `g`'s as one group (`settle_group`), key `s`'s
 /// the same calls one after another (`reserve`). Equal answers and totals, with request ids
 /// repeated inside the group, a request settled and one held before, unknown and unlimited
-/// keys, and budgets where a big request does not fit and a later small one does. The first
+/// keys, budgets where a big request does not fit and a later small one does, and one of
+/// u64::MAX. The first
 /// group is 64 requests of 15 tokens on a quota of 150: exactly 10 reserve, filling it.
 fn a_group_reserves_as_its_calls_would_one_after_another(spec: LedgerSpec) {
     let mut s = Store::open(&spec).unwrap();
@@ -332,6 +335,8 @@ fn a_group_reserves_as_its_calls_would_one_after_another(spec: LedgerSpec) {
     let fill: Vec<(&str, String, u64)> = (0..64).map(|i| ("key-", format!("r{}", i % 48), 15)).collect();
     let mut mixed: Vec<(&str, String, u64)> = (0..40).map(|i| ("key-", format!("m{}", i % 30), [40, 15, 70, 5][i % 4])).collect();
     mixed.extend([
+        // A stranger's budget far past any quota (and past what BIGINT sums hold).
+        ("key-", "huge".into(), u64::MAX),
         ("nope-", "u1".into(), 10),
         ("key-free", "f1".into(), 1 << 40),
         ("key-", "done".into(), 10),
