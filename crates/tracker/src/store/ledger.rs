@@ -27,6 +27,7 @@ trait Call: Send {
     fn batched(&mut self) -> Batched<'_> {
         Batched::No
     }
+    /// Whether `batched` is a reservation or a usage report.
     fn is_batched(&self) -> bool {
         false
     }

@@ -422,9 +422,10 @@ impl Store {
     }
 
     /// A group's reservations and usage reports, answered as `reserve` and `record_report` one
-    /// after another would. An error means nothing was written; a call can still fail alone. On SQLite they run in turn in one transaction. On Postgres each request id's
-    /// first use of a kind is settled for all (`group::settle`: one round trip while keys have
-    /// room), and a repeat runs alone after them, as if it came next.
+    /// after another would. An error means nothing was written; a call can still fail alone.
+    /// On SQLite they run in turn in one transaction. On Postgres each request id's first use
+    /// of a kind is settled for all (`group::settle`: one round trip while keys have room), and
+    /// a repeat runs alone after them, as if it came next.
     pub fn settle_group(&mut self, reserves: &[&Reservation], reports: &[&Report]) -> Result<group::Settled, StoreError> {
         let alone = |s: &mut Store, c: &Reservation| s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms);
         if self.db.dialect() == Dialect::Sqlite {
