@@ -79,7 +79,7 @@ trait Kind: Send + Sized + 'static {
 impl Kind for Reservation {
     type Out = Grant;
     fn alone(&self, store: &mut Store) -> Result<Grant, StoreError> {
-        store.reserve(&self.api_key, &self.request_id, self.budget, self.expires_ms)
+        store.reserve_call(self)
     }
     fn batched<'a>(&'a self, out: &'a mut Out<Grant>) -> Batched<'a> {
         Batched::Reserve(self, out)

@@ -421,16 +421,20 @@ impl Store {
         })
     }
 
+    /// `reserve` for a queued reservation.
+    pub(crate) fn reserve_call(&mut self, c: &Reservation) -> Result<Grant, StoreError> {
+        self.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms)
+    }
+
     /// A group's reservations and usage reports, answered as `reserve` and `record_report` one
     /// after another would. An error means nothing was written; a call can still fail alone.
     /// On SQLite they run in turn in one transaction. On Postgres each request id's first use
     /// of a kind is settled for all (`group::settle`: one round trip while keys have room), and
     /// a repeat runs alone after them, as if it came next.
     pub fn settle_group(&mut self, reserves: &[&Reservation], reports: &[&Report]) -> Result<group::Settled, StoreError> {
-        let alone = |s: &mut Store, c: &Reservation| s.reserve(&c.api_key, &c.request_id, c.budget, c.expires_ms);
         if self.db.dialect() == Dialect::Sqlite {
             return self.grouped(|s| {
-                let grants = reserves.iter().map(|c| alone(s, c)).collect::<Result<Vec<_>, _>>()?;
+                let grants = reserves.iter().map(|c| s.reserve_call(c)).collect::<Result<Vec<_>, _>>()?;
                 let recorded = reports.iter().map(|r| s.record_report(r)).collect::<Result<Vec<_>, _>>()?;
                 Ok((grants.into_iter().map(Ok).collect(), recorded.into_iter().map(Ok).collect()))
             });
@@ -445,7 +449,7 @@ impl Store {
             g[i] = Some(grant);
         }
         for i in reserve_repeats {
-            g[i] = Some(alone(self, reserves[i]));
+            g[i] = Some(self.reserve_call(reserves[i]));
         }
         let mut r: Vec<Option<Result<Option<bool>, StoreError>>> = (0..reports.len()).map(|_| None).collect();
         for (i, done) in report_firsts.into_iter().zip(recorded) {

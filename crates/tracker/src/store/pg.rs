@@ -117,6 +117,15 @@ impl Postgres {
         }
     }
 
+    /// Whether a transaction is open after `sql` ran (`began`: a BEGIN there succeeded).
+    fn track_transaction(&mut self, sql: &str, began: bool) {
+        match sql.split_whitespace().next().unwrap_or("").to_ascii_uppercase().as_str() {
+            "BEGIN" => self.in_tx = began,
+            "COMMIT" | "ROLLBACK" => self.in_tx = false,
+            _ => {}
+        }
+    }
+
     fn params(params: &[Value]) -> Vec<&(dyn ToSql + Sync)> {
         params.iter().map(|v| v as &(dyn ToSql + Sync)).collect()
     }
@@ -205,12 +214,7 @@ impl Db for Postgres {
             let done = pg.run(|c| c.batch_execute(&text))?;
             done.map_err(|e| pg.failed(e))
         });
-        let verb = sql.split_whitespace().next().unwrap_or("").to_ascii_uppercase();
-        match verb.as_str() {
-            "BEGIN" => self.in_tx = done.is_ok(),
-            "COMMIT" | "ROLLBACK" => self.in_tx = false,
-            _ => {}
-        }
+        self.track_transaction(sql, done.is_ok());
         done
     }
 
@@ -240,13 +244,8 @@ impl Db for Postgres {
         let stmts = steps.iter().map(|(sql, _)| self.statement(sql)).collect::<Result<Vec<_>, _>>()?;
         let params: Vec<Vec<&(dyn ToSql + Sync)>> = steps.iter().map(|(_, p)| Self::params(p)).collect();
         let answers = self.run(|c| futures::future::join_all(stmts.iter().zip(&params).map(|(s, p)| c.query(s, p))))?;
-        let ends = steps.iter().map(|(sql, _)| sql.split_whitespace().next().unwrap_or("").to_ascii_uppercase());
-        for verb in ends {
-            match verb.as_str() {
-                "BEGIN" => self.in_tx = true,
-                "COMMIT" | "ROLLBACK" => self.in_tx = false,
-                _ => {}
-            }
+        for (sql, _) in steps {
+            self.track_transaction(sql, true);
         }
         let mut out = Vec::with_capacity(answers.len());
         for a in answers {
