@@ -16,6 +16,8 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --locked --features "$features" -- -D warnings
 scripts/fetch-model.sh >/dev/null
 scripts/fetch-model.sh gemma3 >/dev/null
+# The GPU backend's suites run on Mesa's lavapipe, a software Vulkan device, where no GPU is.
+[ -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ] || scripts/apt-install.sh mesa-vulkan-drivers libvulkan1
 log=$(mktemp)
 # A PostgreSQL server of this run's own for the ledger's tests (each makes a database on it).
 trap 'rm -f "$log"; scripts/postgres.sh stop' EXIT

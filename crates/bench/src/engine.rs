@@ -118,7 +118,7 @@ pub fn run(a: Args) -> Result<()> {
     let ratios = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>();
     let ratio = |a: &[f64], b: &[f64]| median(&ratios(a, b));
     let (rp, rd) = (ratio(&dp, &lp), ratio(&dd, &ld));
-    println!("threads {}  isa {}  reps {}  engine {}", a.threads, stage.isa().name(), a.reps, stage.engine());
+    println!("threads {}  isa {}  reps {}  engine {}", a.threads, stage.isa().map_or("-", |i| i.name()), a.reps, stage.engine());
     println!("{:<28} {:>12} {:>12} {:>8} {:>15}", "test", "dgr tok/s", "llama tok/s", "ratio", "ratio min–max");
     let row = |test: String, d: &[f64], l: &[f64]| {
         let (lo, hi) = spread(&ratios(d, l));
@@ -162,7 +162,7 @@ pub fn run(a: Args) -> Result<()> {
             "engine": stage.engine().to_string(),
             "peer": { "tool": "llama-bench", "version": version, "model": record::model_field(&peer_model)? },
             "threads": a.threads,
-            "isa": stage.isa().name(),
+            "isa": stage.isa().map(|i| i.name()),
             "samples": { "dgr_prefill_tok_s": dp, "dgr_decode_tok_s": dd, "llama_prefill_tok_s": lp, "llama_decode_tok_s": ld },
             "ratios": { "prefill": rp, "decode": rd },
             "prompt_tokens": a.prompt_tokens,

@@ -2,7 +2,7 @@
 //! computes takes, the benchmarks' and the binary's alike.
 
 use crate::error::{BenchError, Result};
-use dgr_engine::{EngineId, EngineSpec, KvDtype, Numerics};
+use dgr_engine::{Device, EngineId, EngineSpec, KvDtype, Numerics};
 use dgr_gguf::Gguf;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,16 +46,22 @@ impl ModelArg {
     }
 }
 
-/// `--numerics` and `--kv-dtype` on every command that computes: how activations meet the
-/// weights, and how keys and values are cached. Both are part of the engine's id, so workers
-/// that differ in either never share a batch or a route.
+/// `--device`, `--numerics` and `--kv-dtype` on every command that computes: where the layers
+/// run, how activations meet the weights, and how keys and values are cached. All are part of
+/// the engine's id, so workers that differ in any never share a batch or a route.
 #[derive(clap::Args, Clone, Copy, Debug)]
 pub struct NumericsArg {
+    /// Where the layers compute: auto (the first hardware GPU, else the CPU; a software Vulkan
+    /// device such as lavapipe is never picked), cpu, or gpu / gpu:N (the Nth adapter; `dgr
+    /// inspect` lists them)
+    #[arg(long, default_value = "auto")]
+    pub device: Device,
     /// fast: 16-bit integer activations where the weights are integer codes (about 1/100 of
     /// llama.cpp's distance from the float64 computation, and faster); exact: f32 activations,
-    /// within ~1e-6 of it. Float weights compute exactly in both
-    #[arg(long, default_value = "fast", value_parser = names::<Numerics>(Numerics::ALL.iter().map(|n| n.name())))]
-    pub numerics: Numerics,
+    /// within ~1e-6 of it. Float weights compute exactly in both. [default: fast on the CPU,
+    /// exact on a GPU (its only numerics)]
+    #[arg(long, value_parser = names::<Numerics>(Numerics::ALL.iter().map(|n| n.name())))]
+    pub numerics: Option<Numerics>,
     /// How the KV cache stores keys and values: f32 as computed; f16 (half the bytes); q8_0,
     /// int8 in blocks of 32 with an f16 scale (34 bytes per 32 values, 0.27 of f32's). Scores
     /// and sums stay f32; README's KV dtype table has each one's measured accuracy
@@ -74,20 +80,41 @@ where
 }
 
 impl NumericsArg {
-    /// The flags of the engine `id` computes with.
+    /// The flags of the engine `id` computes with (a GPU's by its adapter's place here).
     pub fn of(id: EngineId) -> NumericsArg {
-        NumericsArg { numerics: id.numerics, kv_dtype: id.kv }
+        let device = match id.adapter {
+            Some(digest) => Device::Gpu(dgr_engine::adapters().iter().position(|a| a.digest() == digest).unwrap_or(0)),
+            None => Device::Cpu,
+        };
+        NumericsArg { device, numerics: Some(id.numerics), kv_dtype: id.kv }
     }
 
-    /// The engine spec for `threads` threads in these numerics and KV dtype.
+    /// The engine spec for `threads` threads on this device, in these numerics and KV dtype.
     pub fn spec(&self, threads: usize) -> EngineSpec {
-        EngineSpec { numerics: self.numerics, kv: self.kv_dtype, ..EngineSpec::threads(threads) }
+        EngineSpec { kv: self.kv_dtype, ..EngineSpec::threads(threads) }.on(self.device, self.numerics)
     }
 
-    /// The flags that start a `dgr worker` in these numerics and KV dtype, refused here first
-    /// (before any worker starts) if the CPU backend cannot compute in them.
-    pub fn worker_flags(&self) -> std::result::Result<[String; 4], dgr_engine::EngineError> {
-        dgr_engine::check_numerics(dgr_engine::BackendKind::Cpu, self.numerics)?;
-        Ok(["--numerics".into(), self.numerics.name().into(), "--kv-dtype".into(), self.kv_dtype.name().into()])
+    /// The numerics asked for, or the device's default.
+    pub fn numerics(&self) -> Numerics {
+        self.spec(1).numerics
+    }
+
+    /// The flags that start a `dgr worker` on this device in these numerics and KV dtype,
+    /// refused here first (before any worker starts) if that backend cannot compute in them.
+    pub fn worker_flags(&self) -> std::result::Result<[String; 6], dgr_engine::EngineError> {
+        let spec = self.spec(1);
+        dgr_engine::check_numerics(spec.backend, spec.numerics)?;
+        let device = match spec.backend {
+            dgr_engine::BackendKind::Cpu => Device::Cpu,
+            dgr_engine::BackendKind::Gpu => Device::Gpu(spec.adapter),
+        };
+        Ok([
+            "--device".into(),
+            device.to_string(),
+            "--numerics".into(),
+            spec.numerics.name().into(),
+            "--kv-dtype".into(),
+            self.kv_dtype.name().into(),
+        ])
     }
 }

@@ -89,8 +89,9 @@ pub fn run(a: Args) -> Result<()> {
         let engine = EngineId {
             format: dgr_engine::Format::of(&g),
             backend: BackendKind::Cpu,
-            numerics: a.numerics.numerics,
+            numerics: a.numerics.numerics(),
             kv: a.numerics.kv_dtype,
+            adapter: None,
         };
         match routed::generate(&a.route, &a.model.path()?, n_layers, (a.threads.get(), engine), &req, &tok.eog_ids(), &mut print)? {
             Ok(v) => v,
@@ -103,7 +104,7 @@ pub fn run(a: Args) -> Result<()> {
         crate::die_on_broken_pipe();
         let stage = open_engine(g, 0..n_layers, a.numerics.spec(a.threads.get()))?;
         let out = local::generate(&stage, |t| tok.is_eog(t), &req, &mut print)?;
-        (out, serde_json::json!({ "threads": stage.threads(), "isa": stage.isa().name() }))
+        (out, serde_json::json!({ "threads": stage.threads(), "isa": stage.isa().map(|i| i.name()) }))
     };
     match a.format {
         Format::Text => println!(),

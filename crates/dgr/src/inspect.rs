@@ -26,16 +26,32 @@ pub fn run(a: Args) -> Result<()> {
     // The default numerics first.
     let mut numerics = dgr_engine::available_numerics(BackendKind::Cpu).to_vec();
     numerics.sort_by_key(|&n| n != Numerics::default());
-    let engines: Vec<String> = numerics
+    let mut engines: Vec<String> = numerics
         .iter()
-        .flat_map(|&numerics| KvDtype::ALL.iter().map(move |&kv| EngineId { format, backend: BackendKind::Cpu, numerics, kv }.to_string()))
+        .flat_map(|&numerics| {
+            KvDtype::ALL.iter().map(move |&kv| EngineId { format, backend: BackendKind::Cpu, numerics, kv, adapter: None }.to_string())
+        })
         .collect();
+    let adapters = dgr_engine::adapters();
+    for a in &adapters {
+        for &numerics in dgr_engine::available_numerics(BackendKind::Gpu) {
+            for &kv in dgr_engine::available_kv(BackendKind::Gpu) {
+                engines.push(EngineId { format, backend: BackendKind::Gpu, numerics, kv, adapter: Some(a.digest()) }.to_string());
+            }
+        }
+    }
     if g.is_assembled() {
         println!("checkpoint: {} (Transformers layout; names and metadata below in GGUF's terms)", a.file.display());
     } else {
         println!("file: {} (GGUF v{}, alignment {})", a.file.display(), g.version(), g.alignment());
     }
-    println!("engines: {} (the first is the default)", engines.join(", "));
+    println!("engines: {} (the first is the default on the CPU)", engines.join(", "));
+    if adapters.is_empty() {
+        println!("gpu adapters: none (no Vulkan, Metal or DX12 device)");
+    }
+    for (i, a) in adapters.iter().enumerate() {
+        println!("gpu:{i}: {a}{}", if a.software { " (never picked by --device auto)" } else { "" });
+    }
     let (codes, floats) = g.tensors().iter().filter(|t| t.dims.len() == 2).partition::<Vec<_>, _>(|t| t.ty.block_size() > 1);
     println!(
         "numerics: {} matrices of integer codes meet fast numerics' integer activations; {} float matrices compute exactly in every numerics",

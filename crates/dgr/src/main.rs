@@ -69,6 +69,11 @@ enum Command {
 }
 
 fn main() {
+    // Mesa's Vulkan device-select layer asks the Wayland session which GPU to prefer, and prints
+    // an error to stderr at every adapter listing where there is none (a headless host).
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
     let cli = Cli::parse();
     if matches!(
         cli.command,

@@ -161,7 +161,8 @@ pub fn run(a: Args) -> Result<()> {
     };
     let mut cfg = WorkerConfig::new(model, layers);
     cfg.threads = a.threads.get();
-    cfg.numerics = a.numerics.numerics;
+    cfg.device = a.numerics.device;
+    cfg.numerics = a.numerics.numerics();
     cfg.kv_dtype = a.numerics.kv_dtype;
     cfg.max_sessions = a.max_sessions.max(1);
     cfg.kv_budget_tokens = a.kv_tokens.unwrap_or_else(|| a.numerics.kv_dtype.positions_in(DEFAULT_KV_TOKENS, KvDtype::F32)).max(1);
@@ -216,6 +217,7 @@ pub fn run(a: Args) -> Result<()> {
             serde_json::json!({
                 "listening": addr,
                 "layers": [layers.start, layers.end],
+                "device": worker.device(),
                 "model_id": worker.info().model_id,
                 "weight_bytes": m.weight_bytes.load(std::sync::atomic::Ordering::Relaxed),
                 "rss_bytes": dgr_worker::rss_bytes(),

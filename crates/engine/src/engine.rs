@@ -1,6 +1,6 @@
 //! The seam between an engine and what drives it: a worker's scheduler and the one-process
 //! driver compute through this trait alone: every [`Model`] implements it, whatever its
-//! backend, so a GPU backend slots in beside dgr's CPU [`crate::Stage`] without either changing. The contract each engine keeps: a sequence's
+//! backend, and so does the [`crate::Stage`] `open_engine` gives. The contract each engine keeps: a sequence's
 //! output is bitwise independent of what it is batched with and of how the layers are split.
 
 use crate::backend::Backend;
@@ -54,30 +54,30 @@ pub trait Engine: Send + 'static {
     fn forward(&self, batch: &mut [SeqInput<Self::State>]) -> Result<Vec<SeqOutput>, EngineError>;
 }
 
-impl SeqState for crate::KvCache {
+impl SeqState for crate::backend::cpu::kv::KvCache {
     fn positions(&self) -> usize {
-        crate::KvCache::len(self)
+        crate::backend::cpu::kv::KvCache::len(self)
     }
     fn capacity(&self) -> usize {
-        crate::KvCache::capacity(self)
+        crate::backend::cpu::kv::KvCache::capacity(self)
     }
     fn layers(&self) -> Range<usize> {
-        crate::KvCache::layers(self)
+        crate::backend::cpu::kv::KvCache::layers(self)
     }
     fn bytes(&self) -> usize {
-        crate::KvCache::bytes(self)
+        crate::backend::cpu::kv::KvCache::bytes(self)
     }
     fn blockable(&self) -> bool {
-        crate::KvCache::blockable(self)
+        crate::backend::cpu::kv::KvCache::blockable(self)
     }
     fn read_block(&self, at: usize, n: usize) -> Option<Vec<u8>> {
-        crate::KvCache::read_block(self, at, n)
+        crate::backend::cpu::kv::KvCache::read_block(self, at, n)
     }
     fn write_block(&mut self, n: usize, block: &[u8]) -> Result<(), EngineError> {
-        crate::KvCache::write_block(self, n, block)
+        crate::backend::cpu::kv::KvCache::write_block(self, n, block)
     }
     fn truncate(&mut self, len: usize) -> Result<(), EngineError> {
-        crate::KvCache::truncate(self, len)
+        crate::backend::cpu::kv::KvCache::truncate(self, len)
     }
 }
 

@@ -34,6 +34,9 @@ pub enum EngineError {
     BadInput(String),
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The GPU refused or failed (no adapter, a missing feature, out of memory, lost).
+    #[error("GPU: {0}")]
+    Device(String),
 }
 
 fn names(n: &[Numerics]) -> String {

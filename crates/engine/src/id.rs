@@ -17,6 +17,7 @@ pub enum Format {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
     Cpu,
+    Gpu,
 }
 
 /// How activations meet weights: `exact` keeps f32 activations (fixed-order fused
@@ -76,6 +77,9 @@ pub struct EngineId {
     pub backend: BackendKind,
     pub numerics: Numerics,
     pub kv: KvDtype,
+    /// The GPU adapter's digest (name, ids, driver): the same kernels give the same bits only
+    /// on the same adapter and driver. None on the CPU.
+    pub adapter: Option<u32>,
 }
 
 /// A string that names no format, backend, numerics or engine.
@@ -125,13 +129,17 @@ impl Format {
         }
     }
 }
-names!(BackendKind, "backend", Cpu = "cpu");
+names!(BackendKind, "backend", Cpu = "cpu", Gpu = "gpu");
 names!(Numerics, "numerics", Exact = "exact", Fast = "fast");
 names!(KvDtype, "KV dtype", F32 = "f32", F16 = "f16", Q8_0 = "q8_0");
 
 impl fmt::Display for EngineId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}-{}", self.format, self.backend, self.numerics)?;
+        write!(f, "{}-{}", self.format, self.backend)?;
+        if let Some(a) = self.adapter {
+            write!(f, ".{a:08x}")?;
+        }
+        write!(f, "-{}", self.numerics)?;
         match self.kv {
             KvDtype::F32 => Ok(()),
             kv => write!(f, "-{kv}"),
@@ -142,10 +150,12 @@ impl fmt::Display for EngineId {
 impl FromStr for EngineId {
     type Err = UnknownName;
     fn from_str(s: &str) -> Result<Self, UnknownName> {
-        let whole = || UnknownName {
+        let whole = || {
+            UnknownName {
             what: "engine",
             found: s.into(),
-            known: "format-backend-numerics[-kv], e.g. gguf-cpu-exact or gguf-cpu-exact-q8_0 (f32 KV is written without -kv)",
+            known: "format-backend-numerics[-kv], e.g. gguf-cpu-exact, gguf-cpu-exact-q8_0 (f32 KV is written without -kv) or gguf-gpu.1a2b3c4d-exact",
+        }
         };
         let mut parts = s.split('-');
         let (Some(format), Some(backend), Some(numerics), kv, None) =
@@ -159,7 +169,17 @@ impl FromStr for EngineId {
             Some("f32") => return Err(whole()),
             Some(kv) => kv.parse()?,
         };
-        Ok(EngineId { format: format.parse()?, backend: backend.parse()?, numerics: numerics.parse()?, kv })
+        // A GPU names its adapter (`gpu.1a2b3c4d`); the CPU never does.
+        let (backend, adapter) = match backend.split_once('.') {
+            Some((b, a)) if a.len() == 8 => (b, Some(u32::from_str_radix(a, 16).map_err(|_| whole())?)),
+            Some(_) => return Err(whole()),
+            None => (backend, None),
+        };
+        let backend: BackendKind = backend.parse()?;
+        if (backend == BackendKind::Gpu) != adapter.is_some() {
+            return Err(whole());
+        }
+        Ok(EngineId { format: format.parse()?, backend, numerics: numerics.parse()?, kv, adapter })
     }
 }
 
@@ -173,13 +193,17 @@ mod tests {
             for &backend in BackendKind::ALL {
                 for &numerics in Numerics::ALL {
                     for &kv in KvDtype::ALL {
-                        let id = EngineId { format, backend, numerics, kv };
+                        let adapter = (backend == BackendKind::Gpu).then_some(0x00c0_ffee);
+                        let id = EngineId { format, backend, numerics, kv, adapter };
                         assert_eq!(id.to_string().parse::<EngineId>(), Ok(id));
                     }
                 }
             }
         }
-        let exact = EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact, kv: KvDtype::F32 };
+        let exact =
+            EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact, kv: KvDtype::F32, adapter: None };
+        let gpu = EngineId { backend: BackendKind::Gpu, adapter: Some(0x1a2b_3c4d), ..exact };
+        assert_eq!(gpu.to_string(), "gguf-gpu.1a2b3c4d-exact");
         assert_eq!(exact.to_string(), "gguf-cpu-exact");
         assert_eq!(EngineId { kv: KvDtype::Q8_0, ..exact }.to_string(), "gguf-cpu-exact-q8_0");
         assert_eq!(EngineId { kv: KvDtype::F16, ..exact }.to_string(), "gguf-cpu-exact-f16");
@@ -191,9 +215,20 @@ mod tests {
         assert_eq!(e.to_string(), "unknown numerics \"f32\" (known: exact fast)");
         let e = "gguf-cpu-exact-q4".parse::<EngineId>().unwrap_err();
         assert_eq!(e.to_string(), "unknown KV dtype \"q4\" (known: f32 f16 q8_0)");
-        for bad in
-            ["", "gguf", "gguf-cpu", "gguf-cpu-exact-x", "gguf-cpu-exact-f32", "gguf-cpu-exact-f16-x", "onnx-cpu-exact", "gguf-tpu-exact"]
-        {
+        for bad in [
+            "",
+            "gguf",
+            "gguf-cpu",
+            "gguf-cpu-exact-x",
+            "gguf-cpu-exact-f32",
+            "gguf-cpu-exact-f16-x",
+            "onnx-cpu-exact",
+            "gguf-tpu-exact",
+            "gguf-gpu-exact",
+            "gguf-cpu.1a2b3c4d-exact",
+            "gguf-gpu.1a2b-exact",
+            "gguf-gpu.zzzzzzzz-exact",
+        ] {
             assert!(bad.parse::<EngineId>().is_err(), "{bad}");
         }
     }

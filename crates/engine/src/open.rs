@@ -1,24 +1,61 @@
 //! The one way to open an engine over a model's layers: every caller (the worker, `generate`,
-//! `score`, the benches, the tests) says what it wants in an [`EngineSpec`] and gets the
-//! backend's engine, so none of them names a backend's types.
+//! `score`, the benches, the tests) says what it wants in an [`EngineSpec`] and gets a
+//! [`Stage`] on that backend, so none of them names a backend's types.
 
-use crate::backend::cpu::{self, Cpu};
+use crate::backend::{cpu, gpu};
 use crate::model::Model;
-use crate::{BackendKind, EngineError, Isa, KvDtype, Numerics};
+use crate::{BackendKind, EngineError, Isa, KvDtype, Numerics, Stage};
 use dgr_gguf::Gguf;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-/// One layer range of a model on the CPU backend: what [`open_engine`] opens.
-pub type Stage = Model<Cpu>;
+/// Where a stage computes, as `--device` names it: `auto` (the first hardware GPU adapter, else
+/// the CPU; a software adapter such as lavapipe is never picked), `cpu`, or `gpu` / `gpu:N`
+/// (adapter N in `adapters()` order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Auto,
+    Cpu,
+    Gpu(usize),
+}
 
-impl Stage {
-    pub fn isa(&self) -> Isa {
-        self.backend().isa()
+impl Device {
+    /// The backend and adapter this names on this machine.
+    pub fn resolve(self) -> (BackendKind, usize) {
+        match self {
+            Device::Cpu => (BackendKind::Cpu, 0),
+            Device::Gpu(n) => (BackendKind::Gpu, n),
+            Device::Auto => match gpu::adapters().iter().position(|a| !a.software) {
+                Some(n) => (BackendKind::Gpu, n),
+                None => (BackendKind::Cpu, 0),
+            },
+        }
     }
+}
 
-    pub fn threads(&self) -> usize {
-        self.backend().threads()
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "gpu" => Ok(Device::Gpu(0)),
+            _ => match s.strip_prefix("gpu:").map(str::parse) {
+                Some(Ok(n)) => Ok(Device::Gpu(n)),
+                _ => Err(format!("unknown device {s:?} (known: auto, cpu, gpu, gpu:N)")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Auto => f.write_str("auto"),
+            Device::Cpu => f.write_str("cpu"),
+            Device::Gpu(n) => write!(f, "gpu:{n}"),
+        }
     }
 }
 
@@ -32,6 +69,8 @@ pub struct EngineSpec {
     pub threads: usize,
     /// The instruction set to use; `None` picks the best this CPU has.
     pub isa: Option<Isa>,
+    /// Which GPU adapter (in `adapters()` order), on the GPU.
+    pub adapter: usize,
 }
 
 impl Default for EngineSpec {
@@ -42,6 +81,7 @@ impl Default for EngineSpec {
             kv: KvDtype::F32,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             isa: None,
+            adapter: 0,
         }
     }
 }
@@ -51,23 +91,51 @@ impl EngineSpec {
     pub fn threads(threads: usize) -> EngineSpec {
         EngineSpec { threads, ..EngineSpec::default() }
     }
-}
 
-/// The numerics `backend` can compute with on this machine.
-pub fn available_numerics(backend: BackendKind) -> &'static [Numerics] {
-    match backend {
-        BackendKind::Cpu => cpu::NUMERICS,
+    /// This spec on `device` (resolved here), in `numerics` when given, else the backend's
+    /// default: fast where it has it (the CPU), exact where that is all it has (a GPU).
+    pub fn on(self, device: Device, numerics: Option<Numerics>) -> EngineSpec {
+        let (backend, adapter) = device.resolve();
+        let available = available_numerics(backend);
+        let default = if available.contains(&Numerics::default()) { Numerics::default() } else { available[0] };
+        EngineSpec { backend, adapter, numerics: numerics.unwrap_or(default), ..self }
     }
 }
 
-/// Every engine this build can open here (each backend in each numerics it can run, with each
-/// KV dtype), with the default threads and instruction set: the list the test suites run one
-/// body over, so a new backend, numerics or KV dtype is tested by being registered.
+/// The numerics `backend` can compute with.
+pub fn available_numerics(backend: BackendKind) -> &'static [Numerics] {
+    match backend {
+        BackendKind::Cpu => cpu::NUMERICS,
+        BackendKind::Gpu => gpu::NUMERICS,
+    }
+}
+
+/// The KV dtypes `backend` can store.
+pub fn available_kv(backend: BackendKind) -> &'static [KvDtype] {
+    match backend {
+        BackendKind::Cpu => KvDtype::ALL,
+        BackendKind::Gpu => gpu::KV,
+    }
+}
+
+/// Whether this machine has a GPU adapter (asked once).
+fn has_gpu() -> bool {
+    static FOUND: OnceLock<bool> = OnceLock::new();
+    *FOUND.get_or_init(|| !gpu::adapters().is_empty())
+}
+
+/// Every engine this build can open here (each backend with a device here, in each numerics it
+/// can run, with each KV dtype it can store; the GPU on its first adapter), with the default
+/// threads and instruction set: the list the test suites run one body over, so a new backend,
+/// numerics or KV dtype is tested by being registered.
 pub fn registered_specs() -> Vec<EngineSpec> {
     BackendKind::ALL
         .iter()
+        .filter(|&&b| b == BackendKind::Cpu || has_gpu())
         .flat_map(|&backend| available_numerics(backend).iter().map(move |&numerics| (backend, numerics)))
-        .flat_map(|(backend, numerics)| KvDtype::ALL.iter().map(move |&kv| EngineSpec { backend, numerics, kv, ..EngineSpec::default() }))
+        .flat_map(|(backend, numerics)| {
+            available_kv(backend).iter().map(move |&kv| EngineSpec { backend, numerics, kv, ..EngineSpec::default() })
+        })
         .collect()
 }
 
@@ -85,7 +153,10 @@ pub fn check_numerics(backend: BackendKind, numerics: Numerics) -> Result<(), En
 /// layer. Numerics the backend cannot run are refused before anything is loaded.
 pub fn open_engine(model: Arc<Gguf>, layers: Range<usize>, spec: EngineSpec) -> Result<Stage, EngineError> {
     check_numerics(spec.backend, spec.numerics)?;
-    Stage::open(model, layers, spec)
+    Ok(match spec.backend {
+        BackendKind::Cpu => Stage::Cpu(Model::open(model, layers, spec)?),
+        BackendKind::Gpu => Stage::Gpu(Model::open(model, layers, spec)?),
+    })
 }
 
 #[cfg(test)]
@@ -96,7 +167,7 @@ mod tests {
     fn every_numerics_opens_and_a_refusal_names_the_available_ones() {
         let g = Arc::new(Gguf::from_bytes(crate::synth::SynthSpec::default().to_gguf().unwrap()).unwrap());
         let specs = registered_specs();
-        let ids: Vec<_> = specs.iter().map(|s| (s.numerics, s.kv)).collect();
+        let ids: Vec<_> = specs.iter().filter(|s| s.backend == BackendKind::Cpu).map(|s| (s.numerics, s.kv)).collect();
         let want: Vec<_> = [Numerics::Exact, Numerics::Fast].iter().flat_map(|&n| KvDtype::ALL.iter().map(move |&kv| (n, kv))).collect();
         assert_eq!(ids, want);
         for spec in specs {

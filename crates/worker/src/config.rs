@@ -8,6 +8,8 @@ pub struct WorkerConfig {
     pub model: PathBuf,
     pub layers: Range<usize>,
     pub threads: usize,
+    /// Where the stage computes (`auto` resolved at start; part of its engine id).
+    pub device: dgr_engine::Device,
     /// The numerics the stage computes in (part of its engine id).
     pub numerics: dgr_engine::Numerics,
     /// The dtype its KV cache stores keys and values in (part of its engine id).
@@ -70,6 +72,7 @@ impl WorkerConfig {
             model,
             layers,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            device: dgr_engine::Device::Cpu,
             numerics: dgr_engine::Numerics::default(),
             kv_dtype: dgr_engine::KvDtype::F32,
             max_sessions: 64,

@@ -138,7 +138,8 @@ mod tests {
     use dgr_proto::SeamDtype;
     use std::time::Duration;
 
-    const GGUF_EXACT: EngineId = EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact, kv: KvDtype::F32 };
+    const GGUF_EXACT: EngineId =
+        EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: Numerics::Exact, kv: KvDtype::F32, adapter: None };
 
     fn key(phase: Phase, seam_dtype: SeamDtype) -> CompatKey {
         CompatKey { engine: GGUF_EXACT, model_id: "m".into(), layers: (0, 15), phase, hidden: 576, seam_dtype }
@@ -172,7 +173,8 @@ mod tests {
         let other_format = EngineId { format: Format::Transformers, ..GGUF_EXACT };
         let other_numerics = EngineId { numerics: Numerics::Fast, ..GGUF_EXACT };
         let other_kv = [KvDtype::F16, KvDtype::Q8_0].map(|kv| EngineId { kv, ..GGUF_EXACT });
-        for other in [other_format, other_numerics].into_iter().chain(other_kv) {
+        let other_gpus = [1, 2].map(|a| EngineId { backend: BackendKind::Gpu, adapter: Some(a), ..GGUF_EXACT });
+        for other in [other_format, other_numerics].into_iter().chain(other_kv).chain(other_gpus) {
             let mut r = vec![ready(1, Phase::Decode, SeamDtype::F32, 1, 3), ready(2, Phase::Decode, SeamDtype::F32, 1, 2)];
             r[1].key.engine = other;
             r.push(ready(3, Phase::Decode, SeamDtype::F32, 1, 1));

@@ -56,6 +56,8 @@ pub enum WorkerError {
 pub struct Worker {
     cfg: WorkerConfig,
     info: StageInfo,
+    /// What the stage computes on, `--device auto` resolved: said in the worker's first line.
+    device: String,
     metrics: Arc<Metrics>,
     cmds: SyncSender<Cmd>,
     scheduler: std::thread::JoinHandle<()>,
@@ -119,11 +121,12 @@ impl Worker {
             }
             _ => None,
         };
-        let stage = open_engine(
-            gguf,
-            cfg.layers.clone(),
-            EngineSpec { numerics: cfg.numerics, kv: cfg.kv_dtype, ..EngineSpec::threads(cfg.threads) },
-        )?;
+        let spec = EngineSpec { kv: cfg.kv_dtype, ..EngineSpec::threads(cfg.threads) }.on(cfg.device, Some(cfg.numerics));
+        let stage = open_engine(gguf, cfg.layers.clone(), spec)?;
+        let device = match stage.adapter() {
+            Some(a) => format!("gpu:{} ({a})", spec.adapter),
+            None => format!("cpu ({} threads)", cfg.threads),
+        };
         let c = stage.config();
         let info = StageInfo {
             model_id: model_id.clone(),
@@ -161,7 +164,7 @@ impl Worker {
         let gate = cfg.tracker.as_ref().map(|t| Arc::new(TicketGate::new(dgr_proto::worker_id(&t.identity.verifying_key()))));
         let sched = Scheduler::new(stage, cfg.clone(), schema, metrics.clone(), usage_tx);
         let scheduler = std::thread::Builder::new().name("dgr-scheduler".into()).spawn(move || sched.run(rx))?;
-        Ok(Worker { cfg, info, metrics, cmds, scheduler, step_us_per_layer, gate, usage, holdings })
+        Ok(Worker { cfg, info, device, metrics, cmds, scheduler, step_us_per_layer, gate, usage, holdings })
     }
 
     /// Microseconds per layer of one decode row, measured at start-up.
@@ -171,6 +174,11 @@ impl Worker {
 
     pub fn info(&self) -> &StageInfo {
         &self.info
+    }
+
+    /// The device the stage computes on, in words.
+    pub fn device(&self) -> &str {
+        &self.device
     }
 
     pub fn metrics(&self) -> Arc<Metrics> {

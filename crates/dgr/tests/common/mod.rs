@@ -58,8 +58,13 @@ pub fn ids(v: &Value) -> Vec<u64> {
 /// `dgr score`'s teacher-forced steps of every completion of `reference` on `model`, with
 /// `flags` (the engine's: `--numerics`, `--kv-dtype`).
 pub fn score_all(model: &std::path::Path, reference: &Value, flags: &[&str]) -> Vec<Value> {
+    score_first(model, reference, usize::MAX, flags)
+}
+
+/// `score_all` of the first `n` completions.
+pub fn score_first(model: &std::path::Path, reference: &Value, n: usize, flags: &[&str]) -> Vec<Value> {
     let mut steps = Vec::new();
-    for c in reference["completions"].as_array().unwrap() {
+    for c in reference["completions"].as_array().unwrap().iter().take(n) {
         let cont: Vec<String> = ids(&c["continuation"]).iter().map(|t| t.to_string()).collect();
         let mut cmd = dgr();
         cmd.args(["score", "--prompt", c["prompt"].as_str().unwrap(), "--continuation", &cont.join(",")])
@@ -98,11 +103,25 @@ pub fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Every engine this build registers (`dgr_engine::registered_specs`: numerics × KV dtype): the
-/// suites that hold the engine's contract (a route equals the whole model, a batch equals its
-/// solo runs) run once per entry, so registering a new one tests it.
+/// Every CPU engine this build registers (`dgr_engine::registered_specs`: numerics × KV dtype):
+/// the suites that hold the engine's contract through real workers (a route equals the whole
+/// model, a batch equals its solo runs) run once per entry, so registering a new one tests it.
+/// The GPU's engines hold the same contract in the engine's own suites (`invariance.rs`) and in
+/// `gpu.rs`; a software adapter is too slow for the swarm suites.
 pub fn engines() -> Vec<Engine> {
-    dgr_engine::registered_specs().iter().map(|s| Engine { numerics: s.numerics, kv: s.kv }).collect()
+    let cpu = dgr_engine::registered_specs().into_iter().filter(|s| s.backend == dgr_engine::BackendKind::Cpu);
+    cpu.map(|s| Engine { numerics: s.numerics, kv: s.kv }).collect()
+}
+
+/// Whether a GPU adapter is here. Under CI a missing one fails the test (CI installs lavapipe);
+/// elsewhere the test says plainly that it did not run.
+pub fn have_gpu() -> bool {
+    if !dgr_engine::adapters().is_empty() {
+        return true;
+    }
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "no GPU adapter: CI installs mesa-vulkan-drivers (lavapipe) for the GPU tests");
+    eprintln!("no GPU adapter on this machine (no Vulkan, Metal or DX12 device): the GPU test did not run");
+    false
 }
 
 /// A registered engine, as the flags that ask for it.
@@ -113,14 +132,14 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn flags(&self) -> [&'static str; 4] {
-        ["--numerics", self.numerics.name(), "--kv-dtype", self.kv.name()]
+    pub fn flags(&self) -> [&'static str; 6] {
+        ["--device", "cpu", "--numerics", self.numerics.name(), "--kv-dtype", self.kv.name()]
     }
 
     /// Its id on the default model (what workers register and routes carry).
     pub fn id(&self) -> String {
         use dgr_engine::{BackendKind, EngineId, Format};
-        EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: self.numerics, kv: self.kv }.to_string()
+        EngineId { format: Format::Gguf, backend: BackendKind::Cpu, numerics: self.numerics, kv: self.kv, adapter: None }.to_string()
     }
 }
 

@@ -1,8 +1,9 @@
 //! Where the model's operations run. The model (`crate::model`) writes each architecture's
 //! forward once over the [`Backend`] trait; a backend holds the weights, the activations and
 //! every sequence's KV cache in its own memory and computes the operations below on them.
-//! `cpu` is the one backend today: its kernels, threads and weights as views into the mapped
-//! file.
+//! `cpu`: SIMD kernels chosen at run time, a thread pool, weights as views into the mapped file.
+//! `gpu`: WGSL kernels on wgpu (Vulkan, Metal, DX12) reading the file's blocks in device memory,
+//! activations and KV caches there too.
 //!
 //! # What a backend implements
 //! Every associated type is the backend's own: `Matrix` and `Vector` are weights it holds
@@ -30,13 +31,15 @@
 //! - Its errors are typed ([`EngineError`]); nothing the model passes it in range panics.
 //!
 //! # Adding one
-//! Implement [`Backend`] beside `cpu` (every architecture in `crate::model` then runs on it,
-//! and `Model<NewBackend>` is an [`crate::Engine`]), add its [`crate::BackendKind`] (it is part
-//! of the engine's id, so no batch or route mixes backends unknowingly) and its numerics to
-//! [`crate::available_numerics`], and let [`crate::open_engine`] open it: the suites that run
-//! one body over [`crate::registered_specs`] then test it too.
+//! Implement [`Backend`] beside `cpu` and `gpu` (every architecture in `crate::model` then runs
+//! on it, and `Model<NewBackend>` is an [`crate::Engine`]), add its [`crate::BackendKind`] (it
+//! is part of the engine's id, so no batch mixes backends unknowingly), its numerics and KV
+//! dtypes to [`crate::available_numerics`] and [`crate::available_kv`], and a variant to
+//! [`crate::Stage`] that [`crate::open_engine`] opens: the suites that run one body over
+//! [`crate::registered_specs`] then test it too.
 
 pub(crate) mod cpu;
+pub(crate) mod gpu;
 
 use crate::{Activation, EngineError, EngineSpec, KvDtype, RopeStyle, SeqState};
 use dgr_gguf::Gguf;
@@ -98,6 +101,12 @@ pub trait Backend: Send + Sized + 'static {
 
     const KIND: crate::BackendKind;
 
+    /// The digest of the device's identity where the same kernels may give other bits on
+    /// another device of the same kind (a GPU adapter and driver); part of the engine id.
+    fn adapter(&self) -> Option<u32> {
+        None
+    }
+
     /// The backend for `spec` over `model` (its numerics already checked).
     fn open(model: &Arc<Gguf>, spec: &EngineSpec) -> Result<Self, EngineError>;
 
@@ -116,7 +125,7 @@ pub trait Backend: Send + Sized + 'static {
     /// A buffer holding `data`.
     fn upload(&self, data: Vec<f32>) -> Self::Buf;
     /// Appends floats `at` of `buf` to `out`: the only way activations come back.
-    fn read(&self, buf: &Self::Buf, at: Range<usize>, out: &mut Vec<f32>);
+    fn read(&self, buf: &Self::Buf, at: Range<usize>, out: &mut Vec<f32>) -> Result<(), EngineError>;
     /// Rows `rows` of `x` (rows of `width`), in that order, as a new buffer.
     fn gather(&self, x: &Self::Buf, width: usize, rows: &[usize]) -> Self::Buf;
 

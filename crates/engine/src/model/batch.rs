@@ -3,6 +3,7 @@
 use crate::KvCache;
 
 /// What a sequence brings to a forward: token ids (when its layers start at 0) or hidden rows.
+#[derive(Clone, Copy)]
 pub enum Input<'a> {
     Tokens(&'a [u32]),
     Hidden(&'a [f32]),
@@ -20,7 +21,7 @@ pub enum LogitRows {
 }
 
 /// One sequence's part of a batched forward. Its rows take positions `kv.len()..`. `K` is the
-/// engine's per-sequence state (the CPU engine's: a [`KvCache`]).
+/// engine's per-sequence state (a [`KvCache`] for what `open_engine` opens).
 pub struct SeqInput<'a, K = KvCache> {
     pub kv: &'a mut K,
     pub input: Input<'a>,

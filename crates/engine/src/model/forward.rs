@@ -75,7 +75,7 @@ impl<B: Backend> Model<B> {
     /// The engine computing this stage: the model's format, the backend and the numerics (a
     /// compatibility key field: sessions of different engines never share a batch or a route).
     pub fn engine(&self) -> EngineId {
-        EngineId { format: Format::of(&self.gguf), backend: B::KIND, numerics: self.numerics, kv: self.kv }
+        EngineId { format: Format::of(&self.gguf), backend: B::KIND, numerics: self.numerics, kv: self.kv, adapter: self.backend.adapter() }
     }
 
     /// Bytes of weights this stage reads.
@@ -124,10 +124,15 @@ impl<B: Backend> Model<B> {
     /// turn away one bad sequence without failing a whole batch. A KV cache made by this stage
     /// runs a part of its layers (`new_kv_for` checked that), so the stage id is the whole check.
     pub fn check(&self, s: &SeqInput<B::Kv>) -> Result<usize, EngineError> {
-        if s.kv.owner() != self.id {
+        self.check_parts(s.kv, &s.input)
+    }
+
+    /// `check` of a sequence's cache and input.
+    pub(crate) fn check_parts(&self, kv: &B::Kv, input: &Input) -> Result<usize, EngineError> {
+        if kv.owner() != self.id {
             return Err(EngineError::BadInput("KV cache belongs to another stage".into()));
         }
-        let rows = match (&s.input, s.kv.layers().start == 0) {
+        let rows = match (input, kv.layers().start == 0) {
             (Input::Tokens(t), true) => {
                 if let Some(&bad) = t.iter().find(|&&t| t as usize >= self.cfg.vocab) {
                     return Err(EngineError::TokenOutOfRange { token: bad, vocab: self.cfg.vocab });
@@ -146,9 +151,9 @@ impl<B: Backend> Model<B> {
         if rows == 0 {
             return Err(EngineError::BadInput("a sequence with no rows".into()));
         }
-        let needed = s.kv.positions() + rows;
-        if needed > s.kv.capacity() {
-            return Err(EngineError::ContextFull { needed, capacity: s.kv.capacity() });
+        let needed = kv.positions() + rows;
+        if needed > kv.capacity() {
+            return Err(EngineError::ContextFull { needed, capacity: kv.capacity() });
         }
         Ok(rows)
     }
@@ -260,7 +265,7 @@ impl<B: Backend> Model<B> {
         let Some(head) = self.weights.head.as_ref().filter(|_| sub.end == cfg.n_layers) else {
             let mut t0 = 0;
             for (si, out) in outputs.iter_mut().enumerate() {
-                b.read(&x, t0 * h..(t0 + rows_of[si]) * h, &mut out.hidden);
+                b.read(&x, t0 * h..(t0 + rows_of[si]) * h, &mut out.hidden)?;
                 t0 += rows_of[si];
             }
             return Ok(outputs);
@@ -274,7 +279,7 @@ impl<B: Backend> Model<B> {
                 LogitRows::Normed => {
                     let mut normed = b.alloc(n * h);
                     b.rms_norm(&b.gather(&x, h, &(t0..t0 + n).collect::<Vec<_>>()), &head.norm, eps, &mut normed);
-                    b.read(&normed, 0..n * h, &mut outputs[si].hidden);
+                    b.read(&normed, 0..n * h, &mut outputs[si].hidden)?;
                     0..0
                 }
                 LogitRows::None => 0..0,
@@ -293,7 +298,7 @@ impl<B: Backend> Model<B> {
             b.softcap(&mut logits, cap);
         }
         for (i, &(si, _)) in picked.iter().enumerate() {
-            b.read(&logits, i * vocab..(i + 1) * vocab, &mut outputs[si].logits);
+            b.read(&logits, i * vocab..(i + 1) * vocab, &mut outputs[si].logits)?;
         }
         Ok(outputs)
     }

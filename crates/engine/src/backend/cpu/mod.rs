@@ -97,8 +97,9 @@ impl Backend for Cpu {
         data
     }
 
-    fn read(&self, buf: &Vec<f32>, at: Range<usize>, out: &mut Vec<f32>) {
+    fn read(&self, buf: &Vec<f32>, at: Range<usize>, out: &mut Vec<f32>) -> Result<(), EngineError> {
         out.extend_from_slice(&buf[at]);
+        Ok(())
     }
 
     fn gather(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Vec<f32> {

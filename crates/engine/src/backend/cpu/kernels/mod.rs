@@ -418,4 +418,4 @@ pub(crate) fn reduce16(l: &[f32; 16]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -2,15 +2,15 @@ use super::*;
 use dgr_gguf::GgmlType;
 use half::f16;
 
-pub(super) struct Rng(pub(super) u64);
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    pub(super) fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
-    pub(super) fn f32(&mut self) -> f32 {
+    pub(crate) fn f32(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
 }
@@ -29,7 +29,7 @@ fn scale_offsets(ty: GgmlType) -> &'static [usize] {
 
 /// A random row of `k` elements in `ty`'s layout, with sane scales (no NaN or infinity, some
 /// negative).
-pub(super) fn random_row(rng: &mut Rng, ty: GgmlType, k: usize) -> Vec<u8> {
+pub(crate) fn random_row(rng: &mut Rng, ty: GgmlType, k: usize) -> Vec<u8> {
     let h = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
     let mut row = Vec::new();
     match ty {
@@ -49,7 +49,7 @@ pub(super) fn random_row(rng: &mut Rng, ty: GgmlType, k: usize) -> Vec<u8> {
     row
 }
 
-pub(super) const TYPES: [GgmlType; 13] = [
+pub(crate) const TYPES: [GgmlType; 13] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,

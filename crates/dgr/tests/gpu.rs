@@ -1,0 +1,111 @@
+//! The GPU backend on the real models (on CI, Mesa's lavapipe, a software device): against the
+//! exact float64 computation on the shared references, SmolLM2-135M-Instruct Q4_1 (all six
+//! prompts) and gemma-3-270m Q4_K_M (its first three: its 262k-entry head is slow to score on a
+//! software device), teacher-forced, the mean |Δ logprob| of the scored tokens is at most 1e-3
+//! and below llama.cpp's own on the same steps, and each scored token is the reference's; a
+//! route of a CPU stage and a GPU stage generates the CPU route's tokens.
+#![cfg(feature = "real-model")]
+
+mod common;
+use common::*;
+use std::path::Path;
+
+fn check(name: &str, model: &Path, prompts: usize, exact_file: &str, llama_file: &str) {
+    if !have_gpu() {
+        return;
+    }
+    let (exact, llama) = (reference(exact_file), reference(llama_file));
+    let gpu = score_first(model, &exact, prompts, &["--device", "gpu"]);
+    let truth = &reference_steps(&exact)[..gpu.len()];
+    let llama_mean = mean_distance(&reference_steps(&llama)[..gpu.len()], truth);
+    for (i, (g, t)) in gpu.iter().zip(truth).enumerate() {
+        assert_eq!(g["token"], t["id"], "{name}: step {i} scores a different token");
+    }
+    let mean = mean_distance(&gpu, truth);
+    println!("{name} on the GPU: {} steps; mean |Δ logprob| vs float64 {mean:.7}, llama.cpp's {llama_mean:.4}", gpu.len());
+    assert!(mean <= 1e-3, "{name}: the GPU's mean |Δ logprob| {mean} > 1e-3");
+    assert!(mean < llama_mean, "{name}: the GPU's mean {mean} is not below llama.cpp's {llama_mean}");
+}
+
+#[test]
+fn the_gpu_stays_within_1e_3_of_the_exact_computation_on_smollm2() {
+    check("SmolLM2 Q4_1", &model(), 6, "smollm2-q4_1-exact.json", "smollm2-q4_1-llamacpp.json");
+}
+
+#[test]
+fn the_gpu_stays_within_1e_3_of_the_exact_computation_on_gemma3() {
+    check("gemma-3-270m Q4_K_M", &gemma3_model(), 3, "gemma3-270m-q4_k_m-exact.json", "gemma3-270m-q4_k_m-llamacpp.json");
+}
+
+/// `dgr generate` of 32 greedy tokens of `prompt` over `route`.
+fn generate(route: &str, prompt: &str) -> serde_json::Value {
+    // The run names the engine of the route's first stage, the CPU's exact one.
+    let engine = ["--device", "cpu", "--numerics", "exact"];
+    let args =
+        ["generate", "--format", "json", "--max-tokens", "32", "--ignore-eos", "--top-logprobs", "2", "--route", route, "--prompt", prompt];
+    let out = dgr().args(args).args(engine).arg("--model").arg(model()).output().unwrap();
+    assert!(
+        out.status.success(),
+        "generate over {route}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A route of a CPU stage (layers 0..15, exact numerics) and a GPU stage (15..30) generates the
+/// CPU route's greedy tokens wherever the CPU route's top two differ by at least 1e-2 (up to
+/// the first step where they differ, past which the two continue different texts), and its
+/// accuracy is printed and held to the GPU's bar.
+#[test]
+fn a_route_of_cpu_and_gpu_stages_generates_the_cpu_routes_tokens_where_the_margin_is_clear() {
+    if !have_gpu() {
+        return;
+    }
+    let exact = reference("smollm2-q4_1-exact.json");
+    let cpu_flags = ["--device", "cpu", "--numerics", "exact"];
+    let (front, cpu_back, gpu_back) =
+        (Workers::start(&[0, 15], &cpu_flags), Workers::start(&[15, 30], &cpu_flags), Workers::start(&[15, 30], &["--device", "gpu"]));
+    let (cpu_route, mixed_route) = (format!("{},{}", front.route(), cpu_back.route()), format!("{},{}", front.route(), gpu_back.route()));
+    // |Δ logprob| against the float64 computation while the mixed route follows the reference's
+    // tokens, and against the CPU route (exact numerics, ~1e-6 from float64) while it follows
+    // that route's.
+    let (mut to_exact, mut to_cpu) = (Vec::new(), Vec::new());
+    for c in exact["completions"].as_array().unwrap().iter().take(2) {
+        let prompt = c["prompt"].as_str().unwrap();
+        let (cpu, mixed) = (generate(&cpu_route, prompt), generate(&mixed_route, prompt));
+        assert_eq!(mixed["prompt_tokens"], c["prompt_tokens"], "the reference's prompt");
+        let (want, got) = (ids(&cpu["tokens"]), ids(&mixed["tokens"]));
+        assert_eq!(got.len(), 32);
+        let logprob = |v: &serde_json::Value, i: usize| v["logprobs"][i].as_f64().unwrap();
+        for i in 0..32 {
+            let top = &cpu["top_logprobs"][i];
+            let margin = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
+            if got[i] != want[i] {
+                assert!(
+                    margin < 1e-2,
+                    "{}: step {i}: the mixed route chose {} where the CPU route chose {} by a margin of {margin}",
+                    c["name"],
+                    got[i],
+                    want[i]
+                );
+                break;
+            }
+            to_cpu.push((logprob(&mixed, i) - logprob(&cpu, i)).abs());
+        }
+        for (i, step) in c["steps"].as_array().unwrap().iter().enumerate().take_while(|(i, s)| s["id"].as_u64() == Some(got[*i])) {
+            to_exact.push((logprob(&mixed, i) - step["logprob"].as_f64().unwrap()).abs());
+        }
+    }
+    let mean = |d: &[f64]| d.iter().sum::<f64>() / d.len().max(1) as f64;
+    println!(
+        "CPU 0..15 + GPU 15..30 route of SmolLM2: mean |Δ logprob| {:.7} vs float64 over the {} steps on the reference's tokens, {:.7} vs the CPU route over {} steps",
+        mean(&to_exact),
+        to_exact.len(),
+        mean(&to_cpu),
+        to_cpu.len()
+    );
+    assert!(to_cpu.len() >= 32, "the mixed route followed the CPU route for only {} steps", to_cpu.len());
+    assert!(!to_exact.is_empty() && mean(&to_exact) <= 1e-3, "the mixed route's mean |Δ logprob| from float64 {} > 1e-3", mean(&to_exact));
+    assert!(mean(&to_cpu) <= 1e-3, "the mixed route's mean |Δ logprob| from the CPU route {} > 1e-3", mean(&to_cpu));
+}

@@ -1,0 +1,152 @@
+//! A sequence's KV cache in device memory: per layer one buffer of keys and one of values, a
+//! row of `width` f32 per position, grown (copied on the device) as positions arrive. Every
+//! position is kept, also on sliding-window layers (the kernel attends only the window), so
+//! blocks can always be copied out and in.
+
+use super::device::Ctx;
+use crate::backend::{KvShape, KvStore};
+use crate::{EngineError, SeqState};
+use std::ops::Range;
+use std::sync::Arc;
+
+pub struct GpuKv {
+    ctx: Arc<Ctx>,
+    shape: KvShape,
+    /// Positions held.
+    len: usize,
+    /// Positions the buffers have room for.
+    room: usize,
+    /// Per layer of `shape.layers`: keys, values.
+    store: Vec<(wgpu::Buffer, wgpu::Buffer)>,
+}
+
+impl GpuKv {
+    pub(super) fn new(ctx: Arc<Ctx>, shape: KvShape) -> GpuKv {
+        GpuKv { ctx, shape, len: 0, room: 0, store: Vec::new() }
+    }
+
+    fn row_bytes(&self) -> u64 {
+        4 * self.shape.width as u64
+    }
+
+    pub(super) fn width(&self) -> usize {
+        self.shape.width
+    }
+
+    pub(super) fn layer(&self, li: usize) -> &(wgpu::Buffer, wgpu::Buffer) {
+        &self.store[li]
+    }
+
+    /// Makes room for `rows` more positions: at least double, never past the capacity.
+    pub(super) fn reserve(&mut self, rows: usize) {
+        let needed = self.len + rows;
+        if needed <= self.room {
+            return;
+        }
+        let room = needed.max(2 * self.room).max(16).min(self.shape.capacity.max(needed));
+        let bytes = room as u64 * self.row_bytes();
+        let held = self.len as u64 * self.row_bytes();
+        let grown: Vec<_> = (0..self.shape.layers.len()).map(|_| (self.ctx.buffer(bytes), self.ctx.buffer(bytes))).collect();
+        if held > 0 {
+            self.ctx.record(|enc| {
+                for ((k, v), (nk, nv)) in self.store.iter().zip(&grown) {
+                    enc.copy_buffer_to_buffer(k, 0, nk, 0, held);
+                    enc.copy_buffer_to_buffer(v, 0, nv, 0, held);
+                }
+            });
+        }
+        self.store = grown;
+        self.room = room;
+    }
+
+    /// Copies rows `rows` of `k` and `v` to layer `li` at the positions after those held.
+    pub(super) fn append(&mut self, li: usize, k: &wgpu::Buffer, v: &wgpu::Buffer, rows: Range<usize>) {
+        let rb = self.row_bytes();
+        let (from, to, n) = (rows.start as u64 * rb, self.len as u64 * rb, rows.len() as u64 * rb);
+        let (kc, vc) = &self.store[li];
+        self.ctx.record(|enc| {
+            enc.copy_buffer_to_buffer(k, from, kc, to, n);
+            enc.copy_buffer_to_buffer(v, from, vc, to, n);
+        });
+    }
+
+    pub(super) fn advance(&mut self, rows: usize) {
+        self.len += rows;
+    }
+}
+
+impl KvStore for GpuKv {
+    fn owner(&self) -> u64 {
+        self.shape.owner
+    }
+}
+
+impl SeqState for GpuKv {
+    fn positions(&self) -> usize {
+        self.len
+    }
+
+    fn capacity(&self) -> usize {
+        self.shape.capacity
+    }
+
+    fn layers(&self) -> Range<usize> {
+        self.shape.layers.clone()
+    }
+
+    fn bytes(&self) -> usize {
+        2 * self.store.len() * self.len * self.shape.width * 4
+    }
+
+    fn blockable(&self) -> bool {
+        true
+    }
+
+    /// Per layer, the keys then the values of the positions, as f32.
+    fn read_block(&self, at: usize, n: usize) -> Option<Vec<u8>> {
+        if at.checked_add(n)? > self.len {
+            return None;
+        }
+        let rb = self.row_bytes();
+        let mut out = Vec::with_capacity(2 * self.store.len() * n * rb as usize);
+        for (k, v) in &self.store {
+            out.extend(self.ctx.read(k, at as u64 * rb, n as u64 * rb).ok()?);
+            out.extend(self.ctx.read(v, at as u64 * rb, n as u64 * rb).ok()?);
+        }
+        Some(out)
+    }
+
+    fn write_block(&mut self, n: usize, block: &[u8]) -> Result<(), EngineError> {
+        let rb = self.row_bytes() as usize;
+        let want = 2 * self.shape.layers.len() * n * rb;
+        if block.len() != want {
+            return Err(EngineError::BadInput(format!("a KV block of {n} positions is {want} bytes here, not {}", block.len())));
+        }
+        if self.len + n > self.shape.capacity {
+            return Err(EngineError::ContextFull { needed: self.len + n, capacity: self.shape.capacity });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.reserve(n);
+        let staged = self.ctx.buffer_with(block);
+        let (to, size) = (self.len as u64 * rb as u64, (n * rb) as u64);
+        self.ctx.record(|enc| {
+            for (li, (k, v)) in self.store.iter().enumerate() {
+                let from = (2 * li) as u64 * size;
+                enc.copy_buffer_to_buffer(&staged, from, k, to, size);
+                enc.copy_buffer_to_buffer(&staged, from + size, v, to, size);
+            }
+        });
+        self.len += n;
+        Ok(())
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<(), EngineError> {
+        if len > self.len {
+            return Err(EngineError::BadInput(format!("cannot keep {len} of {} positions", self.len)));
+        }
+        self.len = len;
+        Ok(())
+    }
+}
