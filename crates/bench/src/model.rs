@@ -53,7 +53,7 @@ impl ModelArg {
 pub struct NumericsArg {
     /// Where the layers compute: auto (the first hardware GPU, else the CPU; a software Vulkan
     /// device such as lavapipe is never picked), cpu, or gpu / gpu:N (the Nth adapter; `dgr
-    /// inspect` lists them)
+    /// devices` lists them)
     #[arg(long, default_value = "auto")]
     pub device: Device,
     /// fast: 16-bit integer activations where the weights are integer codes (about 1/100 of
@@ -80,6 +80,30 @@ where
 }
 
 impl NumericsArg {
+    /// The adapters this process can compute on, as `dgr devices` prints them: a JSON array of
+    /// `{index, name, vendor, device, driver, software, engine}`.
+    pub fn devices_json() -> serde_json::Value {
+        let adapters = dgr_engine::adapters().into_iter().enumerate().map(|(i, a)| {
+            let engine = EngineId {
+                format: dgr_engine::Format::Gguf,
+                backend: dgr_engine::BackendKind::Gpu,
+                numerics: Numerics::Exact,
+                kv: KvDtype::F32,
+                adapter: Some(a.digest()),
+            };
+            serde_json::json!({
+                "index": i,
+                "name": a.name,
+                "vendor": a.vendor,
+                "device": a.device,
+                "driver": format!("{} {}", a.driver, a.driver_info),
+                "software": a.software,
+                "engine": engine.to_string(),
+            })
+        });
+        serde_json::Value::Array(adapters.collect())
+    }
+
     /// The flags of the engine `id` computes with (a GPU's by its adapter's place here).
     pub fn of(id: EngineId) -> NumericsArg {
         let device = match id.adapter {
@@ -89,9 +113,30 @@ impl NumericsArg {
         NumericsArg { device, numerics: Some(id.numerics), kv_dtype: id.kv }
     }
 
+    /// `--device`, with `auto` resolved: the adapters are listed by a child `dgr devices`, so
+    /// that a process that computes on the CPU never loads a GPU driver (Mesa's software one
+    /// alone is ~50 MB resident). Where the child cannot run, the CPU.
+    pub fn device(&self) -> Device {
+        static AUTO: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+        match self.device {
+            Device::Auto => *AUTO.get_or_init(|| {
+                let listed = std::env::current_exe().and_then(|exe| std::process::Command::new(exe).arg("devices").output());
+                let adapters: Vec<serde_json::Value> = match listed {
+                    Ok(out) if out.status.success() => serde_json::from_slice(&out.stdout).unwrap_or_default(),
+                    _ => Vec::new(),
+                };
+                match adapters.iter().position(|a| a["software"] == false) {
+                    Some(n) => Device::Gpu(n),
+                    None => Device::Cpu,
+                }
+            }),
+            d => d,
+        }
+    }
+
     /// The engine spec for `threads` threads on this device, in these numerics and KV dtype.
     pub fn spec(&self, threads: usize) -> EngineSpec {
-        EngineSpec { kv: self.kv_dtype, ..EngineSpec::threads(threads) }.on(self.device, self.numerics)
+        EngineSpec { kv: self.kv_dtype, ..EngineSpec::threads(threads) }.on(self.device(), self.numerics)
     }
 
     /// The numerics asked for, or the device's default.

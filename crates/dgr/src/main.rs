@@ -45,6 +45,9 @@ enum Command {
     Score(score::Args),
     /// Print a GGUF file's architecture, hyperparameters and tensors.
     Inspect(inspect::Args),
+    /// List the GPU adapters `--device gpu:N` counts, as JSON: index, name, ids, driver, whether
+    /// it is a software device (never picked by `--device auto`) and its engine id.
+    Devices,
     /// Cut the part of a model one stage needs (its layers' tensors, the whole model's metadata
     /// and identity) into a GGUF file a worker can serve from.
     Slice(slice::Args),
@@ -81,6 +84,7 @@ fn main() {
             | Command::Embed(_)
             | Command::Score(_)
             | Command::Inspect(_)
+            | Command::Devices
             | Command::Synth(_)
             | Command::Swarm(_)
             | Command::Usage(_)
@@ -94,6 +98,10 @@ fn main() {
         Command::Embed(a) => embed::run(a),
         Command::Worker(a) => worker::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Devices => {
+            println!("{}", dgr_bench::NumericsArg::devices_json());
+            Ok(())
+        }
         Command::Synth(a) => synth::run(a),
         Command::Slice(a) => slice::run(a),
         Command::Up(a) => up::run(a),

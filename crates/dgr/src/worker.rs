@@ -161,7 +161,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let mut cfg = WorkerConfig::new(model, layers);
     cfg.threads = a.threads.get();
-    cfg.device = a.numerics.device;
+    cfg.device = a.numerics.device();
     cfg.numerics = a.numerics.numerics();
     cfg.kv_dtype = a.numerics.kv_dtype;
     cfg.max_sessions = a.max_sessions.max(1);

@@ -109,3 +109,19 @@ fn a_route_of_cpu_and_gpu_stages_generates_the_cpu_routes_tokens_where_the_margi
     assert!(!to_exact.is_empty() && mean(&to_exact) <= 1e-3, "the mixed route's mean |Δ logprob| from float64 {} > 1e-3", mean(&to_exact));
     assert!(mean(&to_cpu) <= 1e-3, "the mixed route's mean |Δ logprob| from the CPU route {} > 1e-3", mean(&to_cpu));
 }
+
+/// A GPU that is not there, and numerics the GPU has no kernels for, are refused at start,
+/// naming what is there.
+#[test]
+fn an_adapter_that_is_not_there_is_refused_at_start() {
+    if !have_gpu() {
+        return;
+    }
+    let refused = |flags: &[&str], want: &str| {
+        let out = dgr().args(["generate", "-n", "1", "-p", "hi"]).args(flags).arg("--model").arg(model()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{flags:?}: {err}");
+    };
+    refused(&["--device", "gpu:99"], "no GPU adapter 99: this machine has");
+    refused(&["--device", "gpu", "--numerics", "fast"], "numerics fast is not available on this engine; available: exact");
+}

@@ -7,7 +7,7 @@ use crate::model::Model;
 use crate::{BackendKind, EngineError, Isa, KvDtype, Numerics, Stage};
 use dgr_gguf::Gguf;
 use std::ops::Range;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 /// Where a stage computes, as `--device` names it: `auto` (the first hardware GPU adapter, else
 /// the CPU; a software adapter such as lavapipe is never picked), `cpu`, or `gpu` / `gpu:N`
@@ -118,12 +118,6 @@ pub fn available_kv(backend: BackendKind) -> &'static [KvDtype] {
     }
 }
 
-/// Whether this machine has a GPU adapter (asked once).
-fn has_gpu() -> bool {
-    static FOUND: OnceLock<bool> = OnceLock::new();
-    *FOUND.get_or_init(|| !gpu::adapters().is_empty())
-}
-
 /// Every engine this build can open here (each backend with a device here, in each numerics it
 /// can run, with each KV dtype it can store; the GPU on its first adapter), with the default
 /// threads and instruction set: the list the test suites run one body over, so a new backend,
@@ -131,7 +125,7 @@ fn has_gpu() -> bool {
 pub fn registered_specs() -> Vec<EngineSpec> {
     BackendKind::ALL
         .iter()
-        .filter(|&&b| b == BackendKind::Cpu || has_gpu())
+        .filter(|&&b| b == BackendKind::Cpu || !gpu::adapters().is_empty())
         .flat_map(|&backend| available_numerics(backend).iter().map(move |&numerics| (backend, numerics)))
         .flat_map(|(backend, numerics)| {
             available_kv(backend).iter().map(move |&kv| EngineSpec { backend, numerics, kv, ..EngineSpec::default() })

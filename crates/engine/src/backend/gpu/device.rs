@@ -56,9 +56,11 @@ fn instance() -> wgpu::Instance {
     })
 }
 
-/// The compute adapters of this machine, in the order `gpu:N` counts them.
+/// The compute adapters of this machine, in the order `gpu:N` counts them (listed once per
+/// process).
 pub fn adapters() -> Vec<AdapterIdentity> {
-    compute_adapters(&instance()).iter().map(|a| AdapterIdentity::of(&a.get_info())).collect()
+    static LISTED: std::sync::OnceLock<Vec<AdapterIdentity>> = std::sync::OnceLock::new();
+    LISTED.get_or_init(|| compute_adapters(&instance()).iter().map(|a| AdapterIdentity::of(&a.get_info())).collect()).clone()
 }
 
 fn compute_adapters(inst: &wgpu::Instance) -> Vec<wgpu::Adapter> {

@@ -100,8 +100,12 @@ impl Backend for Gpu {
         Ok(Gpu { ctx: Ctx::open(spec.adapter)?, gguf: model.clone() })
     }
 
+    /// Uploads the matrix; a device that ran out of memory (or failed otherwise) refuses it
+    /// here, while the model opens.
     fn matrix(&self, name: &str, k: usize, rows: usize) -> Result<GpuMatrix, EngineError> {
-        GpuMatrix::upload(&self.ctx, &self.gguf, name, k, rows)
+        let m = GpuMatrix::upload(&self.ctx, &self.gguf, name, k, rows)?;
+        self.ctx.check()?;
+        Ok(m)
     }
 
     fn table(&self, name: &str, k: usize, rows: usize) -> Result<GpuMatrix, EngineError> {
