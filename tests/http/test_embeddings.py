@@ -1,7 +1,8 @@
 """/v1/embeddings through the official client against the session's `dgr up`: a string's vector
 equals `dgr embed`'s one-process vector (cosine within 1e-5), 32 inputs in one call come back in
-order and each equals its single-input vector, base64 decodes to the same floats, the usage is
-counted, and bad inputs get 400s without reaching a worker."""
+order and each equals its single-input vector, more inputs than the workers have sessions all
+come back, base64 decodes to the same floats, the usage is counted, and bad inputs get 400s
+without reaching a worker."""
 
 from __future__ import annotations
 
@@ -58,6 +59,15 @@ def test_a_batch_of_32_comes_back_in_order_each_as_it_is_alone(swarm, client):
     assert after[key] - before.get(key, 0) == 32 + 32, f"{key}: {before.get(key)} → {after[key]}"
     tokens = f'dgr_gateway_embedding_tokens_total{{model="{swarm.model}"}}'
     assert after[tokens] - before.get(tokens, 0) == 2 * r.usage.prompt_tokens
+
+
+def test_more_inputs_than_the_workers_have_sessions_all_come_back(swarm, client):
+    # 256 inputs against workers of 64 sessions each: the ones past the room wait for it (the
+    # tracker answers "full", the gateway asks again) rather than failing.
+    texts = [f"input {i} of a long batch" for i in range(256)]
+    r = client.embeddings.create(model=swarm.model, input=texts, encoding_format="float")
+    assert [d.index for d in r.data] == list(range(256))
+    assert len({tuple(d.embedding) for d in r.data}) == 256
 
 
 def test_base64_decodes_to_the_same_floats(swarm, client):

@@ -101,7 +101,8 @@ pub struct LimitArgs {
     /// Requests that may wait for a free slot (past it: 429)
     #[arg(long, default_value_t = 256)]
     pub queue: usize,
-    /// Seconds a request may wait in the queue (past it: 503)
+    /// Seconds a request may wait in the queue, and then for a worker with room when every one
+    /// serving its model is full (past it: 503)
     #[arg(long, default_value_t = 30.0)]
     pub queue_timeout: f64,
     /// Seconds to wait for any one step of a generation before failing it

@@ -463,6 +463,41 @@ async fn dropped_or_silent_workers_leave_routes_and_rejoins_are_listed_once() {
     drop(keep);
 }
 
+/// Live workers with no room left are refused as `Full` (the gateway waits for room), a model no
+/// live worker covers as `NoRoute` (it answers at once); room comes back with the heartbeat that
+/// counts the sessions ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_workers_and_uncovered_models_are_refused_apart() {
+    let _serial = serial().await;
+    let hb_ms = 200;
+    let tracker = TrackerProc::start(hb_ms);
+    let hb = Duration::from_millis(hb_ms);
+    let mut c = client(&tracker.addr).await;
+    let reg = Registration { max_sessions: 2, ..registration(30, 300.0) };
+    let w = FakeWorker::join(&tracker.addr, &new_key(), reg, hb).await;
+    let refused = |answer: Result<TrackerBody, TrackerCallError>| match answer {
+        Err(TrackerCallError::Refused(r)) => r.refusal_kind(),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let ask = |model: &str, id: &str| {
+        TrackerBody::RouteRequest(RouteRequest { model_id: model.into(), budget_tokens: 10, request_id: id.into(), ..Default::default() })
+    };
+    w.open.store(2, Relaxed);
+    tokio::time::sleep(2 * hb).await;
+    assert_eq!(refused(c.call(ask("m", "full-1")).await), RefusalKind::Full, "both sessions of its 2 are open");
+    assert_eq!(refused(c.call(ask("nobody-serves-this", "uncovered")).await), RefusalKind::NoRoute);
+    w.open.store(0, Relaxed);
+    tokio::time::sleep(2 * hb).await;
+    assert_eq!(route_one(&mut c, "room-again".into()).await, w.id);
+    // Two routes issued fill it until a heartbeat says otherwise.
+    route_one(&mut c, "second".into()).await;
+    assert_eq!(refused(c.call(ask("m", "full-2")).await), RefusalKind::Full);
+    // Dead, it is no longer full but gone.
+    w.beating.store(false, Relaxed);
+    tokio::time::sleep(4 * hb).await;
+    assert_eq!(refused(c.call(ask("m", "gone")).await), RefusalKind::NoRoute);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefix reports and probes
 

@@ -77,7 +77,7 @@ impl FailKind {
 
     /// No room anywhere (a worker's or the tracker's): the client may retry later.
     pub fn is_overloaded(self) -> bool {
-        matches!(self, FailKind::Worker(ErrorKind::Overloaded) | FailKind::Refused(RefusalKind::Overloaded))
+        matches!(self, FailKind::Worker(ErrorKind::Overloaded) | FailKind::Refused(RefusalKind::Overloaded | RefusalKind::Full))
     }
 }
 
@@ -114,6 +114,7 @@ mod tests {
         );
         assert_eq!(e.to_string(), "overloaded at stage Some(1) (Some(\"a:1\")): full");
         assert!(e.kind.is_overloaded() && FailKind::Refused(RefusalKind::Overloaded).is_overloaded());
+        assert!(FailKind::Refused(RefusalKind::Full).is_overloaded());
         assert!(!FailKind::Refused(RefusalKind::NoRoute).is_overloaded());
     }
 }

@@ -124,6 +124,7 @@ mod tests {
             RefusalKind::BadApiKey,
             RefusalKind::QuotaExceeded,
             RefusalKind::NotConnected,
+            RefusalKind::Full,
         ];
         for k in now {
             assert!(fails_over(&refused(k)), "{} must fail over", k.name());

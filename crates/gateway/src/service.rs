@@ -191,6 +191,23 @@ impl Gateway {
         self.trackers.call(body).await
     }
 
+    /// A route, asked for again while the tracker answers that every chain serving the model is
+    /// full, for up to `queue_timeout`: room frees as sessions end, and a burst of routes looks
+    /// like a full worker until its next heartbeat counts the sessions they opened.
+    async fn route_request(&self, ask: RouteRequest) -> Result<TrackerBody, TrackerCallError> {
+        let deadline = Instant::now() + self.cfg.queue_timeout;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            match self.tracker_call(TrackerBody::RouteRequest(ask.clone())).await {
+                Err(TrackerCallError::Refused(r)) if r.refusal_kind() == RefusalKind::Full && Instant::now() + pause < deadline => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                answer => return answer,
+            }
+        }
+    }
+
     /// The same message to every tracker of the swarm; Ok if any took it.
     pub async fn tracker_broadcast(&self, body: TrackerBody) -> Result<TrackerBody, TrackerCallError> {
         self.trackers.broadcast(body).await
@@ -249,7 +266,7 @@ impl Gateway {
             prefix: tracker::prompt_probes(&job.prompt),
             ..Default::default()
         };
-        let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(refusal)?;
+        let answer = self.route_request(ask).await.map_err(refusal)?;
         let key_name = match &answer {
             TrackerBody::RouteReply(r) => Some(r.key_name.clone()).filter(|k| !k.is_empty()),
             _ => None,
@@ -397,7 +414,7 @@ impl Gateway {
             prefix: tracker::prompt_probes(prompt),
             ..Default::default()
         };
-        let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(tracker::tracker_error)?;
+        let answer = self.route_request(ask).await.map_err(tracker::tracker_error)?;
         tracker::routed(answer).map(|(r, t)| (r, Some(t)))
     }
 
@@ -432,7 +449,7 @@ impl Gateway {
             request_id: request_id.clone(),
             ..Default::default()
         };
-        let answer = self.tracker_call(TrackerBody::RouteRequest(ask)).await.map_err(refusal)?;
+        let answer = self.route_request(ask).await.map_err(refusal)?;
         let key = match &answer {
             TrackerBody::RouteReply(r) if !r.key_name.is_empty() => r.key_name.clone(),
             _ => "anonymous".into(),
@@ -472,6 +489,9 @@ fn refusal(e: TrackerCallError) -> ApiError {
                 }
                 RefusalKind::NoRoute => {
                     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg).code("no_route").retry_after(1)
+                }
+                RefusalKind::Full => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg).code("workers_full").retry_after(1)
                 }
                 // The tracker's database is down: nothing was routed, and it resumes by itself.
                 RefusalKind::Unavailable => {

@@ -511,6 +511,9 @@ pub enum RefusalKind {
     /// The tracker's ledger (its database) cannot be reached: nothing is routed unbilled and
     /// no report is lost; ask again shortly.
     Unavailable = 9,
+    /// Live workers cover the model but none has room for another session now; room frees as
+    /// sessions end.
+    Full = 10,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -552,6 +555,7 @@ impl RefusalKind {
             RefusalKind::NotConnected => "not_connected",
             RefusalKind::Overloaded => "overloaded",
             RefusalKind::Unavailable => "unavailable",
+            RefusalKind::Full => "full",
         }
     }
 }

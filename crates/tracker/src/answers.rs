@@ -107,18 +107,26 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
         let mut reg = lock(&sh.registry);
         if r.fixed.is_empty() {
             reg.plan_route(&r.model_id, &r.engine, &r.exclude, &probes)
+                .ok_or_else(|| reg.covered_but_full(&r.model_id, &r.engine, &r.exclude))
         } else {
-            reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude)
+            reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude).ok_or(false)
         }
     };
     sh.metrics.planned(started.elapsed().as_micros() as u64);
-    let Some(p) = planned else {
-        if reserved {
-            let id = r.request_id.clone();
-            // If this fails the reservation expires by itself.
-            let _ = sh.store.call(move |s| s.release(&id)).await;
+    let p = match planned {
+        Ok(p) => p,
+        Err(full) => {
+            if reserved {
+                let id = r.request_id.clone();
+                // If this fails the reservation expires by itself.
+                let _ = sh.store.call(move |s| s.release(&id)).await;
+            }
+            return Err(if full {
+                Refused::new(RefusalKind::Full, format!("every chain of workers serving model {} is full", r.model_id))
+            } else {
+                Refused::new(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id))
+            });
         }
-        return Err(Refused::new(RefusalKind::NoRoute, format!("no chain of live workers covers model {}", r.model_id)));
     };
     let ticket = Ticket {
         session_id: random::<16>().to_vec(),

@@ -470,6 +470,28 @@ impl Registry {
         Some(Planned { stages, engine: key.engine.clone(), hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab, prefix_stages })
     }
 
+    /// Whether live workers of `model_id` (and `engine`, unless empty), not excluded, cover every
+    /// layer, with room or not: when `plan_route` found nothing, whether it was for want of room
+    /// (which frees as sessions end) rather than of workers.
+    pub fn covered_but_full(&self, model_id: &str, engine: &str, exclude: &[String]) -> bool {
+        let now = Instant::now();
+        let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
+        let live =
+            |r: &Rank| !excluded.contains(&r.slot) && self.slots[r.slot as usize].as_ref().is_some_and(|w| w.alive(self.heartbeat, now));
+        self.groups.iter().filter(|g| g.key.model_id == model_id && (engine.is_empty() || g.key.engine == engine)).any(|g| {
+            let mut cells: Vec<&Cell> = g.cells.iter().filter(|c| c.order.iter().any(live)).collect();
+            cells.sort_unstable_by_key(|c| c.start);
+            // Layer boundaries a chain of these cells reaches from 0, cells taken in start order.
+            let mut reached = HashSet::from([0]);
+            for c in cells {
+                if reached.contains(&c.start) {
+                    reached.insert(c.end);
+                }
+            }
+            reached.contains(&g.key.n_layers)
+        })
+    }
+
     /// The usable workers holding some of `prefix`, each with the most blocks it holds, by slot.
     /// Deepest probes first, and at most `MAX_HOLDER_READS` index entries read.
     fn holders_of(&self, prefix: &[Probe], excluded: &HashSet<u32>, now: Instant) -> Vec<(u32, u32)> {
