@@ -8,9 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Plain `cargo test` runs what needs no download; these features add the suites on the real
-# default model, workers that can be told to lie (for the spot-check test), and the ledger's
-# tests on PostgreSQL (against the server started below).
-features=dgr/real-model,dgr-gguf/real-model,dgr-tokenizer/real-model,dgr/fault-injection,dgr/postgres-tests
+# default model and the ledger's tests on PostgreSQL (against the server started below), which
+# change no code of the binary, and workers that can be told to lie (for the spot-check test).
+test_only=dgr/real-model,dgr-gguf/real-model,dgr-tokenizer/real-model,dgr/postgres-tests
+features=$test_only,dgr/fault-injection
 # Lints before any test, failing the run at once: formatting, then clippy with warnings as errors.
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --locked --features "$features" -- -D warnings
@@ -37,7 +38,9 @@ fi
 junits=(target/test-artifacts/http-junit.xml target/test-artifacts/soak-junit.xml target/test-artifacts/netns-junit.xml)
 rm -f "${junits[@]}"
 http_status=0
-{ cargo build --release --locked -p dgr && scripts/test-http.sh; } || http_status=$?
+# The binary they run has no fault injection; the features that only add tests change none of its
+# code, and with them most of the test build is reused.
+{ cargo build --release --locked -p dgr --features "$test_only" && scripts/test-http.sh; } || http_status=$?
 scripts/test-netns.sh || { netns_status=$?; [ "$http_status" -ne 0 ] || http_status=$netns_status; }
 read -r http_passed http_failed < <(python3 - "${junits[@]}" <<'PY'
 import sys, xml.etree.ElementTree as ET

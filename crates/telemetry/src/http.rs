@@ -14,9 +14,13 @@ const WAIT: Duration = Duration::from_secs(5);
 /// Reads the request head (`head` holds what was read of it already), answers with
 /// `answer(path)`'s status and body, and closes. A peer that sends no complete head within
 /// [`WAIT`] gets nothing; one past [`MAX_HEAD`] is answered on what arrived.
-pub async fn serve_get(mut stream: TcpStream, mut head: Vec<u8>, answer: impl FnOnce(&[u8]) -> (&'static str, String)) {
+pub async fn serve_get(stream: TcpStream, head: Vec<u8>, answer: impl FnOnce(&[u8]) -> (&'static str, String)) {
+    serve_within(stream, head, answer, WAIT).await
+}
+
+async fn serve_within(mut stream: TcpStream, mut head: Vec<u8>, answer: impl FnOnce(&[u8]) -> (&'static str, String), wait: Duration) {
     let mut buf = [0u8; 1024];
-    let read = tokio::time::timeout(WAIT, async {
+    let read = tokio::time::timeout(wait, async {
         while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
             match stream.read(&mut buf).await {
                 Ok(0) | Err(_) => return false,
@@ -35,7 +39,7 @@ pub async fn serve_get(mut stream: TcpStream, mut head: Vec<u8>, answer: impl Fn
         "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
-    let _ = tokio::time::timeout(WAIT, async {
+    let _ = tokio::time::timeout(wait, async {
         let _ = stream.write_all(resp.as_bytes()).await;
         let _ = stream.shutdown().await;
     })
@@ -89,19 +93,25 @@ mod tests {
         assert_eq!(cut, "");
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_silent_peer_is_dropped_at_the_deadline() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let _client = TcpStream::connect(addr).await.unwrap();
         let (s, _) = listener.accept().await.unwrap();
         let answered = std::sync::atomic::AtomicBool::new(false);
-        let serve = serve_get(s, Vec::new(), |_| {
-            answered.store(true, std::sync::atomic::Ordering::Relaxed);
-            ("200 OK", String::new())
-        });
-        // Paused time runs ahead to the deadline once everything waits; past it, the responder must have given up.
-        tokio::time::timeout(WAIT + Duration::from_secs(1), serve).await.expect("the responder gives up at its deadline");
+        // [`WAIT`] as a tenth of a second, so the test waits for it in real time.
+        let wait = Duration::from_millis(100);
+        let serve = serve_within(
+            s,
+            Vec::new(),
+            |_| {
+                answered.store(true, std::sync::atomic::Ordering::Relaxed);
+                ("200 OK", String::new())
+            },
+            wait,
+        );
+        tokio::time::timeout(wait + Duration::from_secs(2), serve).await.expect("the responder gives up at its deadline");
         assert!(!answered.load(std::sync::atomic::Ordering::Relaxed));
     }
 }
