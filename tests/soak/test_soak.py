@@ -8,8 +8,9 @@ What must hold:
   to its fault-free output (computed through the same swarm before any fault, and checked against
   one-process `dgr generate`), or cancelled with what it received a prefix of that output, or with
   a typed OpenAI error (status and error JSON). A request the gateway refused before routing it
-  (the tracker down or not yet rejoined: `tracker_unreachable`, `no_route`) is sent again after
-  its Retry-After, as a client should, and each refusal is reported;
+  (the tracker down or not yet rejoined: `tracker_unreachable`, `no_route`; every worker full past
+  the queue timeout: `workers_full`) is sent again after its Retry-After, as a client should, and
+  each refusal is reported;
 - every worker's open sessions and KV bytes return to zero within seconds of the last request;
 - the ledger (`dgr usage --by key`) holds one request per routed request and its prompt and
   completion totals per key equal the gateway's own per-request sums (its /metrics), which equal
@@ -198,7 +199,7 @@ class Soak:
                 break
             except openai.APIStatusError as e:
                 err = error_of(e)
-                if err["code"] in ("tracker_unreachable", "no_route") and len(o.refusals) < MAX_REFUSALS:
+                if err["code"] in ("tracker_unreachable", "no_route", "workers_full") and len(o.refusals) < MAX_REFUSALS:
                     o.refusals.append({"at": round(self.now(), 3), **err})
                     time.sleep(float(e.response.headers.get("retry-after", "0.5")))
                     continue
