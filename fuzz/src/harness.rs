@@ -751,7 +751,14 @@ fn tracker_seeds() -> Vec<(&'static str, TrackerFrame)> {
         ..Default::default()
     };
     let beat = Heartbeat {
-        load: Some(Load { sessions: 3, queue_depth: 1, kv_used_tokens: 900, recent_step_us: 812.5 }),
+        load: Some(Load {
+            sessions: 3,
+            queue_depth: 1,
+            kv_used_tokens: 900,
+            recent_step_us: 812.5,
+            device_memory_total: 1 << 33,
+            device_memory_free: 1 << 32,
+        }),
         prefix: Some(PrefixHeld { digests: (0..300).map(|i| 0x5851_f42d_4c95_7f2du64.wrapping_mul(i + 1)).collect() }),
     };
     vec![

@@ -72,13 +72,18 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
         let engine = m["workers"][0]["engine"].as_str().unwrap_or("");
         println!("model {} ({} layers, {engine}, {state})\n  replicas per layer: {map}", m["model_id"].as_str().unwrap_or(""), cover.len());
         println!(
-            "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>11} {:>7}",
-            "worker", "addr", "layers", "state", "sessions", "queue", "us/layer", "routes"
+            "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>15} {:>11} {:>7}",
+            "worker", "addr", "layers", "state", "sessions", "queue", "GPU MiB free", "us/layer", "routes"
         );
         for w in m["workers"].as_array().into_iter().flatten() {
             let id = w["worker_id"].as_str().unwrap_or("");
+            let mib = |k: &str| w[k].as_u64().unwrap_or(0) >> 20;
+            let gpu = match w["device_memory_total"].as_u64() {
+                Some(t) if t > 0 => format!("{} / {}", mib("device_memory_free"), mib("device_memory_total")),
+                _ => "-".into(),
+            };
             println!(
-                "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>11.1} {:>7}",
+                "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>15} {:>11.1} {:>7}",
                 &id[..id.len().min(16)],
                 w["addr"].as_str().unwrap_or(""),
                 format!("{}..{}", w["layers"][0], w["layers"][1]),
@@ -91,6 +96,7 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
                 },
                 w["sessions"],
                 w["queue_depth"],
+                gpu,
                 w["step_us_per_layer"].as_f64().unwrap_or(0.0),
                 w["routes_total"],
             );

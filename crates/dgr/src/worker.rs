@@ -166,6 +166,7 @@ pub fn run(a: Args) -> Result<()> {
     cfg.kv_dtype = a.numerics.kv_dtype;
     cfg.max_sessions = a.max_sessions.max(1);
     cfg.kv_budget_tokens = a.kv_tokens.unwrap_or_else(|| a.numerics.kv_dtype.positions_in(DEFAULT_KV_TOKENS, KvDtype::F32)).max(1);
+    cfg.kv_budget_default = a.kv_tokens.is_none();
     cfg.prefix_cache_bytes = a.prefix_cache_mb.map(|mb| mb << 20);
     cfg.idle_timeout = secs(a.idle_timeout, "idle-timeout")?;
     cfg.drain_timeout = secs(a.drain_timeout, "drain-timeout")?;

@@ -7,6 +7,7 @@
 #![cfg(feature = "real-model")]
 
 mod common;
+use common::swarm::{Tracker, Worker};
 use common::*;
 use std::path::Path;
 
@@ -124,4 +125,49 @@ fn an_adapter_that_is_not_there_is_refused_at_start() {
     };
     refused(&["--device", "gpu:99"], "no GPU adapter 99: this machine has");
     refused(&["--device", "gpu", "--numerics", "fast"], "numerics fast is not available on this engine; available: exact");
+}
+
+/// A GPU stage's KV budget fits in the device memory its weights leave, so no session meets an
+/// out-of-memory failure mid-way: a budget asked for that does not fit is refused at start,
+/// naming the bytes; the default shrinks to what fits. The GPU's memory is in the worker's
+/// /metrics, and in its heartbeats, so `dgr swarm` shows it.
+#[test]
+fn a_gpu_stages_kv_budget_fits_its_device_memory_and_the_swarm_sees_it() {
+    if !have_gpu() {
+        return;
+    }
+    let out = dgr()
+        .args(["worker", "--layers", "0..30", "--device", "gpu", "--kv-tokens", "100000000"])
+        .arg("--model")
+        .arg(model())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    // SmolLM2's 30 layers keep 2 × 192 f32 a position each: 46,080 bytes.
+    let want = "--kv-tokens 100000000 needs 4608000000000 bytes of GPU memory (46080 a position over the stage's layers)";
+    assert!(!out.status.success() && err.contains(want), "{err}");
+
+    let t = Tracker::start("gpu-memory", &[]);
+    let w = Worker::start(&t, (0, 30), "gpu", &["--device", "gpu"]);
+    let m = common::metrics(w.addr.as_deref().unwrap());
+    let kind = |k: &str| m.get(&format!("dgr_worker_device_memory_bytes{{kind=\"{k}\"}}"));
+    let (total, used, free) = (kind("total"), kind("used"), kind("free"));
+    let (weights, kv) = (m.get("dgr_worker_weight_bytes"), m.get("dgr_worker_kv_bytes_capacity"));
+    println!("GPU memory: {total} total, {used} used, {free} free; weights {weights}, KV budget {kv} bytes");
+    assert!(used >= weights && free > 0.0 && free + used <= total, "{total} total, {used} used, {free} free, {weights} of weights");
+    assert!(kv > 0.0 && kv <= 0.8 * (free + used - weights), "a KV budget of {kv} bytes does not fit");
+
+    let start = std::time::Instant::now();
+    loop {
+        let seen = t.workers().iter().find(|x| x["worker_id"] == w.id.as_str()).map(|x| x["device_memory_total"].as_f64());
+        if seen == Some(Some(total)) {
+            break;
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(15), "dgr swarm shows {seen:?} for the GPU's {total} bytes");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let table = dgr().args(["swarm", "--tracker", &t.addr]).output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    let shown = format!(" / {}", total as u64 >> 20);
+    assert!(table.contains("GPU MiB free") && table.contains(&shown), "{table}");
 }

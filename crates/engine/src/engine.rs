@@ -45,6 +45,10 @@ pub trait Engine: Send + 'static {
     fn weight_bytes(&self) -> usize;
     /// Bytes one position of a sequence over all of the stage's layers takes in its KV cache.
     fn kv_position_bytes(&self) -> usize;
+    /// The memory of the device the stage computes on, where it has one of its own that says.
+    fn device_memory(&self) -> Option<crate::DeviceMemory> {
+        None
+    }
     /// Fresh state for a sequence running layers `sub` (a part of `layers`), holding at most
     /// `capacity` positions.
     fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<Self::State, EngineError>;

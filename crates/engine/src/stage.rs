@@ -4,7 +4,7 @@
 
 use crate::backend::cpu::kv::KvCache as CpuKv;
 use crate::backend::cpu::Cpu;
-use crate::backend::gpu::{AdapterIdentity, Gpu, GpuKv};
+use crate::backend::gpu::{AdapterIdentity, DeviceMemory, Gpu, GpuKv};
 use crate::model::Model;
 use crate::{Engine, EngineError, EngineId, Isa, ModelConfig, SeqInput, SeqOutput, SeqState};
 use dgr_gguf::Gguf;
@@ -104,6 +104,14 @@ impl Stage {
         }
     }
 
+    /// The GPU's memory, on a GPU whose backend reports it.
+    pub fn device_memory(&self) -> Option<DeviceMemory> {
+        match self {
+            Stage::Cpu(_) => None,
+            Stage::Gpu(m) => m.backend().memory(),
+        }
+    }
+
     /// A fresh, empty KV cache over all of the stage's layers (see `Model::new_kv`).
     pub fn new_kv(&self, capacity: usize) -> KvCache {
         match self {
@@ -197,6 +205,9 @@ impl Engine for Stage {
     }
     fn kv_position_bytes(&self) -> usize {
         Stage::kv_position_bytes(self)
+    }
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        Stage::device_memory(self)
     }
     fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<KvCache, EngineError> {
         self.new_kv_for(capacity, sub)

@@ -31,6 +31,8 @@ pub fn swarm_json(r: &SwarmReply) -> Value {
             "queue_depth": load.queue_depth,
             "kv_used_tokens": load.kv_used_tokens,
             "kv_tokens": reg.kv_tokens,
+            "device_memory_total": load.device_memory_total,
+            "device_memory_free": load.device_memory_free,
             "step_us_per_layer": reg.step_us_per_layer,
             "recent_step_us": load.recent_step_us,
             "threads": reg.threads,

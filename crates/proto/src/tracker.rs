@@ -198,6 +198,13 @@ pub struct Load {
     /// Mean compute microseconds per step since the last heartbeat (0: no steps).
     #[prost(double, tag = "4")]
     pub recent_step_us: f64,
+    /// Its GPU's device-local memory in bytes (0: it computes on the CPU, or its GPU does not
+    /// say).
+    #[prost(uint64, tag = "5")]
+    pub device_memory_total: u64,
+    /// What of that memory is free to the worker, in bytes.
+    #[prost(uint64, tag = "6")]
+    pub device_memory_free: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

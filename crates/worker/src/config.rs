@@ -18,6 +18,9 @@ pub struct WorkerConfig {
     pub max_sessions: usize,
     /// KV positions held across all sessions; a session reserves its `max_positions` at open.
     pub kv_budget_tokens: usize,
+    /// `kv_budget_tokens` is the default, not asked for: on a GPU it shrinks to what fits in the
+    /// device's memory (a budget asked for that does not fit is refused at start).
+    pub kv_budget_default: bool,
     /// A session with no traffic for this long is freed.
     pub idle_timeout: Duration,
     /// After SIGTERM, how long open sessions may take to finish before they are cancelled.
@@ -77,6 +80,7 @@ impl WorkerConfig {
             kv_dtype: dgr_engine::KvDtype::F32,
             max_sessions: 64,
             kv_budget_tokens: 1 << 16,
+            kv_budget_default: true,
             idle_timeout: Duration::from_secs(120),
             drain_timeout: Duration::from_secs(10),
             max_connections: 1024,

@@ -314,11 +314,14 @@ impl Joiner {
         let (steps, micros) = (m.steps.load(Relaxed), m.step_micros.load(Relaxed));
         let recent = if steps > last.0 { (micros - last.1) as f64 / (steps - last.0) as f64 } else { 0.0 };
         *last = (steps, micros);
+        let memory = *m.device_memory.lock().unwrap_or_else(|p| p.into_inner());
         Load {
             sessions: m.sessions_open.load(Relaxed) as u32,
             queue_depth: m.queue_depth.load(Relaxed) as u32,
             kv_used_tokens: m.kv_tokens_used.load(Relaxed),
             recent_step_us: recent,
+            device_memory_total: memory.map_or(0, |m| m.total),
+            device_memory_free: memory.map_or(0, |m| m.free),
         }
     }
 }

@@ -54,6 +54,8 @@ pub struct Metrics {
     pub prefix_bytes_capacity: AtomicU64,
     /// 1 once the scheduler has begun a drain (SIGTERM): from then on it refuses new sessions.
     pub draining: AtomicU64,
+    /// The memory of the stage's GPU, last read (none on the CPU).
+    pub device_memory: Mutex<Option<dgr_engine::DeviceMemory>>,
     /// The engine id the stage computes with, set once it is open (the `dgr_worker_info` label).
     pub engine: OnceLock<String>,
     /// The route digests of the prefix blocks held, most recently used first, and a count that
@@ -113,6 +115,16 @@ impl Metrics {
         t.metric("dgr_worker_weight_bytes", "Bytes of the weights this stage reads.", Gauge, get(&self.weight_bytes));
         if let Some(engine) = self.engine.get() {
             t.family("dgr_worker_info", "What this worker computes with (always 1).", Gauge).sample(&[("engine", engine)], 1);
+        }
+        if let Some(m) = *self.device_memory.lock().unwrap_or_else(|p| p.into_inner()) {
+            let mut f = t.family(
+                "dgr_worker_device_memory_bytes",
+                "The GPU's device-local memory: total, used by this worker, and free to it.",
+                Gauge,
+            );
+            f.sample(&[("kind", "total")], m.total);
+            f.sample(&[("kind", "used")], m.used);
+            f.sample(&[("kind", "free")], m.free);
         }
         t.metric("dgr_worker_sessions_open", "Sessions holding state on this worker.", Gauge, get(&self.sessions_open));
         t.metric("dgr_worker_kv_bytes_used", "KV cache bytes held by open sessions.", Gauge, get(&self.kv_bytes_used));

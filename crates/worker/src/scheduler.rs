@@ -190,6 +190,8 @@ pub(crate) struct Scheduler<E: Engine> {
     pub schema: BoundarySchema,
     pub metrics: Arc<Metrics>,
     sessions: HashMap<SessionId, Session<E::State>>,
+    /// When the device's memory was last read for /metrics.
+    memory_read: Option<Instant>,
     /// KV reserved by the open sessions, in layer-positions.
     reserved: usize,
     drain: Option<Instant>,
@@ -229,6 +231,7 @@ impl<E: Engine> Scheduler<E> {
         let prefix_budget = cfg.prefix_cache_bytes.unwrap_or_else(|| cfg.prefix_cache_default(per_position));
         metrics.prefix_bytes_capacity.store(prefix_budget as u64, Relaxed);
         metrics.weight_bytes.store(stage.weight_bytes() as u64, Relaxed);
+        *metrics.device_memory.lock().unwrap_or_else(|p| p.into_inner()) = stage.device_memory();
         let policy = cfg.policy.clone();
         let model_id = schema.model_id.as_str().into();
         Scheduler {
@@ -246,6 +249,7 @@ impl<E: Engine> Scheduler<E> {
             ledger,
             prefix: PrefixCache::new(prefix_budget),
             held: (0, Instant::now()),
+            memory_read: Some(Instant::now()),
         }
     }
 
@@ -1011,6 +1015,19 @@ impl<E: Engine> Scheduler<E> {
         m.prefix_blocks.store(self.prefix.blocks() as u64, Relaxed);
         m.prefix_bytes.store(self.prefix.bytes() as u64, Relaxed);
         self.publish_held();
+        self.publish_device_memory();
+    }
+
+    /// The device's memory, for /metrics: read at most once a second (the allocator's report
+    /// lists every allocation).
+    fn publish_device_memory(&mut self) {
+        if self.memory_read.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        self.memory_read = Some(Instant::now());
+        if let Some(m) = self.stage.device_memory() {
+            *self.metrics.device_memory.lock().unwrap_or_else(|p| p.into_inner()) = Some(m);
+        }
     }
 
     /// Hands the heartbeats the route digests of the blocks held, when they changed and at most

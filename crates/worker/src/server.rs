@@ -50,6 +50,12 @@ pub enum WorkerError {
     SliceRange { holds: std::ops::Range<u32>, asked: std::ops::Range<usize> },
     #[error("joined none of the trackers at {trackers} within {} s (every attempt's reason is logged above)", .after.as_secs_f64())]
     JoinTimeout { trackers: String, after: Duration },
+    #[error(
+        "--kv-tokens {positions} needs {needed} bytes of GPU memory ({per_position} a position over the stage's layers), \
+         and {room} of the {free} bytes free on the GPU once the weights are there may hold KV ({total} in all, {used} \
+         held by this worker): ask for fewer positions, or give this stage fewer layers"
+    )]
+    DeviceMemory { positions: u64, per_position: u64, needed: u64, room: u64, free: u64, total: u64, used: u64 },
 }
 
 /// A worker ready to serve: its stage is open and its scheduler is waiting.
@@ -103,13 +109,49 @@ struct Opening {
     closed: bool,
 }
 
+/// The share of a GPU's memory free once the weights are there that the KV budget may take:
+/// the rest is for each step's activations, logits and read-backs.
+const KV_SHARE_OF_FREE: f64 = 0.8;
+
+/// On a GPU, the KV budget must fit in the device memory the weights left, so that no session
+/// meets an out-of-memory failure mid-way (a session that needs more than the budget is refused
+/// at open): a budget asked for (`--kv-tokens`) that does not fit is refused at start, naming
+/// the bytes; the default shrinks to what fits, and says so.
+fn fit_kv_budget(cfg: &mut WorkerConfig, stage: &dgr_engine::Stage) -> Result<(), WorkerError> {
+    let Some(mem) = stage.device_memory() else { return Ok(()) };
+    let per_position = (stage.kv_position_bytes() as u64).max(1);
+    let room = (mem.free as f64 * KV_SHARE_OF_FREE) as u64;
+    let (asked, fits) = (cfg.kv_budget_tokens as u64, room / per_position);
+    if asked <= fits {
+        return Ok(());
+    }
+    if !cfg.kv_budget_default || fits == 0 {
+        let needed = asked.saturating_mul(per_position);
+        return Err(WorkerError::DeviceMemory {
+            positions: asked,
+            per_position,
+            needed,
+            room,
+            free: mem.free,
+            total: mem.total,
+            used: mem.used,
+        });
+    }
+    eprintln!(
+        "dgr worker: the GPU has {} bytes free once the weights are there: the KV budget is {fits} positions, not the default {asked} ({per_position} bytes a position)",
+        mem.free
+    );
+    cfg.kv_budget_tokens = fits as usize;
+    Ok(())
+}
+
 fn encode(f: &Frame) -> Bytes {
     Bytes::from(f.encode_to_vec())
 }
 
 impl Worker {
     /// Opens the model's layers `cfg.layers` and starts the scheduler.
-    pub fn open(cfg: WorkerConfig) -> Result<Worker, WorkerError> {
+    pub fn open(mut cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         let (gguf, identity) = open_model(&cfg.model, &cfg.layers)?;
         let model_id = identity.id.clone();
         let gguf = Arc::new(gguf);
@@ -123,6 +165,7 @@ impl Worker {
         };
         let spec = EngineSpec { kv: cfg.kv_dtype, ..EngineSpec::threads(cfg.threads) }.on(cfg.device, Some(cfg.numerics));
         let stage = open_engine(gguf, cfg.layers.clone(), spec)?;
+        fit_kv_budget(&mut cfg, &stage)?;
         let device = match stage.adapter() {
             Some(a) => format!("gpu:{} ({a})", spec.adapter),
             None => format!("cpu ({} threads)", cfg.threads),

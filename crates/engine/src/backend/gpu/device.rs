@@ -49,6 +49,18 @@ impl std::fmt::Display for AdapterIdentity {
     }
 }
 
+/// Device-local memory, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// The adapter's device-local heaps.
+    pub total: u64,
+    /// What this process holds there (its allocator's blocks: weights, KV caches, scratch).
+    pub used: u64,
+    /// What this process may still take: the driver's budget less everything's usage where it
+    /// reports them (`VK_EXT_memory_budget`), else the heaps less what this process holds.
+    pub free: u64,
+}
+
 fn instance() -> wgpu::Instance {
     wgpu::Instance::new(wgpu::InstanceDescriptor {
         backends: wgpu::Backends::PRIMARY,
@@ -140,6 +152,39 @@ impl Ctx {
         });
         open.push((index, ctx.clone()));
         Ok(ctx)
+    }
+
+    /// The device's memory, where the backend says (Vulkan); None elsewhere.
+    pub fn memory(&self) -> Option<DeviceMemory> {
+        use ash::vk;
+        let used = self.device.generate_allocator_report().map_or(0, |r| r.total_reserved_bytes);
+        // SAFETY: the Vulkan device is only read from (its physical device's memory properties,
+        // through the instance it was made from); no handle is destroyed or kept past this call.
+        let hal = unsafe { self.device.as_hal::<wgpu::hal::api::Vulkan>() }?;
+        let instance = hal.shared_instance();
+        let physical = hal.raw_physical_device();
+        // The budget's structure may be chained only where its extension is on, and the call
+        // taking it is core from Vulkan 1.1.
+        let budgeted = instance.instance_api_version() >= vk::API_VERSION_1_1
+            && hal.enabled_device_extensions().contains(&ash::ext::memory_budget::NAME);
+        let mut budget = vk::PhysicalDeviceMemoryBudgetPropertiesEXT::default();
+        let props = if budgeted {
+            let mut props = vk::PhysicalDeviceMemoryProperties2::default().push_next(&mut budget);
+            // SAFETY: as above; `props` chains only the budget, whose extension is enabled.
+            unsafe { instance.raw_instance().get_physical_device_memory_properties2(physical, &mut props) };
+            props.memory_properties
+        } else {
+            // SAFETY: as above.
+            unsafe { instance.raw_instance().get_physical_device_memory_properties(physical) }
+        };
+        let heaps = props.memory_heap_count.min(vk::MAX_MEMORY_HEAPS as u32) as usize;
+        let local: Vec<usize> = (0..heaps).filter(|&i| props.memory_heaps[i].flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL)).collect();
+        let total = local.iter().map(|&i| props.memory_heaps[i].size).sum();
+        let free = match budgeted {
+            true => local.iter().map(|&i| budget.heap_budget[i].saturating_sub(budget.heap_usage[i])).sum(),
+            false => u64::saturating_sub(total, used),
+        };
+        Some(DeviceMemory { total, used, free })
     }
 
     /// The most bytes one binding may span.

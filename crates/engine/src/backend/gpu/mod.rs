@@ -9,7 +9,7 @@ pub(crate) mod device;
 mod kv;
 mod matrix;
 
-pub use device::{adapters, AdapterIdentity};
+pub use device::{adapters, AdapterIdentity, DeviceMemory};
 pub use kv::GpuKv;
 
 use crate::backend::cpu::ops;
@@ -61,6 +61,10 @@ pub struct Gpu {
 impl Gpu {
     pub(crate) fn identity(&self) -> &AdapterIdentity {
         &self.ctx.identity
+    }
+
+    pub(crate) fn memory(&self) -> Option<DeviceMemory> {
+        self.ctx.memory()
     }
 
     fn kernel(&self, name: &str, source: &str) -> Arc<wgpu::ComputePipeline> {
