@@ -139,6 +139,17 @@ impl NumericsArg {
         EngineSpec { kv: self.kv_dtype, ..EngineSpec::threads(threads) }.on(self.device(), self.numerics)
     }
 
+    /// The engine a run on this device, in these numerics and KV dtype, computes with (a GPU's
+    /// named by its adapter here): what a routed run asks its route for.
+    pub fn engine(&self, format: dgr_engine::Format) -> EngineId {
+        let spec = self.spec(1);
+        let adapter = match spec.backend {
+            dgr_engine::BackendKind::Cpu => None,
+            dgr_engine::BackendKind::Gpu => dgr_engine::adapters().get(spec.adapter).map(|a| a.digest()),
+        };
+        EngineId { format, backend: spec.backend, numerics: spec.numerics, kv: spec.kv, adapter }
+    }
+
     /// The numerics asked for, or the device's default.
     pub fn numerics(&self) -> Numerics {
         self.spec(1).numerics

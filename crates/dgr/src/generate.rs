@@ -2,7 +2,7 @@ use crate::model::{ModelArg, NumericsArg, ThreadsArg};
 use crate::routed;
 use anyhow::{bail, Result};
 use dgr_bench::local::{self, Request};
-use dgr_engine::{open_engine, BackendKind, EngineId, SamplingParams};
+use dgr_engine::{open_engine, SamplingParams};
 use dgr_tokenizer::ChatMessage;
 use std::io::Write;
 
@@ -86,13 +86,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let (out, extra) = if a.route.route.is_some() || a.route.split.is_some() || a.route.tracker.is_some() {
-        let engine = EngineId {
-            format: dgr_engine::Format::of(&g),
-            backend: BackendKind::Cpu,
-            numerics: a.numerics.numerics(),
-            kv: a.numerics.kv_dtype,
-            adapter: None,
-        };
+        let engine = a.numerics.engine(dgr_engine::Format::of(&g));
         match routed::generate(&a.route, &a.model.path()?, n_layers, (a.threads.get(), engine), &req, &tok.eog_ids(), &mut print)? {
             Ok(v) => v,
             Err(e) => {

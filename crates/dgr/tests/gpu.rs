@@ -171,3 +171,36 @@ fn a_gpu_stages_kv_budget_fits_its_device_memory_and_the_swarm_sees_it() {
     let shown = format!(" / {}", total as u64 >> 20);
     assert!(table.contains("GPU MiB free") && table.contains(&shown), "{table}");
 }
+
+/// A stage whose GPU is lost mid-session fails its sessions with a typed error (`device_lost`)
+/// and exits non-zero, naming why; the driver replays the session on another worker of the same
+/// engine, and the tokens are a fault-free run's.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_lost_gpu_fails_its_sessions_and_the_driver_replays_them_elsewhere() {
+    use std::time::Duration;
+    if !have_gpu() {
+        return;
+    }
+    // The routed run asks for the GPU's engine, as the one-process run computes with.
+    let args = ["--prompt", "The quick brown fox", "--max-tokens", "8", "--ignore-eos", "--device", "gpu"];
+    let want = dgr_json(&[&["generate", "--format", "json"][..], &args].concat());
+    let t = Tracker::start("gpu-lost", &[]);
+    // The planner takes the fast-looking worker first; its GPU goes just before its fourth step.
+    let fast = [("DGR_FAULT_STEP_US_PER_LAYER", "100"), ("DGR_FAULT_LOSE_DEVICE_AT_STEP", "3")];
+    let mut lost = Worker::start_with_env(&t, (0, 30), "lost", &["--device", "gpu"], &fast);
+    let spare = Worker::start_with_env(&t, (0, 30), "spare", &["--device", "gpu"], &[("DGR_FAULT_STEP_US_PER_LAYER", "100000")]);
+    t.wait_live(&[&lost.id, &spare.id], Duration::from_secs(20), "both GPU workers");
+
+    let got = t.generate(&args);
+    assert_eq!(got["tokens"], want["tokens"], "the replayed run's tokens: {got}");
+    let recoveries = got["recoveries"].as_array().unwrap_or_else(|| panic!("no recoveries: {got}"));
+    assert_eq!(recoveries.len(), 1, "{got}");
+    assert_eq!(recoveries[0]["kind"], "device_lost", "{got}");
+    assert_eq!(recoveries[0]["worker_id"], lost.id.as_str(), "{got}");
+
+    let status = lost.child.wait().unwrap();
+    assert!(!status.success(), "the worker whose GPU was lost exited {status}");
+    assert!(lost.log().contains("the GPU was lost mid-step"), "{}", lost.log());
+    println!("recovered from a lost GPU after {} tokens: {}", recoveries[0]["at_token"], got["text"]);
+}

@@ -42,8 +42,8 @@ pub struct Recovered {
     pub recoveries: Vec<Recovery>,
 }
 
-/// Failures a fresh route gets past: the stage is gone, silent, will not take the session, or
-/// is not the worker the route names.
+/// Failures a fresh route gets past: the stage is gone (its GPU lost, too), silent, will not take
+/// the session, or is not the worker the route names.
 fn recoverable(e: &DriveError) -> bool {
     e.kind.is_overloaded()
         || matches!(
@@ -53,7 +53,7 @@ fn recoverable(e: &DriveError) -> bool {
                 | FailKind::Silent
                 | FailKind::Timeout
                 | FailKind::WrongPeer
-                | FailKind::Worker(ErrorKind::NextStage | ErrorKind::ShuttingDown)
+                | FailKind::Worker(ErrorKind::NextStage | ErrorKind::ShuttingDown | ErrorKind::DeviceLost)
         )
 }
 

@@ -209,6 +209,12 @@ impl Engine for Stage {
     fn device_memory(&self) -> Option<DeviceMemory> {
         Stage::device_memory(self)
     }
+    #[cfg(feature = "fault-injection")]
+    fn lose_device(&self) {
+        if let Stage::Gpu(m) = self {
+            m.backend().lose_device();
+        }
+    }
     fn new_state(&self, capacity: usize, sub: Range<usize>) -> Result<KvCache, EngineError> {
         self.new_kv_for(capacity, sub)
     }

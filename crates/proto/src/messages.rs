@@ -467,6 +467,9 @@ pub enum ErrorKind {
     /// Well-formed, but asks for what this stage's model does not do (an embedding of a
     /// rank-pooled model).
     Unsupported = 11,
+    /// The stage's GPU was lost (or failed) mid-step: its sessions are failed, and the worker
+    /// leaves its trackers and exits; another worker may take the session over.
+    DeviceLost = 12,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -504,6 +507,7 @@ impl ErrorKind {
             ErrorKind::Ticket => "ticket",
             ErrorKind::Integrity => "integrity",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::DeviceLost => "device_lost",
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Test-only fault injection, compiled only with the `fault-injection` feature: a worker that
-//! lies, that stops halfway through fetching its slice, or that reports a given speed.
+//! lies, that stops halfway through fetching its slice, that reports a given speed, or whose GPU
+//! is lost.
 
 /// With `DGR_FAULT_CORRUPT_ROWS` set, every hidden row it sends on is negated, which changes
 /// what the model says, so spot checks have a liar to catch.
@@ -25,6 +26,12 @@ pub(crate) fn corrupt_chunk(bytes: &mut [u8]) {
 /// measured, so a test's replicas are equally fast to the planner whatever the machine's noise.
 pub(crate) fn step_us_per_layer() -> Option<f64> {
     std::env::var("DGR_FAULT_STEP_US_PER_LAYER").ok()?.parse().ok()
+}
+
+/// With `DGR_FAULT_LOSE_DEVICE_AT_STEP=N`, the stage's GPU is destroyed just before its step N
+/// (from 0), as a driver reset would lose it.
+pub(crate) fn lose_device_at() -> Option<u64> {
+    std::env::var("DGR_FAULT_LOSE_DEVICE_AT_STEP").ok()?.parse().ok()
 }
 
 /// With `DGR_FAULT_FETCH_STOP_AFTER=N`, a fetching worker stops (as if killed) after writing N

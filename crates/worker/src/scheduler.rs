@@ -192,6 +192,8 @@ pub(crate) struct Scheduler<E: Engine> {
     sessions: HashMap<SessionId, Session<E::State>>,
     /// When the device's memory was last read for /metrics.
     memory_read: Option<Instant>,
+    /// Why the stage's device was lost, once it was: `run` then ends.
+    lost: Option<String>,
     /// KV reserved by the open sessions, in layer-positions.
     reserved: usize,
     drain: Option<Instant>,
@@ -250,11 +252,13 @@ impl<E: Engine> Scheduler<E> {
             prefix: PrefixCache::new(prefix_budget),
             held: (0, Instant::now()),
             memory_read: Some(Instant::now()),
+            lost: None,
         }
     }
 
-    /// Runs until every command sender is gone or a drain completes.
-    pub fn run(mut self, rx: Receiver<Cmd>) {
+    /// Runs until every command sender is gone or a drain completes, or until the stage's device
+    /// is lost: then every session is failed, and why is returned.
+    pub fn run(mut self, rx: Receiver<Cmd>) -> Option<String> {
         let tick = Duration::from_millis(100);
         loop {
             let busy = self.sessions.values().any(|s| !s.pending.is_empty());
@@ -263,7 +267,7 @@ impl<E: Engine> Scheduler<E> {
                 match rx.recv_timeout(hold.unwrap_or(tick)) {
                     Ok(c) => self.handle(c),
                     Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => return,
+                    Err(RecvTimeoutError::Disconnected) => return None,
                 }
             }
             while let Ok(c) = rx.try_recv() {
@@ -272,6 +276,13 @@ impl<E: Engine> Scheduler<E> {
             if self.hold().is_none() {
                 self.step();
             }
+            if let Some(why) = self.lost.take() {
+                let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+                for id in ids {
+                    self.fail(&id, ErrorKind::DeviceLost, &why);
+                }
+                return Some(why);
+            }
             self.sweep();
             if let Some(deadline) = self.drain {
                 if self.sessions.is_empty() || Instant::now() >= deadline {
@@ -279,7 +290,7 @@ impl<E: Engine> Scheduler<E> {
                     for id in ids {
                         self.fail(&id, ErrorKind::ShuttingDown, "the worker is shutting down");
                     }
-                    return;
+                    return None;
                 }
             }
             self.publish();
@@ -783,6 +794,10 @@ impl<E: Engine> Scheduler<E> {
                 Err(e) => bad.push((i, e.to_string())),
             }
         }
+        #[cfg(feature = "fault-injection")]
+        if crate::fault::lose_device_at() == Some(self.metrics.steps.load(Relaxed)) {
+            self.stage.lose_device();
+        }
         let result = self.stage.forward(&mut seqs);
         drop(seqs);
         let compute_us = started.elapsed().as_micros() as u64;
@@ -796,6 +811,15 @@ impl<E: Engine> Scheduler<E> {
         m.batch(batch.key.phase, batch.key.seam_dtype, chosen.len() - bad.len());
         let mut outputs = match result {
             Ok(o) => o.into_iter(),
+            Err(EngineError::Device(why)) => {
+                // The GPU is gone (or failed): this stage computes nothing more. Every session
+                // ends (`run` ends them all), so their drivers replay them elsewhere.
+                for (s, _) in chosen {
+                    self.end(s, Some((ErrorKind::DeviceLost, why.clone())));
+                }
+                self.lost = Some(why);
+                return;
+            }
             Err(e) => {
                 // Checked per sequence above, so this is a bug; fail the batch rather than guess.
                 for (s, _) in chosen {

@@ -56,6 +56,8 @@ pub enum WorkerError {
          held by this worker): ask for fewer positions, or give this stage fewer layers"
     )]
     DeviceMemory { positions: u64, per_position: u64, needed: u64, room: u64, free: u64, total: u64, used: u64 },
+    #[error("the GPU was lost mid-step ({0}): this worker's sessions were failed, for their drivers to replay elsewhere")]
+    DeviceLost(String),
 }
 
 /// A worker ready to serve: its stage is open and its scheduler is waiting.
@@ -66,7 +68,8 @@ pub struct Worker {
     device: String,
     metrics: Arc<Metrics>,
     cmds: SyncSender<Cmd>,
-    scheduler: std::thread::JoinHandle<()>,
+    /// Ends with why the stage's device was lost, if it was.
+    scheduler: std::thread::JoinHandle<Option<String>>,
     step_us_per_layer: f64,
     gate: Option<Arc<TicketGate>>,
     usage: Option<tokio::sync::mpsc::Receiver<WorkerUsage>>,
@@ -284,7 +287,13 @@ impl Worker {
                     draining = true;
                     let _ = self.cmds.send(Cmd::Drain { deadline: Instant::now() + self.cfg.drain_timeout });
                 }
-                _ = &mut stopped => break,
+                ended = &mut stopped => {
+                    if let Ok(Ok(Some(why))) = ended {
+                        let _ = leave.send(true);
+                        return Err(WorkerError::DeviceLost(why));
+                    }
+                    break;
+                }
                 err = &mut join_deadline, if !draining => {
                     let _ = leave.send(true);
                     return Err(err);

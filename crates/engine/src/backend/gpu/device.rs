@@ -6,7 +6,6 @@
 use crate::EngineError;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use wgpu::util::DeviceExt;
 
 /// What names an adapter: a forward's bits are the same on the same adapter and driver only.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -225,13 +224,24 @@ impl Ctx {
 
     /// A storage buffer holding `bytes` (padded with zeros to a whole word).
     pub fn buffer_with(&self, bytes: &[u8]) -> wgpu::Buffer {
-        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
-        if bytes.len().is_multiple_of(4) && !bytes.is_empty() {
-            return self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: None, contents: bytes, usage });
+        self.buffer_init(bytes, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST)
+    }
+
+    /// A buffer of `usage` holding `bytes`, padded with zeros to a whole word (at least one).
+    /// Not wgpu's `create_buffer_init`, which panics where the device is lost: here the copy
+    /// is skipped, and the loss is the error the next read returns (`check`).
+    fn buffer_init(&self, bytes: &[u8], usage: wgpu::BufferUsages) -> wgpu::Buffer {
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: (bytes.len() as u64).max(4).next_multiple_of(4),
+            usage,
+            mapped_at_creation: true,
+        });
+        if let Ok(mut view) = buffer.get_mapped_range_mut(..) {
+            view.slice(..bytes.len()).copy_from_slice(bytes);
         }
-        let mut padded = bytes.to_vec();
-        padded.resize(bytes.len().max(4).next_multiple_of(4), 0);
-        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: None, contents: &padded, usage })
+        buffer.unmap();
+        buffer
     }
 
     /// Runs `f` on the encoder of the commands recorded since the last submission.
@@ -250,11 +260,7 @@ impl Ctx {
         }
         let mut words: Vec<u8> = params.iter().flat_map(|w| w.to_le_bytes()).collect();
         words.resize(4 * PARAMS, 0);
-        let uniform = self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: None,
-            contents: &words,
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
+        let uniform = self.buffer_init(&words, wgpu::BufferUsages::UNIFORM);
         let mut entries = vec![wgpu::BindGroupEntry { binding: 0, resource: uniform.as_entire_binding() }];
         for (i, &(buf, offset, size)) in bindings.iter().enumerate() {
             let size = std::num::NonZeroU64::new(size.max(4));

@@ -67,6 +67,11 @@ impl Gpu {
         self.ctx.memory()
     }
 
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn lose_device(&self) {
+        self.ctx.device.destroy();
+    }
+
     fn kernel(&self, name: &str, source: &str) -> Arc<wgpu::ComputePipeline> {
         self.ctx.kernel(name, || format!("{}\n{source}", include_str!("shaders/common.wgsl")))
     }
