@@ -125,10 +125,8 @@ impl NumericsArg {
                     Ok(out) if out.status.success() => serde_json::from_slice(&out.stdout).unwrap_or_default(),
                     _ => Vec::new(),
                 };
-                match adapters.iter().position(|a| a["software"] == false) {
-                    Some(n) => Device::Gpu(n),
-                    None => Device::Cpu,
-                }
+                // An adapter not said to be hardware counts as software: never picked.
+                Device::auto_among(adapters.iter().map(|a| a["software"] != false))
             }),
             d => d,
         }

@@ -26,10 +26,16 @@ impl Device {
         match self {
             Device::Cpu => (BackendKind::Cpu, 0),
             Device::Gpu(n) => (BackendKind::Gpu, n),
-            Device::Auto => match gpu::adapters().iter().position(|a| !a.software) {
-                Some(n) => (BackendKind::Gpu, n),
-                None => (BackendKind::Cpu, 0),
-            },
+            Device::Auto => Device::auto_among(gpu::adapters().iter().map(|a| a.software)).resolve(),
+        }
+    }
+
+    /// What `auto` picks among adapters listed in `adapters()` order, each said to be a software
+    /// one or not: the first hardware adapter, else the CPU.
+    pub fn auto_among(software: impl IntoIterator<Item = bool>) -> Device {
+        match software.into_iter().position(|s| !s) {
+            Some(n) => Device::Gpu(n),
+            None => Device::Cpu,
         }
     }
 }
@@ -156,6 +162,13 @@ pub fn open_engine(model: Arc<Gguf>, layers: Range<usize>, spec: EngineSpec) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_the_first_hardware_adapter_and_never_a_software_one() {
+        assert_eq!(Device::auto_among([true, false, false]), Device::Gpu(1));
+        assert_eq!(Device::auto_among([true]), Device::Cpu);
+        assert_eq!(Device::auto_among([]), Device::Cpu);
+    }
 
     #[test]
     fn every_numerics_opens_and_a_refusal_names_the_available_ones() {
