@@ -49,9 +49,8 @@ pub trait Engine: Send + 'static {
     fn device_memory(&self) -> Option<crate::DeviceMemory> {
         None
     }
-    /// Destroys the stage's GPU device, as a driver reset or a card gone would lose it (tests
-    /// of recovery only; nothing on the CPU).
-    #[cfg(feature = "fault-injection")]
+    /// Destroys the stage's GPU device, as a driver reset or a card gone would lose it: for
+    /// tests of recovery (a worker built with its `fault-injection` feature). Nothing on the CPU.
     fn lose_device(&self) {}
     /// Fresh state for a sequence running layers `sub` (a part of `layers`), holding at most
     /// `capacity` positions.

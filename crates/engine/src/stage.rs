@@ -209,7 +209,6 @@ impl Engine for Stage {
     fn device_memory(&self) -> Option<DeviceMemory> {
         Stage::device_memory(self)
     }
-    #[cfg(feature = "fault-injection")]
     fn lose_device(&self) {
         if let Stage::Gpu(m) = self {
             m.backend().lose_device();

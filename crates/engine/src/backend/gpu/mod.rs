@@ -67,7 +67,6 @@ impl Gpu {
         self.ctx.memory()
     }
 
-    #[cfg(feature = "fault-injection")]
     pub(crate) fn lose_device(&self) {
         self.ctx.device.destroy();
     }
