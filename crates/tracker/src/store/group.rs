@@ -257,8 +257,10 @@ struct KeyRow {
 /// `one_trip::RECORD` over many requests, their keys found by hash (`Store::key_name`'s rule:
 /// "anonymous" while no key exists): stores the requests and their stages once, deletes their
 /// reservations and settles the totals, one upsert per key. Returns for each report 0 if its
-/// key is unknown, 2 if it was stored, 1 if it was stored before.
-const RECORD: &str = "WITH input AS (
+/// key is unknown, 2 if it was stored, 1 if it was stored before. The reservations go by
+/// `= ANY (ARRAY(…))`, an index condition: written `IN (SELECT …)`, a new database's generic plan
+/// was a hashed scan of the whole table, dead rows included.
+pub(super) const RECORD: &str = "WITH input AS (
         SELECT i.*, CASE WHEN NOT EXISTS (SELECT 1 FROM api_keys) THEN 'anonymous' ELSE k.name END AS key_name
         FROM unnest(CAST(?1 AS TEXT[]), CAST(?2 AS TEXT[]), CAST(?3 AS TEXT[]), CAST(?4 AS TEXT[]),
             CAST(?5 AS INTEGER[]), CAST(?6 AS INTEGER[]), CAST(?7 AS TEXT[]), CAST(?8 AS INTEGER[]))
@@ -276,7 +278,7 @@ const RECORD: &str = "WITH input AS (
             CAST(?14 AS INTEGER[])) AS s (request_id, session_id, worker_id, p, d, l)
         WHERE s.request_id IN (SELECT request_id FROM stored)
         ON CONFLICT (request_id, session_id, worker_id) DO NOTHING),
-    held AS (DELETE FROM reservations WHERE request_id IN (SELECT request_id FROM stored) RETURNING key_name, tokens),
+    held AS (DELETE FROM reservations WHERE request_id = ANY (ARRAY(SELECT request_id FROM stored)) RETURNING key_name, tokens),
     deltas AS (SELECT key_name, used, CAST(0 AS INTEGER) AS reserved FROM stored UNION ALL SELECT key_name, 0, tokens FROM held),
     totals AS (
         SELECT key_name, CAST(SUM(used) AS INTEGER) AS used, CAST(SUM(reserved) AS INTEGER) AS reserved FROM deltas GROUP BY key_name),
