@@ -71,35 +71,9 @@ pub fn swarm(a: SwarmArgs) -> Result<()> {
         let state = if m["covered"].as_bool() == Some(true) { "covered" } else { "NOT covered" };
         let engine = m["workers"][0]["engine"].as_str().unwrap_or("");
         println!("model {} ({} layers, {engine}, {state})\n  replicas per layer: {map}", m["model_id"].as_str().unwrap_or(""), cover.len());
-        println!(
-            "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>15} {:>11} {:>7}",
-            "worker", "addr", "layers", "state", "sessions", "queue", "GPU MiB free", "us/layer", "routes"
-        );
+        println!("{}", table_row(HEADER));
         for w in m["workers"].as_array().into_iter().flatten() {
-            let id = w["worker_id"].as_str().unwrap_or("");
-            let mib = |k: &str| w[k].as_u64().unwrap_or(0) >> 20;
-            let gpu = match w["device_memory_total"].as_u64() {
-                Some(t) if t > 0 => format!("{} / {}", mib("device_memory_free"), mib("device_memory_total")),
-                _ => "-".into(),
-            };
-            println!(
-                "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>15} {:>11.1} {:>7}",
-                &id[..id.len().min(16)],
-                w["addr"].as_str().unwrap_or(""),
-                format!("{}..{}", w["layers"][0], w["layers"][1]),
-                if w["quarantined"] == true {
-                    "QUAR."
-                } else if w["live"] == true {
-                    "live"
-                } else {
-                    "silent"
-                },
-                w["sessions"],
-                w["queue_depth"],
-                gpu,
-                w["step_us_per_layer"].as_f64().unwrap_or(0.0),
-                w["routes_total"],
-            );
+            println!("{}", worker_row(w));
         }
     }
     Ok(())
@@ -164,4 +138,67 @@ pub fn usage(a: UsageArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+const HEADER: [&str; 9] = ["worker", "addr", "layers", "state", "sessions", "queue", "GPU MiB free", "us/layer", "routes"];
+
+/// One line of `dgr swarm`'s table: the header's or a worker's cells, each in its column.
+fn table_row(cells: [&str; 9]) -> String {
+    let [id, addr, layers, state, sessions, queue, gpu, step, routes] = cells;
+    format!("  {id:<16} {addr:<28} {layers:>9} {state:<6} {sessions:>8} {queue:>6} {gpu:>15} {step:>11} {routes:>7}")
+}
+
+/// A worker of `dgr_gateway::swarm_json` as a row of the table.
+fn worker_row(w: &serde_json::Value) -> String {
+    let id = w["worker_id"].as_str().unwrap_or("");
+    let count = |k: &str| w[k].as_u64().unwrap_or(0).to_string();
+    let mib = |k: &str| w[k].as_u64().unwrap_or(0) >> 20;
+    let gpu = match w["device_memory_total"].as_u64() {
+        Some(t) if t > 0 => format!("{} / {}", mib("device_memory_free"), mib("device_memory_total")),
+        _ => "-".into(),
+    };
+    let state = if w["quarantined"] == true {
+        "QUAR."
+    } else if w["live"] == true {
+        "live"
+    } else {
+        "silent"
+    };
+    table_row([
+        &id[..id.len().min(16)],
+        w["addr"].as_str().unwrap_or(""),
+        &format!("{}..{}", w["layers"][0], w["layers"][1]),
+        state,
+        &count("sessions"),
+        &count("queue_depth"),
+        &gpu,
+        &format!("{:.1}", w["step_us_per_layer"].as_f64().unwrap_or(0.0)),
+        &count("routes_total"),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every cell of a worker's row ends where its header's does (numbers were once printed as
+    /// JSON values, which ignore the width).
+    #[test]
+    fn a_workers_row_lines_up_with_the_header() {
+        let w = serde_json::json!({
+            "worker_id": "w-1", "addr": "127.0.0.1:9", "layers": [0, 15], "live": true, "sessions": 3,
+            "queue_depth": 1, "device_memory_total": 2u64 << 30, "device_memory_free": 1u64 << 30,
+            "step_us_per_layer": 12.5, "routes_total": 40,
+        });
+        let header = table_row(HEADER);
+        let row = worker_row(&w);
+        assert_eq!(
+            row,
+            format!(
+                "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>15} {:>11} {:>7}",
+                "w-1", "127.0.0.1:9", "0..15", "live", 3, 1, "1024 / 2048", "12.5", 40
+            )
+        );
+        assert_eq!(row.len(), header.len(), "{header}\n{row}");
+    }
 }
