@@ -4,7 +4,7 @@
 //! backend × numerics × KV dtype), each against its own solo run.
 
 use dgr_engine::synth::SynthSpec;
-use dgr_engine::{open_engine, BackendKind, EngineError, EngineSpec, Input, Isa, KvCache, LogitRows, SeqInput, SeqState, Stage};
+use dgr_engine::{open_engine, BackendKind, EngineError, EngineSpec, Input, Isa, KvCache, KvDtype, LogitRows, SeqInput, SeqState, Stage};
 use dgr_gguf::{GgmlType, Gguf};
 use std::ops::Range;
 use std::sync::Arc;
@@ -125,14 +125,10 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
         (GgmlType::Q5_K, "qwen2"),
         (GgmlType::Q6_K, "qwen2"),
     ];
-    // The GPU's product kernel runs one loop for every type (each type's block decoding is
-    // checked against the CPU's in the backend's own tests), so its splits and batches are
-    // checked on a type of each block size and layout; a software adapter is slow.
-    let on_gpu = [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_K, GgmlType::Q6_K];
     for (ty, arch) in shapes {
         let g = model(ty, arch);
         let ps = prompts(300);
-        for spec in dgr_engine::registered_specs().into_iter().filter(|s| s.backend == BackendKind::Cpu || on_gpu.contains(&ty)) {
+        for spec in dgr_engine::registered_specs().into_iter().filter(|s| s.backend == BackendKind::Cpu || on_gpu(s, ty)) {
             let solo = solo(&g, spec, &ps);
             assert!(solo.iter().all(|s| s.iter().all(|l| l.iter().all(|x| x.is_finite()))));
             for cuts in [&[][..], &[3][..], &[2, 4][..]] {
@@ -149,6 +145,17 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
                 }
             }
         }
+    }
+}
+
+/// Whether a GPU engine's splits and batches are checked on weights of `ty`: a software adapter
+/// is slow. Its product kernel runs one loop for every type (each type's block decoding is
+/// checked against the CPU's in the backend's own tests), so the f32 cache runs a type of each
+/// block size and layout; another cache changes only how keys and values are kept, so it runs one.
+fn on_gpu(spec: &EngineSpec, ty: GgmlType) -> bool {
+    match spec.kv {
+        KvDtype::F32 => [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_K, GgmlType::Q6_K].contains(&ty),
+        _ => [GgmlType::Q4_1, GgmlType::Q8_0].contains(&ty),
     }
 }
 
@@ -203,7 +210,7 @@ fn overlapping_stages_compose_through_sub_ranges() {
     for (ty, arch) in [(GgmlType::Q8_0, "qwen2"), (GgmlType::Q4_K, "llama"), (GgmlType::F16, "llama")] {
         let g = model(ty, arch);
         let ps = prompts(300);
-        for spec in dgr_engine::registered_specs() {
+        for spec in dgr_engine::registered_specs().into_iter().filter(|s| s.backend == BackendKind::Cpu || on_gpu(s, ty)) {
             let solo = solo(&g, spec, &ps[..4]);
             for shape in &shapes {
                 // Batch 1 along each route alone, then batch 4 with the routes mixed.

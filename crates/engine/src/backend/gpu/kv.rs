@@ -1,11 +1,12 @@
 //! A sequence's KV cache in device memory: per layer one buffer of keys and one of values, a
-//! row of `width` f32 per position, grown (copied on the device) as positions arrive. Every
+//! row of `width` f32 (or f16, two a word, padded to whole words) per position, grown (copied on the device) as
+//! positions arrive. Every
 //! position is kept, also on sliding-window layers (the kernel attends only the window), so
 //! blocks can always be copied out and in.
 
 use super::device::Ctx;
 use crate::backend::{KvShape, KvStore};
-use crate::{EngineError, SeqState};
+use crate::{EngineError, KvDtype, SeqState};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -26,11 +27,32 @@ impl GpuKv {
     }
 
     fn row_bytes(&self) -> u64 {
-        4 * self.shape.width as u64
+        match self.shape.dtype {
+            KvDtype::F16 => 2 * self.stride() as u64,
+            _ => 4 * self.shape.width as u64,
+        }
     }
 
     pub(super) fn width(&self) -> usize {
         self.shape.width
+    }
+
+    /// Values from one position's row to the next: an f16 row of an odd width ends with a half
+    /// of padding, so every row starts a word.
+    pub(super) fn stride(&self) -> usize {
+        match self.shape.dtype {
+            KvDtype::F16 => self.shape.width.next_multiple_of(2),
+            _ => self.shape.width,
+        }
+    }
+
+    pub(super) fn dtype(&self) -> KvDtype {
+        self.shape.dtype
+    }
+
+    /// Positions held: where the next rows go.
+    pub(super) fn held(&self) -> usize {
+        self.len
     }
 
     pub(super) fn layer(&self, li: usize) -> &(wgpu::Buffer, wgpu::Buffer) {
@@ -59,7 +81,8 @@ impl GpuKv {
         self.room = room;
     }
 
-    /// Copies rows `rows` of `k` and `v` to layer `li` at the positions after those held.
+    /// Copies rows `rows` of `k` and `v` to layer `li` at the positions after those held (an f32
+    /// cache; an f16 one is written by a kernel, `Gpu::kv_append`).
     pub(super) fn append(&mut self, li: usize, k: &wgpu::Buffer, v: &wgpu::Buffer, rows: Range<usize>) {
         let rb = self.row_bytes();
         let (from, to, n) = (rows.start as u64 * rb, self.len as u64 * rb, rows.len() as u64 * rb);
@@ -95,14 +118,14 @@ impl SeqState for GpuKv {
     }
 
     fn bytes(&self) -> usize {
-        2 * self.store.len() * self.len * self.shape.width * 4
+        2 * self.store.len() * self.len * self.row_bytes() as usize
     }
 
     fn blockable(&self) -> bool {
         true
     }
 
-    /// Per layer, the keys then the values of the positions, as f32.
+    /// Per layer, the keys then the values of the positions, as the cache stores them.
     fn read_block(&self, at: usize, n: usize) -> Option<Vec<u8>> {
         if at.checked_add(n)? > self.len {
             return None;

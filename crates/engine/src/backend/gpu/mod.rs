@@ -23,8 +23,9 @@ use std::sync::Arc;
 
 /// Exact only: f32 activations against the stored blocks.
 pub(crate) const NUMERICS: &[Numerics] = &[Numerics::Exact];
-/// f32 only: the cache is read in place by the attention kernel.
-pub(crate) const KV: &[KvDtype] = &[KvDtype::F32];
+/// f32, or f16 rounded as the CPU's cache rounds (to nearest, ties to even); the attention kernel
+/// reads either in place.
+pub(crate) const KV: &[KvDtype] = &[KvDtype::F32, KvDtype::F16];
 
 /// Floats in device memory: whole rows of a width the operation knows.
 pub struct GpuBuf {
@@ -103,7 +104,8 @@ impl Backend for Gpu {
 
     fn open(model: &Arc<Gguf>, spec: &EngineSpec) -> Result<Gpu, EngineError> {
         if !KV.contains(&spec.kv) {
-            return Err(EngineError::Unsupported(format!("KV dtype {} on the GPU (it keeps f32 keys and values)", spec.kv)));
+            let kept: Vec<&str> = KV.iter().map(|k| k.name()).collect();
+            return Err(EngineError::Unsupported(format!("KV dtype {} on the GPU (it stores {})", spec.kv, kept.join(" or "))));
         }
         Ok(Gpu { ctx: Ctx::open(spec.adapter)?, gguf: model.clone() })
     }
@@ -256,7 +258,15 @@ impl Backend for Gpu {
     }
 
     fn kv_append(&self, kv: &mut GpuKv, li: usize, k: &GpuBuf, v: &GpuBuf, rows: Range<usize>) {
-        kv.append(li, &k.buf, &v.buf, rows)
+        if kv.dtype() != KvDtype::F16 {
+            return kv.append(li, &k.buf, &v.buf, rows);
+        }
+        let kernel = self.kernel("kv_store", concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_store.wgsl")));
+        let (kc, vc) = kv.layer(li);
+        let params = [rows.start as u32, kv.width() as u32, rows.len() as u32, kv.held() as u32];
+        for (src, dst) in [(k, kc), (v, vc)] {
+            self.ctx.dispatch(&kernel, &params, &[Self::whole(src), (dst, 0, dst.size())], Self::grid(rows.len() * kv.stride() / 2, 256));
+        }
     }
 
     fn kv_advance(&self, kv: &mut GpuKv, rows: usize) {
@@ -265,8 +275,15 @@ impl Backend for Gpu {
 
     /// One dispatch per sequence (its rows lie together), an invocation per (query head, row).
     fn attend(&self, kvs: &[&GpuKv], li: usize, rows: &GpuRows, heads: Heads, q: &GpuBuf, out: &mut GpuBuf) {
-        let k = self.kernel("attend", include_str!("shaders/attend.wgsl"));
         let Heads { n_head, n_kv, dim, scale, window } = heads;
+        let Some(first) = kvs.first() else { return };
+        let k = match first.dtype() {
+            KvDtype::F16 => self.kernel(
+                "attend_f16",
+                concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_f16.wgsl"), include_str!("shaders/attend.wgsl")),
+            ),
+            _ => self.kernel("attend", concat!(include_str!("shaders/kv_f32.wgsl"), include_str!("shaders/attend.wgsl"))),
+        };
         let mut t0 = 0;
         while t0 < rows.seq_of.len() {
             let seq = rows.seq_of[t0];
@@ -282,7 +299,7 @@ impl Backend for Gpu {
                 rows.pos_of[t0] as u32,
                 window,
                 scale.to_bits(),
-                kv.width() as u32,
+                kv.stride() as u32,
                 n as u32,
             ];
             let bindings = [Self::whole(q), (kc, 0, kc.size()), (vc, 0, vc.size()), Self::whole(out)];

@@ -58,3 +58,75 @@ fn every_type_multiplies_as_the_cpu_exact_kernels_do() {
         }
     }
 }
+
+/// An f16 cache on the GPU holds the halves the CPU's holds (`half`'s rounding: to nearest, ties
+/// to even), bit for bit: ties both ways, subnormals, the largest half, overflow to infinity; a
+/// row of an odd width is padded with a zero half. A q8_0 cache is refused, naming those it keeps.
+#[test]
+fn an_f16_cache_rounds_each_value_as_the_cpus_does() {
+    if !have_gpu() {
+        return;
+    }
+    let tie = 1.0 + f32::EPSILON * 1024.0; // 1 + 2^-11: halfway between two halves
+    let mut values = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -2.5,
+        tie,
+        -tie,
+        1.0 + 3.0 * f32::EPSILON * 1024.0,
+        tie + f32::EPSILON,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e9,
+        -1e9,
+        6.1e-5,
+        1e-5,
+        5.96e-8,
+        2.98e-8,
+        2.99e-8,
+        1e-9,
+        -3e-6,
+        0.1,
+        1.0 / 3.0,
+    ];
+    let mut rng = Rng(5);
+    while values.len() < 320 {
+        values.push(rng.f32() * 8.0f32.powi(values.len() as i32 % 9 - 4));
+    }
+    let g = one_matrix(GgmlType::F32, 64, 1, 1);
+    let q8 = Gpu::open(&g, &EngineSpec { kv: KvDtype::Q8_0, ..EngineSpec::threads(1) }).err().map(|e| e.to_string());
+    assert!(q8.as_deref().is_some_and(|e| e.contains("q8_0") && e.contains("f32 or f16")), "{q8:?}");
+    let gpu = Gpu::open(&g, &EngineSpec { kv: KvDtype::F16, ..EngineSpec::threads(1) }).unwrap();
+    let half = |x: f32| half::f16::from_f32(x).to_le_bytes();
+    for width in [64, 5] {
+        let rows = values.len() / width;
+        let keys = values[..rows * width].to_vec();
+        let vals: Vec<f32> = keys.iter().map(|x| -x).collect();
+        let dtype = KvDtype::F16;
+        let shape = KvShape { capacity: rows, layers: 0..1, windowed: vec![false], window: None, width, dtype, block: 32, owner: 0 };
+        let mut kv = gpu.new_kv(shape);
+        let (k, v) = (gpu.upload(keys.clone()), gpu.upload(vals.clone()));
+        gpu.kv_reserve(&mut kv, rows);
+        gpu.kv_append(&mut kv, 0, &k, &v, 0..rows);
+        gpu.kv_advance(&mut kv, rows);
+        gpu.ctx.check().unwrap();
+        let block = crate::SeqState::read_block(&kv, 0, rows).unwrap();
+        let mut want = Vec::new();
+        for part in [&keys, &vals] {
+            for row in part.chunks(width) {
+                want.extend(row.iter().flat_map(|&x| half(x)));
+                if width % 2 == 1 {
+                    want.extend([0, 0]);
+                }
+            }
+        }
+        assert_eq!(block.len(), want.len(), "width {width}");
+        for (i, (got, want)) in block.chunks(2).zip(want.chunks(2)).enumerate() {
+            let (got, want) = (u16::from_le_bytes([got[0], got[1]]), u16::from_le_bytes([want[0], want[1]]));
+            assert_eq!(got, want, "width {width}: half {i}: the GPU stored {got:#06x}, the CPU {want:#06x}");
+        }
+    }
+}

@@ -1,17 +1,16 @@
 // Causal attention of one sequence's rows over its cached keys and values, one invocation a
 // (query head, row): the largest score, then the weights and the values over the positions in
-// order. p.a: first row t0, n_head, heads per KV head, head_dim (at most 256); p.b: position
-// of row t0, window (0: none), scale bits, KV row width; p.c.x: rows.
+// order. The cache is read through `key` and `value` (kv_f32.wgsl or kv_f16.wgsl, put before
+// this). p.a: first row t0, n_head, heads per KV head, head_dim (at most 256); p.b: position of
+// row t0, window (0: none), scale bits, KV row width; p.c.x: rows.
 
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> kc: array<f32>;
-@group(0) @binding(3) var<storage, read> vc: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
 fn score(qo: u32, s: u32, koff: u32, hd: u32, kvw: u32) -> f32 {
     var acc = 0.0;
     for (var d = 0u; d < hd; d++) {
-        acc = fma(q[qo + d], kc[s * kvw + koff + d], acc);
+        acc = fma(q[qo + d], key(s * kvw + koff + d), acc);
     }
     return acc * bitcast<f32>(p.b.z);
 }
@@ -46,7 +45,7 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>, @builtin(num_workgroups) n
         let e = flush(exp(score(qo, s, koff, hd, kvw) - m));
         sum += e;
         for (var d = 0u; d < hd; d++) {
-            acc[d] = fma(e, vc[s * kvw + koff + d], acc[d]);
+            acc[d] = fma(e, value(s * kvw + koff + d), acc[d]);
         }
     }
     for (var d = 0u; d < hd; d++) {
