@@ -64,8 +64,7 @@ pub struct NumericsArg {
     pub numerics: Option<Numerics>,
     /// How the KV cache stores keys and values: f32 as computed; f16 (half the bytes); q8_0,
     /// int8 in blocks of 32 with an f16 scale (34 bytes per 32 values, 0.27 of f32's). Scores
-    /// and sums stay f32; README's KV dtype table has each one's measured accuracy. A GPU keeps
-    /// f32 or f16
+    /// and sums stay f32; README's KV dtype table has each one's measured accuracy
     #[arg(long, default_value = "f32", value_parser = names::<KvDtype>(KvDtype::ALL.iter().map(|n| n.name())))]
     pub kv_dtype: KvDtype,
 }

@@ -35,7 +35,7 @@ pub fn run(a: Args) -> Result<()> {
     let adapters = dgr_engine::adapters();
     for a in &adapters {
         for &numerics in dgr_engine::available_numerics(BackendKind::Gpu) {
-            for &kv in dgr_engine::available_kv(BackendKind::Gpu) {
+            for &kv in KvDtype::ALL {
                 engines.push(EngineId { format, backend: BackendKind::Gpu, numerics, kv, adapter: Some(a.digest()) }.to_string());
             }
         }

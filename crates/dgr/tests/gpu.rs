@@ -2,7 +2,7 @@
 //! exact float64 computation on the shared references, SmolLM2-135M-Instruct Q4_1 (all six
 //! prompts) and gemma-3-270m Q4_K_M (its first three: its 262k-entry head is slow to score on a
 //! software device), teacher-forced, the mean |Δ logprob| of the scored tokens is at most 1e-3
-//! (with an f32 cache, and on SmolLM2 an f16 one too) and below llama.cpp's own on the same
+//! (with an f32 cache; on SmolLM2 with an f16 one too, and 1e-2 with q8_0) and below llama.cpp's own on the same
 //! steps, and each scored token is the reference's; a
 //! route of a CPU stage and a GPU stage generates the CPU route's tokens.
 #![cfg(feature = "real-model")]
@@ -25,7 +25,9 @@ fn check(name: &str, model: &Path, prompts: usize, exact_file: &str, llama_file:
     }
     let mean = mean_distance(&gpu, truth);
     println!("{name} on the GPU, {kv} KV: {} steps; mean |Δ logprob| vs float64 {mean:.7}, llama.cpp's {llama_mean:.4}", gpu.len());
-    assert!(mean <= 1e-3, "{name}: the GPU's mean |Δ logprob| {mean} > 1e-3 ({kv} KV)");
+    // The CPU's bars (tests/accuracy_kv.rs): q8_0's int8 codes cost ~1e-2.
+    let bar = if kv == "q8_0" { 1e-2 } else { 1e-3 };
+    assert!(mean <= bar, "{name}: the GPU's mean |Δ logprob| {mean} > {bar} ({kv} KV)");
     assert!(mean < llama_mean, "{name}: the GPU's mean {mean} is not below llama.cpp's {llama_mean}");
 }
 
@@ -39,6 +41,12 @@ fn the_gpu_stays_within_1e_3_of_the_exact_computation_on_smollm2() {
 #[test]
 fn the_gpu_with_an_f16_cache_stays_within_1e_3_of_the_exact_computation_on_smollm2() {
     check("SmolLM2 Q4_1", &model(), 3, "smollm2-q4_1-exact.json", "smollm2-q4_1-llamacpp.json", "f16");
+}
+
+/// A q8_0 cache (on the CPU 7.8e-3 from float64 here) within the CPU's q8_0 bar.
+#[test]
+fn the_gpu_with_a_q8_0_cache_stays_within_1e_2_of_the_exact_computation_on_smollm2() {
+    check("SmolLM2 Q4_1", &model(), 3, "smollm2-q4_1-exact.json", "smollm2-q4_1-llamacpp.json", "q8_0");
 }
 
 #[test]

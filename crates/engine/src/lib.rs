@@ -26,6 +26,6 @@ pub use engine::{Engine, SeqState};
 pub use error::EngineError;
 pub use id::{BackendKind, EngineId, Format, KvDtype, Numerics, UnknownName};
 pub use model::{Input, LogitRows, SeqInput, SeqOutput};
-pub use open::{available_kv, available_numerics, check_numerics, open_engine, registered_specs, Device, EngineSpec};
+pub use open::{available_numerics, check_numerics, open_engine, registered_specs, Device, EngineSpec};
 pub use sample::{accept, argmax, logprobs, mask_logits, sample, MaskError, SamplingParams};
 pub use stage::{KvCache, Stage};

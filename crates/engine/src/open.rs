@@ -116,16 +116,8 @@ pub fn available_numerics(backend: BackendKind) -> &'static [Numerics] {
     }
 }
 
-/// The KV dtypes `backend` can store.
-pub fn available_kv(backend: BackendKind) -> &'static [KvDtype] {
-    match backend {
-        BackendKind::Cpu => KvDtype::ALL,
-        BackendKind::Gpu => gpu::KV,
-    }
-}
-
 /// Every engine this build can open here (each backend with a device here, in each numerics it
-/// can run, with each KV dtype it can store; the GPU on its first adapter), with the default
+/// can run, with each KV dtype; the GPU on its first adapter), with the default
 /// threads and instruction set: the list the test suites run one body over, so a new backend,
 /// numerics or KV dtype is tested by being registered.
 pub fn registered_specs() -> Vec<EngineSpec> {
@@ -133,9 +125,7 @@ pub fn registered_specs() -> Vec<EngineSpec> {
         .iter()
         .filter(|&&b| b == BackendKind::Cpu || !gpu::adapters().is_empty())
         .flat_map(|&backend| available_numerics(backend).iter().map(move |&numerics| (backend, numerics)))
-        .flat_map(|(backend, numerics)| {
-            available_kv(backend).iter().map(move |&kv| EngineSpec { backend, numerics, kv, ..EngineSpec::default() })
-        })
+        .flat_map(|(backend, numerics)| KvDtype::ALL.iter().map(move |&kv| EngineSpec { backend, numerics, kv, ..EngineSpec::default() }))
         .collect()
 }
 

@@ -155,7 +155,7 @@ fn logits_do_not_depend_on_split_batch_threads_or_isa() {
 fn on_gpu(spec: &EngineSpec, ty: GgmlType) -> bool {
     match spec.kv {
         KvDtype::F32 => [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_K, GgmlType::Q6_K].contains(&ty),
-        _ => [GgmlType::Q4_1, GgmlType::Q8_0].contains(&ty),
+        _ => ty == GgmlType::Q8_0,
     }
 }
 

@@ -33,8 +33,8 @@
 //! # Adding one
 //! Implement [`Backend`] beside `cpu` and `gpu` (every architecture in `crate::model` then runs
 //! on it, and `Model<NewBackend>` is an [`crate::Engine`]), add its [`crate::BackendKind`] (it
-//! is part of the engine's id, so no batch mixes backends unknowingly), its numerics and KV
-//! dtypes to [`crate::available_numerics`] and [`crate::available_kv`], and a variant to
+//! is part of the engine's id, so no batch mixes backends unknowingly), its numerics to
+//! [`crate::available_numerics`] (it stores every KV dtype), and a variant to
 //! [`crate::Stage`] that [`crate::open_engine`] opens: the suites that run one body over
 //! [`crate::registered_specs`] then test it too.
 
@@ -109,6 +109,11 @@ pub trait Backend: Send + Sized + 'static {
 
     /// The backend for `spec` over `model` (its numerics already checked).
     fn open(model: &Arc<Gguf>, spec: &EngineSpec) -> Result<Self, EngineError>;
+
+    /// Refuses a model whose shapes this backend's kernels cannot run.
+    fn check_config(&self, _cfg: &crate::ModelConfig) -> Result<(), EngineError> {
+        Ok(())
+    }
 
     /// Holds tensor `name` of the model, a `rows × k` matrix (ggml dims `[k, rows]`), for
     /// products (as stored, or laid out anew for the backend's kernels).

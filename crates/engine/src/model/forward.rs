@@ -35,6 +35,7 @@ impl<B: Backend> Model<B> {
             return Err(EngineError::BadLayerRange { start: range.start, end: range.end, n_layers: cfg.n_layers });
         }
         let backend = B::open(&gguf, &spec)?;
+        backend.check_config(&cfg)?;
         let weights = weights::load(&backend, &gguf, &cfg, range.clone())?;
         Ok(Model {
             gguf,

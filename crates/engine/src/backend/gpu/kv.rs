@@ -1,8 +1,8 @@
 //! A sequence's KV cache in device memory: per layer one buffer of keys and one of values, a
-//! row of `width` f32 (or f16, two a word, padded to whole words) per position, grown (copied on the device) as
-//! positions arrive. Every
-//! position is kept, also on sliding-window layers (the kernel attends only the window), so
-//! blocks can always be copied out and in.
+//! row of `width` values per position (f32; f16, two a word; or q8_0: int8 codes, four a word,
+//! then an f16 scale a block, two a word; each row padded to whole words), grown (copied on the
+//! device) as positions arrive. Every position is kept, also on sliding-window layers (the
+//! kernel attends only the window), so blocks can always be copied out and in.
 
 use super::device::Ctx;
 use crate::backend::{KvShape, KvStore};
@@ -27,22 +27,26 @@ impl GpuKv {
     }
 
     fn row_bytes(&self) -> u64 {
-        match self.shape.dtype {
-            KvDtype::F16 => 2 * self.stride() as u64,
-            _ => 4 * self.shape.width as u64,
-        }
+        4 * self.row_words() as u64
     }
 
     pub(super) fn width(&self) -> usize {
         self.shape.width
     }
 
-    /// Values from one position's row to the next: an f16 row of an odd width ends with a half
-    /// of padding, so every row starts a word.
-    pub(super) fn stride(&self) -> usize {
+    /// q8_0's values per scale.
+    pub(super) fn block(&self) -> usize {
+        self.shape.block
+    }
+
+    /// Words a position's row takes: each row starts a word (padded where its values do not
+    /// fill the last one). q8_0: the codes, four a word, then the blocks' scales, two a word.
+    pub(super) fn row_words(&self) -> usize {
+        let width = self.shape.width;
         match self.shape.dtype {
-            KvDtype::F16 => self.shape.width.next_multiple_of(2),
-            _ => self.shape.width,
+            KvDtype::F32 => width,
+            KvDtype::F16 => width.div_ceil(2),
+            KvDtype::Q8_0 => width.div_ceil(4) + (width / self.shape.block).div_ceil(2),
         }
     }
 
@@ -82,7 +86,7 @@ impl GpuKv {
     }
 
     /// Copies rows `rows` of `k` and `v` to layer `li` at the positions after those held (an f32
-    /// cache; an f16 one is written by a kernel, `Gpu::kv_append`).
+    /// cache; the others are written by a kernel, `Gpu::kv_append`).
     pub(super) fn append(&mut self, li: usize, k: &wgpu::Buffer, v: &wgpu::Buffer, rows: Range<usize>) {
         let rb = self.row_bytes();
         let (from, to, n) = (rows.start as u64 * rb, self.len as u64 * rb, rows.len() as u64 * rb);

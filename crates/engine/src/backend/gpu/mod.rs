@@ -23,9 +23,8 @@ use std::sync::Arc;
 
 /// Exact only: f32 activations against the stored blocks.
 pub(crate) const NUMERICS: &[Numerics] = &[Numerics::Exact];
-/// f32, or f16 rounded as the CPU's cache rounds (to nearest, ties to even); the attention kernel
-/// reads either in place.
-pub(crate) const KV: &[KvDtype] = &[KvDtype::F32, KvDtype::F16];
+/// The attention kernel's private copies of a head: the longest head it takes.
+const MAX_HEAD_DIM: usize = 256;
 
 /// Floats in device memory: whole rows of a width the operation knows.
 pub struct GpuBuf {
@@ -103,11 +102,14 @@ impl Backend for Gpu {
     }
 
     fn open(model: &Arc<Gguf>, spec: &EngineSpec) -> Result<Gpu, EngineError> {
-        if !KV.contains(&spec.kv) {
-            let kept: Vec<&str> = KV.iter().map(|k| k.name()).collect();
-            return Err(EngineError::Unsupported(format!("KV dtype {} on the GPU (it stores {})", spec.kv, kept.join(" or "))));
-        }
         Ok(Gpu { ctx: Ctx::open(spec.adapter)?, gguf: model.clone() })
+    }
+
+    fn check_config(&self, cfg: &crate::ModelConfig) -> Result<(), EngineError> {
+        if cfg.head_dim > MAX_HEAD_DIM {
+            return Err(EngineError::Unsupported(format!("heads of {} values on the GPU (at most {MAX_HEAD_DIM})", cfg.head_dim)));
+        }
+        Ok(())
     }
 
     /// Uploads the matrix; a device that ran out of memory (or failed otherwise) refuses it
@@ -258,14 +260,23 @@ impl Backend for Gpu {
     }
 
     fn kv_append(&self, kv: &mut GpuKv, li: usize, k: &GpuBuf, v: &GpuBuf, rows: Range<usize>) {
-        if kv.dtype() != KvDtype::F16 {
-            return kv.append(li, &k.buf, &v.buf, rows);
-        }
-        let kernel = self.kernel("kv_store", concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_store.wgsl")));
+        let (kernel, grid) = match kv.dtype() {
+            KvDtype::F32 => return kv.append(li, &k.buf, &v.buf, rows),
+            // An invocation a word.
+            KvDtype::F16 => (
+                self.kernel("kv_store", concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_store.wgsl"))),
+                Self::grid(rows.len() * kv.row_words(), 256),
+            ),
+            // An invocation a row.
+            KvDtype::Q8_0 => (
+                self.kernel("kv_store_q8", concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_store_q8.wgsl"))),
+                Self::grid(rows.len(), 64),
+            ),
+        };
         let (kc, vc) = kv.layer(li);
-        let params = [rows.start as u32, kv.width() as u32, rows.len() as u32, kv.held() as u32];
+        let params = [rows.start as u32, kv.width() as u32, rows.len() as u32, kv.held() as u32, kv.block() as u32];
         for (src, dst) in [(k, kc), (v, vc)] {
-            self.ctx.dispatch(&kernel, &params, &[Self::whole(src), (dst, 0, dst.size())], Self::grid(rows.len() * kv.stride() / 2, 256));
+            self.ctx.dispatch(&kernel, &params, &[Self::whole(src), (dst, 0, dst.size())], grid);
         }
     }
 
@@ -278,11 +289,23 @@ impl Backend for Gpu {
         let Heads { n_head, n_kv, dim, scale, window } = heads;
         let Some(first) = kvs.first() else { return };
         let k = match first.dtype() {
+            KvDtype::F32 => self.kernel(
+                "attend",
+                concat!(include_str!("shaders/kv_f32.wgsl"), include_str!("shaders/kv_plain.wgsl"), include_str!("shaders/attend.wgsl")),
+            ),
             KvDtype::F16 => self.kernel(
                 "attend_f16",
-                concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_f16.wgsl"), include_str!("shaders/attend.wgsl")),
+                concat!(
+                    include_str!("shaders/half.wgsl"),
+                    include_str!("shaders/kv_f16.wgsl"),
+                    include_str!("shaders/kv_plain.wgsl"),
+                    include_str!("shaders/attend.wgsl")
+                ),
             ),
-            _ => self.kernel("attend", concat!(include_str!("shaders/kv_f32.wgsl"), include_str!("shaders/attend.wgsl"))),
+            KvDtype::Q8_0 => self.kernel(
+                "attend_q8",
+                concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_q8.wgsl"), include_str!("shaders/attend.wgsl")),
+            ),
         };
         let mut t0 = 0;
         while t0 < rows.seq_of.len() {
@@ -299,8 +322,10 @@ impl Backend for Gpu {
                 rows.pos_of[t0] as u32,
                 window,
                 scale.to_bits(),
-                kv.stride() as u32,
+                kv.row_words() as u32,
                 n as u32,
+                kv.block() as u32,
+                kv.width() as u32,
             ];
             let bindings = [Self::whole(q), (kc, 0, kc.size()), (vc, 0, vc.size()), Self::whole(out)];
             self.ctx.dispatch(&k, &params, &bindings, Self::grid(n_head * n, 64));
