@@ -269,7 +269,14 @@ impl Backend for Gpu {
             ),
             // An invocation a row.
             KvDtype::Q8_0 => (
-                self.kernel("kv_store_q8", concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_store_q8.wgsl"))),
+                self.kernel(
+                    "kv_store_q8",
+                    concat!(
+                        include_str!("shaders/half.wgsl"),
+                        include_str!("shaders/hadamard.wgsl"),
+                        include_str!("shaders/kv_store_q8.wgsl")
+                    ),
+                ),
                 Self::grid(rows.len(), 64),
             ),
         };
@@ -304,7 +311,12 @@ impl Backend for Gpu {
             ),
             KvDtype::Q8_0 => self.kernel(
                 "attend_q8",
-                concat!(include_str!("shaders/half.wgsl"), include_str!("shaders/kv_q8.wgsl"), include_str!("shaders/attend.wgsl")),
+                concat!(
+                    include_str!("shaders/half.wgsl"),
+                    include_str!("shaders/hadamard.wgsl"),
+                    include_str!("shaders/kv_q8.wgsl"),
+                    include_str!("shaders/attend.wgsl")
+                ),
             ),
         };
         let mut t0 = 0;

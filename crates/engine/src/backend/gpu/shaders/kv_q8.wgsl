@@ -29,20 +29,9 @@ fn rotated() -> bool {
 
 // Each block of x[0..n) times the Walsh–Hadamard matrix, where blocks rotate.
 fn turn(x: ptr<function, array<f32, 256>>, n: u32) {
-    let block = p.c.y;
-    if !rotated() {
-        return;
-    }
-    for (var b = 0u; b < n; b += block) {
-        for (var h = 1u; h < block; h *= 2u) {
-            for (var i = b; i < b + block; i += 2u * h) {
-                for (var j = i; j < i + h; j++) {
-                    let a = (*x)[j];
-                    let c = (*x)[j + h];
-                    (*x)[j] = a + c;
-                    (*x)[j + h] = a - c;
-                }
-            }
+    if rotated() {
+        for (var b = 0u; b < n; b += p.c.y) {
+            hadamard(x, b, p.c.y);
         }
     }
 }

@@ -26,16 +26,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) ng: vec3<u
             x[j] = src[at0 + b * block + j];
         }
         if (block & (block - 1u)) == 0u {
-            for (var h = 1u; h < block; h *= 2u) {
-                for (var i = 0u; i < block; i += 2u * h) {
-                    for (var j = i; j < i + h; j++) {
-                        let a = x[j];
-                        let c = x[j + h];
-                        x[j] = a + c;
-                        x[j + h] = a - c;
-                    }
-                }
-            }
+            hadamard(&x, 0u, block);
         }
         var amax = 0.0;
         for (var j = 0u; j < block; j++) {
