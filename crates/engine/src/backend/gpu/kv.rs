@@ -54,11 +54,6 @@ impl GpuKv {
         self.shape.dtype
     }
 
-    /// Positions held: where the next rows go.
-    pub(super) fn held(&self) -> usize {
-        self.len
-    }
-
     pub(super) fn layer(&self, li: usize) -> &(wgpu::Buffer, wgpu::Buffer) {
         &self.store[li]
     }

@@ -14,7 +14,7 @@ pub use kv::GpuKv;
 
 use crate::backend::cpu::ops;
 use crate::backend::{Backend, Heads, KvShape, Product};
-use crate::{Activation, BackendKind, EngineError, EngineSpec, KvDtype, Numerics, RopeStyle};
+use crate::{Activation, BackendKind, EngineError, EngineSpec, KvDtype, Numerics, RopeStyle, SeqState};
 use device::Ctx;
 use dgr_gguf::Gguf;
 use matrix::GpuMatrix;
@@ -281,7 +281,7 @@ impl Backend for Gpu {
             ),
         };
         let (kc, vc) = kv.layer(li);
-        let params = [rows.start as u32, kv.width() as u32, rows.len() as u32, kv.held() as u32, kv.block() as u32];
+        let params = [rows.start as u32, kv.width() as u32, rows.len() as u32, kv.positions() as u32, kv.block() as u32];
         for (src, dst) in [(k, kc), (v, vc)] {
             self.ctx.dispatch(&kernel, &params, &[Self::whole(src), (dst, 0, dst.size())], grid);
         }

@@ -163,18 +163,11 @@ fn a_q8_0_cache_stores_each_block_within_half_a_scale() {
             for r in 0..rows {
                 let row = &words[(part * rows + r) * row_words..][..row_words];
                 for b in 0..width / block {
-                    let mut y: Vec<f64> = keys[r * width + b * block..][..block].iter().map(|&x| sign * x as f64).collect();
+                    let mut y: Vec<f32> = keys[r * width + b * block..][..block].iter().map(|&x| sign as f32 * x).collect();
                     if block.is_power_of_two() {
-                        let mut h = 1;
-                        while h < block {
-                            for i in (0..block).step_by(2 * h) {
-                                for j in i..i + h {
-                                    (y[j], y[j + h]) = (y[j] + y[j + h], y[j] - y[j + h]);
-                                }
-                            }
-                            h *= 2;
-                        }
+                        crate::backend::cpu::kv::hadamard(&mut y);
                     }
+                    let y: Vec<f64> = y.into_iter().map(f64::from).collect();
                     let bits = (row[width.div_ceil(4) + b / 2] >> (16 * (b % 2))) as u16;
                     let scale = half::f16::from_bits(bits).to_f64();
                     let want = y.iter().fold(0f64, |m, v| m.max(v.abs())) / 127.0;
