@@ -8,8 +8,7 @@ use dgr_engine::{open_engine, Engine, Input, LogitRows, SeqInput};
 use dgr_proto::{Sampling, SeamDtype};
 use plotters::chart::SeriesLabelPosition;
 use serde_json::json;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
@@ -129,40 +128,6 @@ where
     futures::future::join_all(runs).await.into_iter().collect()
 }
 
-/// llama-batched-bench's aggregate generation speed (speed_tg) per session count, with `extra`
-/// arguments (e.g. its RPC servers).
-pub(crate) fn llama_batched(
-    bin: &Path,
-    model: &Path,
-    threads: usize,
-    b: &[usize],
-    p: usize,
-    gen: usize,
-    extra: &[String],
-) -> Result<(Vec<f64>, String)> {
-    let npl: Vec<String> = b.iter().map(|x| x.to_string()).collect();
-    let out = Command::new(bin)
-        .arg("-m")
-        .arg(model)
-        .args(["-c", "4096", "-b", "2048", "-ub", "512", "-npp", &p.to_string(), "-ntg", &gen.to_string()])
-        .args(["-npl", &npl.join(","), "-t", &threads.to_string(), "--output-format", "jsonl"])
-        .args(extra)
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    if !out.status.success() {
-        return Err(BenchError::Peer(format!("llama-batched-bench failed: {}", String::from_utf8_lossy(&out.stderr))));
-    }
-    let mut speeds = vec![f64::NAN; b.len()];
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-            if let Some(i) = b.iter().position(|&x| Some(x as u64) == v["pl"].as_u64()) {
-                speeds[i] = v["speed_tg"].as_f64().unwrap_or(f64::NAN);
-            }
-        }
-    }
-    Ok((speeds, peer::source()))
-}
-
 pub fn run(a: Args) -> Result<()> {
     let bad = |s: &str| BenchError::Usage(format!("--sessions: {s:?} is not a count"));
     let sessions: Vec<usize> = a.sessions.split(',').map(|s| s.trim().parse().map_err(|_| bad(s))).collect::<Result<_>>()?;
@@ -173,7 +138,9 @@ pub fn run(a: Args) -> Result<()> {
     let bin = peer::tool("llama-batched-bench", a.llama_batched_bench.as_deref())?;
     let g = a.model.open()?;
     let cfg = dgr_engine::ModelConfig::from_gguf(&g)?;
-    let stage = open_engine(g, 0..cfg.n_layers, a.numerics.spec(a.threads))?;
+    let spec = a.numerics.spec(a.threads);
+    let device = peer::PeerDevice::of(spec.backend);
+    let stage = open_engine(g, 0..cfg.n_layers, spec)?;
     let swarm;
     let addrs = match &a.route {
         Some(r) => r.split(',').map(|s| s.trim().to_string()).collect(),
@@ -204,7 +171,7 @@ pub fn run(a: Args) -> Result<()> {
             one[i].push(one_process(&stage, b, a.prompt_tokens, a.gen_tokens)?);
             split[i].push(routed(&rt, &route, token_prompts(vocab, b, a.prompt_tokens), a.gen_tokens)?);
         }
-        let (l, v) = llama_batched(&bin, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens, &[])?;
+        let (l, v) = peer::llama_batched(&bin, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens, &device)?;
         for (i, s) in l.into_iter().enumerate() {
             peer_s[i].push(s);
         }
@@ -236,7 +203,9 @@ pub fn run(a: Args) -> Result<()> {
         &model,
         json!({
             "split": ranges,
-            "peer": { "tool": "llama-batched-bench", "version": version },
+            "peer": { "tool": "llama-batched-bench", "version": version, "offload": device.args() },
+            "engine": stage.engine().to_string(),
+            "adapter": a.numerics.adapter_json(),
             "threads": a.threads,
             "route_workers": if a.route.is_some() { json!("given by --route") } else {
                 json!({ "threads": a.worker_threads.unwrap_or(a.threads / a.split).max(1), "micro_batches": a.micro_batches })

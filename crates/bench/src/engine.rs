@@ -90,14 +90,16 @@ pub fn run(a: Args) -> Result<()> {
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let per_token = weight_bytes_per_token(&g);
     let reader = if a.bandwidth_mib > 0 { Some(Reader::new(a.bandwidth_mib, a.threads)?) } else { None };
-    let stage = open_engine(g, 0..n_layers, a.numerics.spec(a.threads))?;
+    let spec = a.numerics.spec(a.threads);
+    let device = peer::PeerDevice::of(spec.backend);
+    let stage = open_engine(g, 0..n_layers, spec)?;
     dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?; // warm-up: page in the weights
     let (mut dp, mut dd, mut lp, mut ld, mut tp, mut td) = (vec![], vec![], vec![], vec![], vec![], vec![]);
     let mut bw = vec![];
-    let (mut version, mut hf_version) = (String::new(), String::new());
+    let (mut version, mut hf_version, mut peer_on) = (String::new(), String::new(), (String::new(), String::new()));
     for rep in 0..a.reps {
         let (p, d) = dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?;
-        let l = peer::llama_bench(&bench, &peer_model, a.threads, a.prompt_tokens, a.gen_tokens)?;
+        let l = peer::llama_bench(&bench, &peer_model, a.threads, a.prompt_tokens, a.gen_tokens, &device)?;
         eprintln!("rep {rep}: dgr pp {p:.1} tg {d:.1} tok/s | llama.cpp pp {:.1} tg {:.1} tok/s", l.prompt_tok_s, l.gen_tok_s);
         if let Some(r) = &reader {
             bw.push(r.median_gb_s(3));
@@ -114,6 +116,7 @@ pub fn run(a: Args) -> Result<()> {
         lp.push(l.prompt_tok_s);
         ld.push(l.gen_tok_s);
         version = l.version;
+        peer_on = (l.backends, l.gpu_info);
     }
     let ratios = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>();
     let ratio = |a: &[f64], b: &[f64]| median(&ratios(a, b));
@@ -126,6 +129,12 @@ pub fn run(a: Args) -> Result<()> {
     };
     row(format!("prefill pp{}", a.prompt_tokens), &dp, &lp);
     row(format!("decode tg{}", a.gen_tokens), &dd, &ld);
+    println!("llama.cpp computed on {}{}", peer_on.0, if peer_on.1.is_empty() { String::new() } else { format!(" ({})", peer_on.1) });
+    let memory = stage.device_memory();
+    if let Some(m) = memory {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        println!("device memory: this process holds {:.0} MiB of {:.0} MiB, {:.0} MiB free", mib(m.used), mib(m.total), mib(m.free));
+    }
     let decode_gb_s: Vec<f64> = dd.iter().map(|d| d * per_token as f64 / 1e9).collect();
     let mut bandwidth = json!({ "weight_bytes_per_token": per_token, "dgr_decode_gb_s": decode_gb_s });
     if !bw.is_empty() {
@@ -160,7 +169,10 @@ pub fn run(a: Args) -> Result<()> {
         json!({
             "split": format!("one process, layers 0..{n_layers}"),
             "engine": stage.engine().to_string(),
-            "peer": { "tool": "llama-bench", "version": version, "model": record::model_field(&peer_model)? },
+            "adapter": a.numerics.adapter_json(),
+            "peer": { "tool": "llama-bench", "version": version, "model": record::model_field(&peer_model)?,
+                      "backends": peer_on.0, "gpu_info": peer_on.1, "offload": device.args() },
+            "device_memory": memory.map(|m| json!({ "total": m.total, "used": m.used, "free": m.free })),
             "threads": a.threads,
             "isa": stage.isa().map(|i| i.name()),
             "samples": { "dgr_prefill_tok_s": dp, "dgr_decode_tok_s": dd, "llama_prefill_tok_s": lp, "llama_decode_tok_s": ld },

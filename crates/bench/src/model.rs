@@ -104,6 +104,15 @@ impl NumericsArg {
         serde_json::Value::Array(adapters.collect())
     }
 
+    /// The adapter this run computes on, as `dgr devices` lists it; null on the CPU.
+    pub fn adapter_json(&self) -> serde_json::Value {
+        let spec = self.spec(1);
+        match spec.backend {
+            dgr_engine::BackendKind::Cpu => serde_json::Value::Null,
+            dgr_engine::BackendKind::Gpu => Self::devices_json()[spec.adapter].clone(),
+        }
+    }
+
     /// The flags of the engine `id` computes with (a GPU's by its adapter's place here).
     pub fn of(id: EngineId) -> NumericsArg {
         let device = match id.adapter {

@@ -40,29 +40,68 @@ pub struct LlamaBench {
     pub prompt_tok_s: f64,
     pub gen_tok_s: f64,
     pub version: String,
+    /// The backends llama-bench computed with ("CPU", "Vulkan", …) and the GPUs it found.
+    pub backends: String,
+    pub gpu_info: String,
 }
 
-/// One repetition of llama-bench's prompt and generation tests.
-pub fn llama_bench(bin: &Path, model: &Path, threads: usize, prompt: usize, gen: usize) -> Result<LlamaBench> {
+/// Where the peer's layers compute: where dgr's do (every layer on llama.cpp's GPU backend, or
+/// none), so a GPU run is never compared with llama.cpp on the CPU; or on llama.cpp RPC servers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerDevice {
+    Cpu,
+    Gpu,
+    /// Every layer on these `host:port` servers, comma-separated.
+    Rpc(String),
+}
+
+impl PeerDevice {
+    pub fn of(backend: dgr_engine::BackendKind) -> PeerDevice {
+        match backend {
+            dgr_engine::BackendKind::Cpu => PeerDevice::Cpu,
+            dgr_engine::BackendKind::Gpu => PeerDevice::Gpu,
+        }
+    }
+
+    /// llama.cpp's flags for it.
+    pub fn args(&self) -> Vec<String> {
+        match self {
+            PeerDevice::Cpu => vec!["-ngl".into(), "0".into()],
+            PeerDevice::Gpu => vec!["-ngl".into(), "99".into()],
+            PeerDevice::Rpc(servers) => vec!["--rpc".into(), servers.clone(), "-ngl".into(), "99".into()],
+        }
+    }
+
+    /// Refuses a peer that was to compute on a GPU and did not (a llama.cpp built for the CPU
+    /// alone, or one that found no device): `on_gpu` is what its output says it did.
+    fn check(&self, tool: &Path, on_gpu: bool, said: &str) -> Result<()> {
+        if *self == PeerDevice::Gpu && !on_gpu {
+            return Err(BenchError::Peer(format!(
+                "{} ran on no GPU ({said}): a GPU run needs llama.cpp built with -DGGML_VULKAN=ON \
+                 (scripts/gpu-check.sh prepare builds one) and a device it can use",
+                tool.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One repetition of llama-bench's prompt test (none when `prompt` is 0) and generation test.
+pub fn llama_bench(bin: &Path, model: &Path, threads: usize, prompt: usize, gen: usize, device: &PeerDevice) -> Result<LlamaBench> {
     let mut c = Command::new(bin);
     c.arg("-m").arg(model).args(["-p", &prompt.to_string(), "-n", &gen.to_string(), "-t", &threads.to_string()]);
-    run_llama_bench(c)
-}
-
-/// One repetition of llama-bench's generation test with every layer on llama.cpp RPC servers.
-pub fn llama_bench_rpc(bin: &Path, model: &Path, threads: usize, gen: usize, servers: &str) -> Result<LlamaBench> {
-    let mut c = Command::new(bin);
-    c.arg("-m").arg(model).args(["--rpc", servers, "-ngl", "99", "-p", "0", "-n", &gen.to_string(), "-t", &threads.to_string()]);
-    run_llama_bench(c)
-}
-
-fn run_llama_bench(mut c: Command) -> Result<LlamaBench> {
-    let out = c.args(["-r", "1", "-o", "json"]).output().with_context(|| format!("running {:?}", c.get_program()))?;
+    let out = c.args(device.args()).args(["-r", "1", "-o", "json"]).output().with_context(|| format!("running {}", bin.display()))?;
     if !out.status.success() {
         return Err(BenchError::Peer(format!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr))));
     }
     let runs: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing llama-bench's json")?;
-    let mut r = LlamaBench { prompt_tok_s: f64::NAN, gen_tok_s: f64::NAN, version: String::new() };
+    let mut r = LlamaBench {
+        prompt_tok_s: f64::NAN,
+        gen_tok_s: f64::NAN,
+        version: String::new(),
+        backends: String::new(),
+        gpu_info: String::new(),
+    };
     for t in runs.as_array().into_iter().flatten() {
         let ts = t["avg_ts"].as_f64().unwrap_or(f64::NAN);
         if t["n_gen"].as_u64() == Some(0) {
@@ -71,8 +110,59 @@ fn run_llama_bench(mut c: Command) -> Result<LlamaBench> {
             r.gen_tok_s = ts;
         }
         r.version = format!("{}, build {} ({})", source(), t["build_number"], t["build_commit"].as_str().unwrap_or("?"));
+        r.backends = t["backends"].as_str().unwrap_or("?").into();
+        r.gpu_info = t["gpu_info"].as_str().unwrap_or("").into();
     }
+    device.check(bin, r.backends != "CPU", &format!("backends {}", r.backends))?;
     Ok(r)
+}
+
+/// llama-batched-bench's aggregate generation speed (speed_tg) per session count, on `device`.
+pub fn llama_batched(
+    bin: &Path,
+    model: &Path,
+    threads: usize,
+    b: &[usize],
+    p: usize,
+    gen: usize,
+    device: &PeerDevice,
+) -> Result<(Vec<f64>, String)> {
+    let npl: Vec<String> = b.iter().map(|x| x.to_string()).collect();
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(["-c", "4096", "-b", "2048", "-ub", "512", "-npp", &p.to_string(), "-ntg", &gen.to_string()])
+        .args(["-npl", &npl.join(","), "-t", &threads.to_string(), "--output-format", "jsonl"])
+        // Info-level logs, which say how many layers were offloaded.
+        .args(["-lv", "4"])
+        .args(device.args())
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(BenchError::Peer(format!("llama-batched-bench failed: {log}")));
+    }
+    let layers = offloaded(&log);
+    let said = layers.map_or("no offload in its log".into(), |(n, m)| format!("{n} of {m} layers offloaded"));
+    device.check(bin, layers.is_some_and(|(n, m)| n == m && m > 0), &said)?;
+    let mut speeds = vec![f64::NAN; b.len()];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+            if let Some(i) = b.iter().position(|&x| Some(x as u64) == v["pl"].as_u64()) {
+                speeds[i] = v["speed_tg"].as_f64().unwrap_or(f64::NAN);
+            }
+        }
+    }
+    Ok((speeds, source()))
+}
+
+/// The layers a llama.cpp tool's log says it offloaded to a GPU, and of how many: its
+/// "offloaded N/M layers to GPU" line.
+pub fn offloaded(log: &str) -> Option<(u32, u32)> {
+    let rest = &log[log.find("offloaded ")? + "offloaded ".len()..];
+    let (n, rest) = rest.split_once('/')?;
+    let m = rest.split_once(' ')?.0;
+    Some((n.parse().ok()?, m.parse().ok()?))
 }
 
 /// Transformers' own CPU rates on a checkpoint, from `scripts/ref/hf_speed.py` (embedded here)
@@ -93,5 +183,31 @@ pub fn transformers(python: &Path, dir: &Path, threads: usize, prompt: usize, ge
         prompt_tok_s: v["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
         gen_tok_s: v["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
         version: format!("transformers {}, torch {}", v["transformers"].as_str().unwrap_or("?"), v["torch"].as_str().unwrap_or("?")),
+        backends: "CPU".into(),
+        gpu_info: String::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_offload_line_is_read_from_a_log() {
+        let log =
+            "llama_model_load: ...\nload_tensors: offloading 30 repeating layers to GPU\nload_tensors: offloaded 31/31 layers to GPU\n";
+        assert_eq!(offloaded(log), Some((31, 31)));
+        assert_eq!(offloaded("load_tensors: offloaded 0/31 layers to GPU"), Some((0, 31)));
+        assert_eq!(offloaded("nothing here"), None);
+        assert_eq!(offloaded("offloaded x/31 layers"), None);
+    }
+
+    #[test]
+    fn a_gpu_run_refuses_a_peer_that_stayed_on_the_cpu() {
+        let tool = Path::new("llama-bench");
+        assert!(PeerDevice::Gpu.check(tool, false, "backends CPU").is_err());
+        assert!(PeerDevice::Gpu.check(tool, true, "backends Vulkan").is_ok());
+        assert!(PeerDevice::Cpu.check(tool, false, "backends CPU").is_ok());
+        assert_eq!(PeerDevice::Rpc("a:1,b:2".into()).args(), ["--rpc", "a:1,b:2", "-ngl", "99"]);
+    }
 }

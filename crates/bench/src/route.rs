@@ -87,7 +87,7 @@ pub fn run(a: Args) -> Result<()> {
     check_split(n_layers, a.split)?;
     let swarm = LocalSwarm::start(&model, &even_split(n_layers, a.split), a.threads, &a.numerics.worker_flags()?)?;
     let servers = RpcServers::start(&rpc, a.split, a.threads)?;
-    let rpc_addrs = servers.addrs.join(",");
+    let on_rpc = peer::PeerDevice::Rpc(servers.addrs.join(","));
 
     // The same shape for every contender: one token in, `gen_tokens` out, greedy, EOS ignored.
     let req = Request {
@@ -124,7 +124,7 @@ pub fn run(a: Args) -> Result<()> {
             seam_p50[s.from as usize].push(s.latency_ms_p50);
             seam_p99[s.from as usize].push(s.latency_ms_p99);
         }
-        let l = peer::llama_bench_rpc(&bench, &model, a.threads, a.gen_tokens, &rpc_addrs)?;
+        let l = peer::llama_bench(&bench, &model, a.threads, 0, a.gen_tokens, &on_rpc)?;
         eprintln!(
             "rep {rep}: dgr one process {o:.1}, dgr {}-stage route {:.1}, llama.cpp RPC {:.1} tok/s",
             a.split, r.timings.decode_tok_per_s, l.gen_tok_s

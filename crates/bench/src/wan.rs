@@ -3,7 +3,7 @@
 //! by llama-batched-bench) behind the same proxies, at each delay asked for.
 
 use super::{median, peer, record};
-use crate::batch::{llama_batched, routed, token_prompts};
+use crate::batch::{routed, token_prompts};
 use crate::delay::DelayProxies;
 use crate::error::{BenchError, Context, Result};
 use crate::model::{ModelArg, NumericsArg};
@@ -131,8 +131,8 @@ pub fn run(a: Args) -> Result<()> {
                 }
             }
             let rpc_proxies = DelayProxies::start(&servers.addrs, delay)?;
-            let rpc_args = ["--rpc".to_string(), rpc_proxies.addrs.join(","), "-ngl".into(), "99".into()];
-            let (l, v) = llama_batched(&batched, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens, &rpc_args)?;
+            let rpc = peer::PeerDevice::Rpc(rpc_proxies.addrs.join(","));
+            let (l, v) = peer::llama_batched(&batched, &model, a.threads, &sessions, a.prompt_tokens, a.gen_tokens, &rpc)?;
             for (i, s) in l.into_iter().enumerate() {
                 llama[d][i].push(s);
             }
