@@ -107,5 +107,56 @@ fn bench_registry(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_plan, bench_registry);
+/// `dgr bench tracker --workers 10000`'s swarm (`crates/bench/src/tracker_load.rs`): two models
+/// of 32 and 80 layers (60% / 40% of the workers and of the requests), each worker the whole
+/// model, a half, a quarter or an eighth, or one time in five a random range of 4 to 24 layers,
+/// 100 to 1,000 µs a layer, 0 to 3 sessions. Each iteration plans one route and takes two
+/// workers' heartbeats, as 5,000 routes a second meet 10,000 heartbeats.
+fn bench_swarm(c: &mut Criterion) {
+    const MODELS: [(&str, u32); 2] = [("m32", 32), ("m80", 80)];
+    let mut rng = SplitMix64(7);
+    let mut r = Registry::new(std::time::Duration::from_secs(3600));
+    let n = 10_000;
+    for i in 0..n {
+        let (model, layers) = MODELS[usize::from(rng.unit() >= 0.6)];
+        let (start, end) = match rng.below(5) {
+            4 => {
+                let start = rng.below(layers);
+                (start, (start + 4 + rng.below(21)).min(layers))
+            }
+            k => {
+                let parts = 1 << k;
+                let p = rng.below(parts);
+                (p * layers / parts, (p + 1) * layers / parts)
+            }
+        };
+        let reg = Registration {
+            engine: "e".into(),
+            model_id: model.into(),
+            n_layers: layers,
+            layer_start: start,
+            layer_end: end,
+            max_sessions: 1 << 20,
+            step_us_per_layer: 100.0 + 900.0 * rng.unit(),
+            ..Default::default()
+        };
+        let (control, _) = tokio::sync::mpsc::channel(1);
+        r.join(Joining { id: format!("w{i}"), reg, addr: format!("10.0.0.1:{i}"), relayed: false, conn: 0, control });
+    }
+    let ids: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
+    let mut beat = 0;
+    c.bench_function("registry/plan_route_swarm", |b| {
+        b.iter(|| {
+            let (model, _) = MODELS[usize::from(rng.unit() >= 0.6)];
+            for _ in 0..2 {
+                let load = dgr_proto::Load { sessions: (beat % 4) as u32, ..Default::default() };
+                r.heartbeat(&ids[beat % n], load, None);
+                beat += 1;
+            }
+            r.plan_route(model, "", &[], &[]).map(|p| p.stages.len())
+        })
+    });
+}
+
+criterion_group!(benches, bench_plan, bench_registry, bench_swarm);
 criterion_main!(benches);

@@ -56,12 +56,12 @@ const MAX_EXPANSIONS: usize = 64;
 /// jitter to the costs to spread load.
 pub fn plan(n_layers: u32, candidates: &[Candidate]) -> Option<Vec<Hop>> {
     // If the lower bound repeats no worker, it is the answer. Otherwise search all of them.
-    let (root, dp, route) = lower_bound(n_layers, candidates)?;
+    let (root, dp, bound, route) = lower_bound(n_layers, candidates)?;
     if repeat(&route).is_none() {
         return Some(route);
     }
     let mut search = Search { n: n_layers, cands: candidates, dp, open: Vec::new(), best: None };
-    search.add(root);
+    search.add_solved(root, bound, route);
     for _ in 0..MAX_EXPANSIONS {
         // Best first: every route a node allows costs at least its bound.
         let Some(i) = (0..search.open.len()).min_by(|&a, &b| search.open[a].bound.total_cmp(&search.open[b].bound)) else {
@@ -98,14 +98,14 @@ pub enum Shortest {
 pub fn shortest(n_layers: u32, candidates: &[Candidate]) -> Shortest {
     match lower_bound(n_layers, candidates) {
         None => Shortest::Uncovered,
-        Some((_, _, route)) if repeat(&route).is_none() => Shortest::Route(route),
+        Some((_, _, _, route)) if repeat(&route).is_none() => Shortest::Route(route),
         Some(_) => Shortest::Repeats,
     }
 }
 
 /// The usable candidates as whole pieces, the scratch, and the shortest path ignoring repeats
-/// (a lower bound on every route).
-fn lower_bound(n_layers: u32, candidates: &[Candidate]) -> Option<(Vec<Piece>, Dp, Vec<Hop>)> {
+/// with its cost (a lower bound on every route).
+fn lower_bound(n_layers: u32, candidates: &[Candidate]) -> Option<(Vec<Piece>, Dp, f64, Vec<Hop>)> {
     let root: Vec<Piece> = (0..candidates.len() as u32)
         .filter(|&id| candidates[id as usize].usable(n_layers))
         .map(|id| Piece { id, start: candidates[id as usize].start, end: candidates[id as usize].end })
@@ -118,8 +118,8 @@ fn lower_bound(n_layers: u32, candidates: &[Candidate]) -> Option<(Vec<Piece>, D
     }
     // Dropping dominated candidates keeps that path.
     let mut dp = Dp::default();
-    let (_, route) = dp.run(n_layers, candidates, &undominated(n_layers, candidates, &root, layers))?;
-    Some((root, dp, route))
+    let (bound, route) = dp.run(n_layers, candidates, &undominated(n_layers, candidates, &root, layers))?;
+    Some((root, dp, bound, route))
 }
 
 /// Branch and bound over what each worker may serve.
@@ -140,9 +140,13 @@ impl Search<'_> {
     fn add(&mut self, pieces: Vec<Piece>) {
         let layers = pieces.iter().map(|p| u64::from(p.end - p.start)).sum();
         let kept = undominated(self.n, self.cands, &pieces, layers);
-        let Some((bound, route)) = self.dp.run(self.n, self.cands, &kept) else {
-            return;
-        };
+        if let Some((bound, route)) = self.dp.run(self.n, self.cands, &kept) {
+            self.add_solved(pieces, bound, route);
+        }
+    }
+
+    /// `add` for pieces whose shortest path ignoring repeats is known: `route`, of cost `bound`.
+    fn add_solved(&mut self, pieces: Vec<Piece>, bound: f64, route: Vec<Hop>) {
         let valid = collapse(&route);
         let cost = valid.iter().map(|h| self.cands[h.candidate].cost(h.start, h.end)).sum();
         if self.best.as_ref().is_none_or(|(best, _)| cost < *best) {
@@ -205,16 +209,22 @@ fn undominated(n: u32, cands: &[Candidate], pieces: &[Piece], layers: u64) -> Ve
         return pieces.to_vec();
     }
     // champion[a·w + b]: of the candidates seen holding [a, b), the cheapest there, the first seen
-    // on a tie (u32::MAX: none yet).
+    // on a tie (`none`, of infinite cost: none yet). The costs are copied into one table with that
+    // sentinel, so a duel is two lookups and a select, without a branch on either side's presence.
+    let none = cands.len() as u32;
+    let costs: Vec<(f64, f64)> = cands.iter().map(|c| (c.per_layer, c.fixed)).chain([(f64::INFINITY, f64::INFINITY)]).collect();
     let cheaper = |x: u32, y: u32, len: u32| {
-        let cost = |id: u32| cands[id as usize].cost(0, len);
-        if x == u32::MAX || (y != u32::MAX && cost(y) < cost(x)) {
+        let cost = |id: u32| {
+            let (per, fixed) = costs[id as usize];
+            per * f64::from(len) + fixed
+        };
+        if cost(y) < cost(x) {
             y
         } else {
             x
         }
     };
-    let mut champion = vec![u32::MAX; w * w];
+    let mut champion = vec![none; w * w];
     for p in pieces {
         let cell = p.start as usize * w + p.end as usize;
         champion[cell] = cheaper(champion[cell], p.id, p.end - p.start);

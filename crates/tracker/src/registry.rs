@@ -544,9 +544,11 @@ impl Registry {
         favoured: &[(u32, f64)],
     ) -> (Vec<Candidate>, Vec<u32>) {
         let g = &self.groups[group];
-        let (mut candidates, mut slots) = (Vec::new(), Vec::new());
+        let room = g.cells.len() * depth + favoured.len();
+        let (mut candidates, mut slots) = (Vec::with_capacity(room), Vec::with_capacity(room));
         let mut rng = self.rng;
-        let hb = self.heartbeat;
+        // A head is live if it beat since then (`LiveWorker::alive`, without a subtraction a cell).
+        let since = now.checked_sub(3 * self.heartbeat);
         let mut offered = vec![false; favoured.len()];
         let mut offer = |cell: &Cell, rank: &Rank, offered: &mut [bool]| {
             // Jitter below any real difference breaks ties between equal chains at random.
@@ -561,7 +563,7 @@ impl Registry {
         };
         for cell in &g.cells {
             match cell.head {
-                Some(h) if depth == 1 && h.room && now.duration_since(h.beat) <= 3 * hb && !excluded.contains(&h.rank.slot) => {
+                Some(h) if depth == 1 && h.room && since.is_none_or(|t| h.beat >= t) && !excluded.contains(&h.rank.slot) => {
                     offer(cell, &h.rank, &mut offered)
                 }
                 _ => {
