@@ -109,18 +109,42 @@ fn family(arch: Arch) -> Family {
 }
 
 /// A linear congruential generator: the weights depend on the seed alone.
+#[derive(Clone, Copy)]
 struct Rng(u64);
 impl Rng {
+    const A: u64 = 6364136223846793005;
+    const C: u64 = 1442695040888963407;
+    /// Draws one `normalish` value takes.
+    const DRAWS: u64 = 4;
+
     fn normalish(&mut self) -> f32 {
         // Sum of uniforms: cheap, bounded, close enough to normal for weights.
         let mut s = 0f32;
-        for _ in 0..4 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        for _ in 0..Self::DRAWS {
+            self.0 = self.0.wrapping_mul(Self::A).wrapping_add(Self::C);
             s += (self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
         }
         s
     }
+
+    /// The generator `n` draws on, in O(log n): a step is x → A·x + C, and steps compose as
+    /// affine maps, so the map of n steps is built by squaring.
+    fn skip(self, mut n: u64) -> Rng {
+        let (mut a, mut c) = (Self::A, Self::C);
+        let (mut acc_a, mut acc_c) = (1u64, 0u64);
+        while n > 0 {
+            if n & 1 == 1 {
+                (acc_a, acc_c) = (acc_a.wrapping_mul(a), acc_c.wrapping_mul(a).wrapping_add(c));
+            }
+            (a, c) = (a.wrapping_mul(a), c.wrapping_mul(a).wrapping_add(c));
+            n >>= 1;
+        }
+        Rng(acc_a.wrapping_mul(self.0).wrapping_add(acc_c))
+    }
 }
+
+/// Rows below which a matrix is not worth another thread.
+const MIN_PART_ROWS: usize = 256;
 
 /// The file being written and the generator its tensors draw from, in the order they are added.
 struct Tensors {
@@ -134,12 +158,28 @@ impl Tensors {
     fn matrix(&mut self, name: &str, k: usize, rows: usize, ty_of: &impl Fn(&str, usize) -> GgmlType) -> Result<(), EngineError> {
         let ty = ty_of(name, k);
         let scale = 2.0 / (k as f32).sqrt();
-        let mut data = Vec::new();
-        let mut row = vec![0f32; k];
-        for _ in 0..rows {
-            row.iter_mut().for_each(|x| *x = self.rng.normalish() * scale);
-            dgr_gguf::quant::quantize_row(ty, &row, &mut data)?;
-        }
+        // The rows in parallel, each part's generator skipped to its first row: the same bytes as
+        // one pass, in a fraction of the time (a 7B-shaped file is billions of draws).
+        let per_row = Rng::DRAWS * k as u64;
+        let parts = std::thread::available_parallelism().map_or(1, |n| n.get()).min(rows.div_ceil(MIN_PART_ROWS)).max(1);
+        let part_rows = rows.div_ceil(parts);
+        let first = self.rng;
+        let quantize = |lo: usize, hi: usize| -> Result<Vec<u8>, EngineError> {
+            let mut rng = first.skip(per_row * lo as u64);
+            let (mut data, mut row) = (Vec::new(), vec![0f32; k]);
+            for _ in lo..hi {
+                row.iter_mut().for_each(|x| *x = rng.normalish() * scale);
+                dgr_gguf::quant::quantize_row(ty, &row, &mut data)?;
+            }
+            Ok(data)
+        };
+        let done: Vec<Result<Vec<u8>, EngineError>> = std::thread::scope(|s| {
+            let quantize = &quantize;
+            let handles: Vec<_> = (0..parts).map(|p| s.spawn(move || quantize(p * part_rows, ((p + 1) * part_rows).min(rows)))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+        });
+        let data = done.into_iter().collect::<Result<Vec<_>, _>>()?.concat();
+        self.rng = first.skip(per_row * rows as u64);
         Ok(self.w.add_tensor(name, ty, &[k as u64, rows as u64], data)?)
     }
 
@@ -250,5 +290,35 @@ impl SynthSpec {
             t.matrix("output.weight", h, self.vocab, &ty_of)?;
         }
         Ok(t.w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_skipped_generator_is_where_stepping_gets() {
+        let mut stepped = Rng(12345);
+        for n in 0..300u64 {
+            assert_eq!(Rng(12345).skip(n).0, stepped.0, "after {n} draws");
+            stepped.0 = stepped.0.wrapping_mul(Rng::A).wrapping_add(Rng::C);
+        }
+    }
+
+    #[test]
+    fn a_matrix_made_in_parts_is_the_one_made_in_one_pass() {
+        // 1,000 rows: several parts wherever there are several cores, the last one short.
+        let (k, rows) = (64, 1000);
+        let mut t = Tensors { w: GgufWriter::new(), rng: Rng(7) };
+        t.matrix("m", k, rows, &|_, _| GgmlType::Q8_0).unwrap();
+        let (mut rng, mut want, mut row) = (Rng(7), Vec::new(), vec![0f32; k]);
+        for _ in 0..rows {
+            row.iter_mut().for_each(|x| *x = rng.normalish() * 2.0 / (k as f32).sqrt());
+            dgr_gguf::quant::quantize_row(GgmlType::Q8_0, &row, &mut want).unwrap();
+        }
+        let g = dgr_gguf::Gguf::from_bytes(t.w.to_bytes()).unwrap();
+        assert!(g.tensor_data(g.tensor("m").unwrap()) == want, "the parts' bytes differ from one pass");
+        assert_eq!(t.rng.0, rng.0, "the generator goes on from where one pass leaves it");
     }
 }
