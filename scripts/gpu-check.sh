@@ -52,7 +52,8 @@ if "#if VK_HEADER_VERSION >= 261" not in s:
     open(p, "w").write(s)
 PY
     # Portable x86-64 (AVX2) for the few operations left on the CPU; no OpenMP and a static C++
-    # runtime, so the binaries need nothing on the GPU machine but glibc and the Vulkan loader.
+    # runtime, so the binaries need nothing on the GPU machine but the Vulkan loader and a glibc
+    # no older than this machine's (2.36; the lent machines run Ubuntu 24.04's 2.39).
     cmake -S "$src" -B "$src/build-vulkan" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_VULKAN=ON -DGGML_OPENMP=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF \
         -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
@@ -144,7 +145,7 @@ run() {
         step suite 120 bash -c "cd crates/engine && $unpacked/tests/dgr_engine gpu && $unpacked/tests/invariance" ;;
     esac
     case ",$steps," in *,engine,*)
-        step engine 150 dgr bench engine -m "$model" --device gpu -t "$threads" -r 3 --bandwidth-mib 0 \
+        step engine 150 dgr bench engine -m "$model" --device gpu -t "$threads" -r 3 \
             --llama-bench "$unpacked/bin/llama-bench" --out "$OUT/records" ;;
     esac
     case ",$steps," in *,batch,*)

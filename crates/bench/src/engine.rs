@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
     /// MiB of the buffer this machine's streaming read bandwidth is measured on with the same
-    /// threads, each repetition, to set decode's rate beside (0: not measured)
+    /// threads, each repetition, to set decode's rate beside (0: not measured; never on a GPU)
     #[arg(long, default_value_t = bandwidth::DEFAULT_MIB)]
     bandwidth_mib: usize,
     /// Paired repetitions (dgr, then llama-bench, each time)
@@ -89,9 +89,10 @@ pub fn run(a: Args) -> Result<()> {
     let g = a.model.open()?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     let per_token = weight_bytes_per_token(&g);
-    let reader = if a.bandwidth_mib > 0 { Some(Reader::new(a.bandwidth_mib, a.threads)?) } else { None };
     let spec = a.numerics.spec(a.threads);
     let device = peer::PeerDevice::of(spec.backend);
+    // Host memory's read rate says nothing of a GPU's decode: measured for the CPU only.
+    let reader = if a.bandwidth_mib > 0 && device == peer::PeerDevice::Cpu { Some(Reader::new(a.bandwidth_mib, a.threads)?) } else { None };
     let stage = open_engine(g, 0..n_layers, spec)?;
     dgr_rep(&stage, a.prompt_tokens, a.gen_tokens)?; // warm-up: page in the weights
     let (mut dp, mut dd, mut lp, mut ld, mut tp, mut td) = (vec![], vec![], vec![], vec![], vec![], vec![]);

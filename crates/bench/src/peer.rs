@@ -1,4 +1,5 @@
-//! Finding and running the llama.cpp tools built by shared/tools/build-llama-ref.sh.
+//! Finding and running the llama.cpp tools built by shared/tools/build-llama-ref.sh (and, with
+//! Vulkan, by scripts/gpu-check.sh prepare).
 
 use crate::error::{BenchError, Context, Result};
 use std::path::{Path, PathBuf};
@@ -158,7 +159,7 @@ pub fn llama_batched(
 
 /// The layers a llama.cpp tool's log says it offloaded to a GPU, and of how many: its
 /// "offloaded N/M layers to GPU" line.
-pub fn offloaded(log: &str) -> Option<(u32, u32)> {
+fn offloaded(log: &str) -> Option<(u32, u32)> {
     let rest = &log[log.find("offloaded ")? + "offloaded ".len()..];
     let (n, rest) = rest.split_once('/')?;
     let m = rest.split_once(' ')?.0;
