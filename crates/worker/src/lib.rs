@@ -12,6 +12,7 @@ mod config;
 mod fault;
 mod fetch;
 mod join;
+mod load;
 mod metrics;
 mod plan;
 mod prefix;

@@ -47,7 +47,9 @@ pub(crate) struct RingIn {
 }
 
 /// A step whose stages computed for less than this part of the ring's cycle waited on its links
-/// for the rest: draft rows cost it almost nothing, so drafting does not pause after misses.
+/// for the rest: draft rows cost it almost nothing, so drafting does not pause after misses —
+/// unless the first stage is busy for as large a part of its time with other sessions' steps,
+/// which its drafts' rows would then delay.
 const CHEAP_ROWS: u32 = 4;
 
 impl RingIn {
@@ -57,13 +59,15 @@ impl RingIn {
 
     /// Turns the last stage's token `f`, arrived `at`, into the next step: the token and its
     /// drafts. The token's position says how many of the last step's drafts were accepted.
-    pub fn step(&mut self, f: &mut Forward, at: Instant) -> Result<(), String> {
+    /// `load`: the share of recent time this stage computed.
+    pub fn step(&mut self, f: &mut Forward, at: Instant, load: f64) -> Result<(), String> {
         let p = f.position as usize;
         if f.tokens.len() != 1 || !f.draft.is_empty() || !f.hidden.is_empty() {
             return Err("a ring's frame holds one token and nothing else".into());
         }
         let cycle = self.arrived.replace(at).map(|t| at.saturating_duration_since(t));
-        let cheap = cycle.is_some_and(|c| f.step_compute_us.saturating_mul(CHEAP_ROWS as u64) < c.as_micros() as u64);
+        let cheap = load * (CHEAP_ROWS as f64) < 1.0
+            && cycle.is_some_and(|c| f.step_compute_us.saturating_mul(CHEAP_ROWS as u64) < c.as_micros() as u64);
         if let Some((start, draft)) = self.drafted.take() {
             let accepted = p.checked_sub(start).filter(|&a| a <= draft.len());
             let accepted =
@@ -113,12 +117,12 @@ mod tests {
         let prompt = vec![1, 2, 3, 4, 1, 2];
         let mut ring = RingIn::new(&Ring { speculate: 4, prompt: prompt.clone(), ..Default::default() }, 20);
         let mut f = Forward { position: 6, tokens: vec![3], ring: true, sample: true, ..Default::default() };
-        ring.step(&mut f, Instant::now()).unwrap();
+        ring.step(&mut f, Instant::now(), 0.0).unwrap();
         // "1 2 3" occurred at the start: 4 1 2 3 followed it.
         assert_eq!((f.tokens.clone(), f.draft.clone()), (vec![3, 4, 1, 2, 3], vec![4, 1, 2, 3]));
         // Two drafts accepted: the next token is at 6 + 1 + 2.
         let mut f = Forward { position: 9, tokens: vec![9], ring: true, sample: true, ..Default::default() };
-        ring.step(&mut f, Instant::now()).unwrap();
+        ring.step(&mut f, Instant::now(), 0.0).unwrap();
         assert_eq!(ring.tokens, [1, 2, 3, 4, 1, 2, 3, 4, 1, 9]);
         // A position the drafts cannot explain, or a frame with more than its token.
         for bad in [
@@ -128,12 +132,12 @@ mod tests {
             let mut again = RingIn::new(&Ring { speculate: 4, prompt: prompt.clone(), ..Default::default() }, 20);
             again.drafted = Some((7, vec![4, 1, 2]));
             again.tokens.push(3);
-            assert!(again.step(&mut bad.clone(), Instant::now()).is_err(), "{bad:?}");
+            assert!(again.step(&mut bad.clone(), Instant::now(), 0.0).is_err(), "{bad:?}");
         }
         // No drafts past the room the positions leave.
         let mut short = RingIn::new(&Ring { speculate: 4, prompt: prompt.clone(), ..Default::default() }, 9);
         let mut f = Forward { position: 6, tokens: vec![3], ..Default::default() };
-        short.step(&mut f, Instant::now()).unwrap();
+        short.step(&mut f, Instant::now(), 0.0).unwrap();
         assert_eq!(f.draft, [4]);
     }
 
@@ -144,14 +148,17 @@ mod tests {
         let cycle = std::time::Duration::from_millis(100);
         // After a step of 4 drafts that accepted none, the next step's drafts, when the step
         // computed for `compute_us` of the 100 ms between two ring tokens.
-        let after_a_miss = |compute_us: u64| {
+        // computed for `compute_us` of the 100 ms between two ring tokens, the first stage busy for
+        // `load` of its time.
+        let after_a_miss = |compute_us: u64, load: f64| {
             let mut r = RingIn::new(&ring, 32);
-            r.step(&mut Forward { position: 6, tokens: vec![3], ..Default::default() }, t0).unwrap();
+            r.step(&mut Forward { position: 6, tokens: vec![3], ..Default::default() }, t0, load).unwrap();
             let mut f = Forward { position: 7, tokens: vec![1], step_compute_us: compute_us, ..Default::default() };
-            r.step(&mut f, t0 + cycle).unwrap();
+            r.step(&mut f, t0 + cycle, load).unwrap();
             f.draft
         };
-        assert_eq!(after_a_miss(1_000), [2], "1 ms of 100: drafting goes on (one draft: the miss's allowance)");
-        assert!(after_a_miss(90_000).is_empty(), "90 ms of 100: drafting pauses");
+        assert_eq!(after_a_miss(1_000, 0.05), [2], "1 ms of 100: drafting goes on (one draft: the miss's allowance)");
+        assert!(after_a_miss(90_000, 0.05).is_empty(), "90 ms of 100: drafting pauses");
+        assert!(after_a_miss(1_000, 0.6).is_empty(), "the stage busy with other sessions: drafting pauses");
     }
 }

@@ -3,6 +3,7 @@
 //! and runs one batched forward per compatibility key.
 
 use crate::compat::{CompatKey, Phase};
+use crate::load::Load;
 use crate::plan::{plan, Batch, Policy, Ready};
 use crate::prefix::{self, Key, PrefixCache};
 use crate::ring::{RingIn, RingOut};
@@ -198,6 +199,8 @@ pub(crate) struct Scheduler<E: Engine> {
     reserved: usize,
     drain: Option<Instant>,
     policy: Policy,
+    /// The share of recent time the stage computed.
+    load: Load,
     model_id: Arc<str>,
     /// When the last frame arrived: a burst of arrivals still coming is worth waiting for.
     last_arrival: Instant,
@@ -245,6 +248,7 @@ impl<E: Engine> Scheduler<E> {
             reserved: 0,
             drain: None,
             policy,
+            load: Load::default(),
             model_id,
             last_arrival: Instant::now(),
             last_step_end: Instant::now(),
@@ -559,10 +563,11 @@ impl<E: Engine> Scheduler<E> {
         };
         let stage_index = s.stage_index;
         let nonfinite = &self.metrics.nonfinite_frames;
+        let load = self.load.share(at);
         // A ring's token comes back to its first stage, which makes it the next step.
         let ringed = match (f.ring, s.ring_in.as_mut()) {
             (false, _) => Ok(()),
-            (true, Some(r)) => r.step(&mut f, at).map_err(|m| (ErrorKind::BadInput, m)),
+            (true, Some(r)) => r.step(&mut f, at, load).map_err(|m| (ErrorKind::BadInput, m)),
             (true, None) => Err((ErrorKind::BadFrame, "a ring's token for a session this stage does not start".into())),
         };
         // A session's first rows may start past the prefix it was told is cached here.
@@ -807,6 +812,7 @@ impl<E: Engine> Scheduler<E> {
         m.steps.fetch_add(1, Relaxed);
         m.step_rows.fetch_add(rows as u64, Relaxed);
         m.step_micros.fetch_add(compute_us, Relaxed);
+        self.load.step(Duration::from_micros(compute_us), Instant::now());
         m.last_batch_sessions.store((chosen.len() - bad.len()) as u64, Relaxed);
         m.batch(batch.key.phase, batch.key.seam_dtype, chosen.len() - bad.len());
         let mut outputs = match result {
