@@ -147,7 +147,6 @@ mod tests {
         let t0 = Instant::now();
         let cycle = std::time::Duration::from_millis(100);
         // After a step of 4 drafts that accepted none, the next step's drafts, when the step
-        // computed for `compute_us` of the 100 ms between two ring tokens.
         // computed for `compute_us` of the 100 ms between two ring tokens, the first stage busy for
         // `load` of its time.
         let after_a_miss = |compute_us: u64, load: f64| {
