@@ -77,22 +77,12 @@ fn pick_model(rng: &mut Rng) -> &'static Model {
         .unwrap_or(&MODELS[MODELS.len() - 1])
 }
 
-/// Worker `i`'s registration: the common splits (whole model, halves, quarters, eighths) and,
-/// for one worker in five, a random range of 4 to 24 layers; 100 to 1,000 µs per layer.
+/// Worker `i`'s registration: layers as `SplitMix64::layer_range` draws them, 100 to 1,000 µs
+/// per layer.
 fn registration(i: usize, rng: &mut Rng) -> Registration {
     let m = pick_model(rng);
     let n = m.n_layers;
-    let (start, end) = match rng.below(5) {
-        4 => {
-            let start = rng.below(n);
-            (start, (start + 4 + rng.below(21)).min(n))
-        }
-        k => {
-            let parts = 1 << k;
-            let p = rng.below(parts);
-            (p * n / parts, (p + 1) * n / parts)
-        }
-    };
+    let (start, end) = rng.layer_range(n);
     Registration {
         engine: ENGINE.into(),
         model_id: m.id.into(),

@@ -119,17 +119,7 @@ fn bench_swarm(c: &mut Criterion) {
     let n = 10_000;
     for i in 0..n {
         let (model, layers) = MODELS[usize::from(rng.unit() >= 0.6)];
-        let (start, end) = match rng.below(5) {
-            4 => {
-                let start = rng.below(layers);
-                (start, (start + 4 + rng.below(21)).min(layers))
-            }
-            k => {
-                let parts = 1 << k;
-                let p = rng.below(parts);
-                (p * layers / parts, (p + 1) * layers / parts)
-            }
-        };
+        let (start, end) = rng.layer_range(layers);
         let reg = Registration {
             engine: "e".into(),
             model_id: model.into(),

@@ -21,4 +21,39 @@ impl SplitMix64 {
     pub fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
+
+    /// A swarm worker's layers of an `n`-layer model, as the benches lay swarms out: the common
+    /// splits (the whole model, a half, a quarter or an eighth) and, one time in five, a random
+    /// range of 4 to 24 layers.
+    pub fn layer_range(&mut self, n: u32) -> (u32, u32) {
+        match self.below(5) {
+            4 => {
+                let start = self.below(n);
+                (start, (start + 4 + self.below(21)).min(n))
+            }
+            k => {
+                let parts = 1 << k;
+                let p = self.below(parts);
+                (p * n / parts, (p + 1) * n / parts)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_ranges_are_common_splits_or_short_random_runs_inside_the_model() {
+        let mut rng = SplitMix64(7);
+        for n in [32, 80] {
+            for _ in 0..1000 {
+                let (s, e) = rng.layer_range(n);
+                assert!(s < e && e <= n, "{s}..{e} of {n}");
+                let split = [1, 2, 4, 8].iter().any(|&p| (e - s) == n / p && s % (n / p) == 0);
+                assert!(split || (e - s <= 24 && (e - s >= 4 || e == n)), "{s}..{e} of {n}");
+            }
+        }
+    }
 }

@@ -563,11 +563,10 @@ impl<E: Engine> Scheduler<E> {
         };
         let stage_index = s.stage_index;
         let nonfinite = &self.metrics.nonfinite_frames;
-        let load = self.load.share(at);
         // A ring's token comes back to its first stage, which makes it the next step.
         let ringed = match (f.ring, s.ring_in.as_mut()) {
             (false, _) => Ok(()),
-            (true, Some(r)) => r.step(&mut f, at, load).map_err(|m| (ErrorKind::BadInput, m)),
+            (true, Some(r)) => r.step(&mut f, at, self.load.share(at)).map_err(|m| (ErrorKind::BadInput, m)),
             (true, None) => Err((ErrorKind::BadFrame, "a ring's token for a session this stage does not start".into())),
         };
         // A session's first rows may start past the prefix it was told is cached here.
