@@ -23,6 +23,11 @@ pub struct RouteArgs {
     /// cannot answer), for a route and its signed ticket, and report the request's usage to the ledger
     #[arg(long, value_parser = crate::addr::list)]
     pub tracker: Option<String>,
+    /// With --tracker: take the cheapest route of any engine, one that mixes engines (CPU
+    /// layers, then GPU layers) included, as the gateway does, instead of a route of the engine
+    /// --device, --numerics and --kv-dtype name
+    #[arg(long, requires = "tracker")]
+    pub any_engine: bool,
     /// The API key the tracker bills (needed once the tracker has keys)
     #[arg(long, env = "DGR_API_KEY", default_value = "", hide_env_values = true)]
     pub api_key: String,
@@ -83,8 +88,8 @@ pub fn generate(
         let (route, ticket, request_id) = match &a.tracker {
             Some(t) => {
                 let request_id = tracker::new_request_id();
-                let (route, ticket) =
-                    tracker::route(t, &model_id, &engine.to_string(), budget, &a.api_key, &request_id, &[], &req.prompt_tokens).await?;
+                let ask = if a.any_engine { String::new() } else { engine.to_string() };
+                let (route, ticket) = tracker::route(t, &model_id, &ask, budget, &a.api_key, &request_id, &[], &req.prompt_tokens).await?;
                 (route, Some(ticket), request_id)
             }
             None => (Route::discover(&addrs, opts.connect_timeout).await?, None, String::new()),
@@ -93,8 +98,8 @@ pub fn generate(
             let msg = format!("the route serves model {} but --model is {model_id}", route.model_id());
             return Err(DriveError::new(FailKind::Route, Some(0), Some(&route.stages[0].addr), msg));
         }
-        if route.stages[0].info.engine != engine.to_string() {
-            let msg = format!("the route computes with engine {} but this run asks for {engine}", route.stages[0].info.engine);
+        if !a.any_engine && route.engine() != engine.to_string() {
+            let msg = format!("the route computes with engine {} but this run asks for {engine}", route.engine());
             return Err(DriveError::new(FailKind::Route, Some(0), Some(&route.stages[0].addr), msg));
         }
         let g = GenRequest {
@@ -147,6 +152,7 @@ pub fn generate(
             "route": route.addrs(),
             "layers": route.stages.iter().map(|s| [s.info.layer_start, s.info.layer_end]).collect::<Vec<_>>(),
             "worker_ids": route.stages.iter().map(|s| s.worker_id.clone()).collect::<Vec<_>>(),
+            "engine": route.engine(),
             "request_id": request_id,
             "ledger": ledger,
             "recoveries": rec.recoveries,

@@ -54,13 +54,12 @@ fn the_gpu_stays_within_1e_3_of_the_exact_computation_on_gemma3() {
     check("gemma-3-270m Q4_K_M", &gemma3_model(), 3, "gemma3-270m-q4_k_m-exact.json", "gemma3-270m-q4_k_m-llamacpp.json", "f32");
 }
 
-/// `dgr generate` of 32 greedy tokens of `prompt` over `route`.
-fn generate(route: &str, prompt: &str) -> serde_json::Value {
-    // The run names the engine of the route's first stage, the CPU's exact one.
-    let engine = ["--device", "cpu", "--numerics", "exact"];
+/// `dgr generate` of `n` greedy tokens of `prompt` over `route`, whatever its engines.
+fn generate_n(route: &str, prompt: &str, n: usize) -> serde_json::Value {
+    let n = n.to_string();
     let args =
-        ["generate", "--format", "json", "--max-tokens", "32", "--ignore-eos", "--top-logprobs", "2", "--route", route, "--prompt", prompt];
-    let out = dgr().args(args).args(engine).arg("--model").arg(model()).output().unwrap();
+        ["generate", "--format", "json", "--max-tokens", &n, "--ignore-eos", "--top-logprobs", "2", "--route", route, "--prompt", prompt];
+    let out = dgr().args(args).arg("--any-engine").arg("--model").arg(model()).output().unwrap();
     assert!(
         out.status.success(),
         "generate over {route}: {}{}",
@@ -68,6 +67,10 @@ fn generate(route: &str, prompt: &str) -> serde_json::Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn generate(route: &str, prompt: &str) -> serde_json::Value {
+    generate_n(route, prompt, 32)
 }
 
 /// A route of a CPU stage (layers 0..15, exact numerics) and a GPU stage (15..30) generates the
@@ -125,6 +128,51 @@ fn a_route_of_cpu_and_gpu_stages_generates_the_cpu_routes_tokens_where_the_margi
     assert!(to_cpu.len() >= 32, "the mixed route followed the CPU route for only {} steps", to_cpu.len());
     assert!(!to_exact.is_empty() && mean(&to_exact) <= 1e-3, "the mixed route's mean |Δ logprob| from float64 {} > 1e-3", mean(&to_exact));
     assert!(mean(&to_cpu) <= 1e-3, "the mixed route's mean |Δ logprob| from the CPU route {} > 1e-3", mean(&to_cpu));
+}
+
+/// A tracker whose workers cover the model only by mixing engines (the CPU holds layers 0..15,
+/// the GPU and the CPU hold 15..30) routes a request that asks for any engine over a mix, and
+/// names it by layer; when the GPU stage is lost, the replay computes 15..30 on a GPU again
+/// (though a CPU worker there looks cheaper), so its tokens are those of a fault-free route of
+/// the same engines.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_tracker_plans_a_mixed_route_and_its_replay_keeps_each_layers_engine() {
+    use std::time::Duration;
+    if !have_gpu() {
+        return;
+    }
+    let prompt = "The quick brown fox";
+    let cpu = ["--device", "cpu", "--numerics", "exact"];
+    let (front, back) = (Workers::start(&[0, 15], &cpu), Workers::start(&[15, 30], &["--device", "gpu"]));
+    let want = generate_n(&format!("{},{}", front.route(), back.route()), prompt, 8);
+    let engine = want["engine"].as_str().unwrap().to_string();
+    assert!(engine.starts_with("gguf-cpu-exact@0..15+gguf-gpu.") && engine.ends_with("-exact@15..30"), "{engine}");
+
+    let t = Tracker::start("gpu-mixed", &[]);
+    let step = |us: &'static str| ("DGR_FAULT_STEP_US_PER_LAYER", us);
+    let head = Worker::start_with_env(&t, (0, 15), "head", &cpu, &[step("100")]);
+    // The planner takes the fast-looking GPU stage first; its GPU goes just before its fourth step.
+    let gpu = ["--device", "gpu"];
+    let lost = Worker::start_with_env(&t, (15, 30), "lost", &gpu, &[step("100"), ("DGR_FAULT_LOSE_DEVICE_AT_STEP", "3")]);
+    let spare = Worker::start_with_env(&t, (15, 30), "spare", &gpu, &[step("100000")]);
+    let cpu_tail = Worker::start_with_env(&t, (15, 30), "cpu-tail", &cpu, &[step("50000")]);
+    t.wait_live(&[&head.id, &lost.id, &spare.id, &cpu_tail.id], Duration::from_secs(30), "the four workers");
+    // Asked for the CPU's engine, the tracker routes over CPU workers alone.
+    let cpu_only = t.generate(&[&cpu[..], &["--prompt", prompt, "--max-tokens", "2", "--ignore-eos"]].concat());
+    assert_eq!(cpu_only["engine"], "gguf-cpu-exact", "{cpu_only}");
+
+    let got = t.generate(&["--any-engine", "--prompt", prompt, "--max-tokens", "8", "--ignore-eos"]);
+    assert_eq!(got["tokens"], want["tokens"], "the replayed mixed route's tokens: {got}");
+    assert_eq!(got["engine"], engine.as_str(), "{got}");
+    let recoveries = got["recoveries"].as_array().unwrap_or_else(|| panic!("no recoveries: {got}"));
+    assert_eq!((recoveries.len(), recoveries[0]["kind"].as_str()), (1, Some("device_lost")), "{got}");
+    assert_eq!(got["worker_ids"], serde_json::json!([head.id, spare.id]), "the replay's route: {got}");
+    // The ledger keeps each request under its route's engine.
+    let by_key = t.usage("key");
+    let engines: Vec<&str> = by_key["rows"].as_array().unwrap().iter().filter_map(|r| r["engine"].as_str()).collect();
+    assert!(engines.contains(&engine.as_str()) && engines.contains(&"gguf-cpu-exact"), "{by_key}");
+    println!("a mixed route {engine} replayed after {} tokens onto a GPU again: {}", recoveries[0]["at_token"], got["text"]);
 }
 
 /// A GPU that is not there, and numerics the GPU has no kernels for, are refused at start,

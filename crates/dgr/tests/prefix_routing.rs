@@ -101,6 +101,7 @@ impl Held {
                 addr: String::new(),
                 layer_start: 3 * i as u32,
                 layer_end: 3 * i as u32 + 3,
+                engine: String::new(),
             })
             .collect();
         let ask = RouteRequest {

@@ -116,8 +116,9 @@ where
     let (mut attempts, mut recoveries) = (Vec::new(), Vec::<Recovery>::new());
     let mut exclude: Vec<String> = Vec::new();
     let (mut route, mut ticket) = first;
-    // A replay runs on the engine the session started on: another engine computes other bits.
-    let engine = route.stages.first().map(|s| s.info.engine.clone()).unwrap_or_default();
+    // A replay computes each layer on the engine that computed it first: another engine
+    // computes other bits.
+    let engine = route.engine();
     loop {
         let session = ticket.as_ref().map(|(_, id)| *id).unwrap_or_default();
         let mut prompt = req.prompt_tokens.clone();
@@ -178,12 +179,12 @@ where
                 exclude.extend(worker_id.clone());
                 let detected = Instant::now();
                 let budget = (req.prompt_tokens.len() + req.max_tokens) as u64;
-                let replanned = replan(exclude.clone(), budget, engine.clone()).await.and_then(|(r, t)| match r.stages.first() {
-                    Some(s) if s.info.engine != engine => Err(DriveError::new(
+                let replanned = replan(exclude.clone(), budget, engine.clone()).await.and_then(|(r, t)| match r.engine() {
+                    e if e != engine => Err(DriveError::new(
                         FailKind::Route,
                         None,
                         None,
-                        format!("the replacement route runs engine {:?}, not {engine:?}", s.info.engine),
+                        format!("the replacement route runs engine {e:?}, not {engine:?}"),
                     )),
                     _ => Ok((r, t)),
                 });

@@ -97,13 +97,20 @@ impl Route {
                     vocab: reply.vocab,
                     max_positions: t.budget_tokens,
                     version: String::new(),
-                    engine: t.engine.clone(),
+                    // A tracker before protocol version 13 named one engine, the ticket's.
+                    engine: if s.engine.is_empty() { t.engine.clone() } else { s.engine.clone() },
                 },
             })
             .collect();
         let route = Route { stages };
         route.check()?;
         Ok(route)
+    }
+
+    /// The route engine (`dgr_proto::route_engine`): the engine id its stages share, or each
+    /// engine with its layers where they differ.
+    pub fn engine(&self) -> String {
+        dgr_proto::route_engine(self.stages.iter().map(|s| (s.info.engine.as_str(), s.info.layer_start, s.info.layer_end)))
     }
 
     pub fn model_id(&self) -> &str {

@@ -103,7 +103,8 @@ pub fn request_usage(
         request_id: request_id.into(),
         api_key: api_key.into(),
         model_id: model_id.into(),
-        engine: String::new(),
+        // A replay runs on the route engine of the first route (`generate_recovering`).
+        engine: attempts.first().map(|a| a.route.engine()).unwrap_or_default(),
         prompt_tokens: prompt_tokens as u64,
         completion_tokens: completion as u64,
         status: status.as_str().into(),

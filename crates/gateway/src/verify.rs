@@ -37,6 +37,7 @@ impl Gateway {
                 addr: String::new(),
                 layer_start: st.info.layer_start,
                 layer_end: st.info.layer_end,
+                engine: st.info.engine.clone(),
             })
             .collect();
         let mut prompt = s.prompt.clone();

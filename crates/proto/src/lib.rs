@@ -13,6 +13,7 @@ mod draft;
 mod messages;
 mod net;
 mod prefix;
+mod route_engine;
 mod seam;
 mod secure;
 mod ticket;
@@ -31,6 +32,7 @@ pub use prefix::{
     check_prefix_blocks, check_prefix_probes, prefix_chain, prefix_chain_bytes, prefix_probes, route_digest, tenant_mask, MAX_HELD_DIGESTS,
     MAX_PREFIX_PROBES, PREFIX_BLOCK,
 };
+pub use route_engine::{is_engine_id, parse_route_engine, route_engine, EngineSpan, MAX_ENGINE_ID, MAX_ENGINE_SPANS, MAX_ROUTE_ENGINE};
 pub use seam::{decode_rows, encode_rows, SeamDtype};
 pub use secure::{
     initiate, insecure_plaintext, is_preamble, local_key, respond, respond_as, set_identity, set_insecure_plaintext, Identity, SecureError,
@@ -43,7 +45,7 @@ pub use tracker::*;
 pub use trust::{check_peer, check_route_peer, parse_peer_key, parse_tracker_key, pin_peer_keys, pin_tracker_keys};
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

@@ -164,7 +164,7 @@ mod tests {
     use crate::{BoundarySchema, PROTOCOL_VERSION};
 
     fn stage(w: &str, a: u32, b: u32, addr: &str) -> RouteStage {
-        RouteStage { worker_id: w.into(), addr: addr.into(), layer_start: a, layer_end: b }
+        RouteStage { worker_id: w.into(), addr: addr.into(), layer_start: a, layer_end: b, engine: String::new() }
     }
 
     fn ticket() -> Ticket {

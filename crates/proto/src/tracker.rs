@@ -263,7 +263,8 @@ pub struct WorkerUsage {
 pub struct RouteRequest {
     #[prost(string, tag = "1")]
     pub model_id: String,
-    /// Empty: any engine.
+    /// Empty: any engine, or any mix of engines along the route; an engine id: stages of that
+    /// engine only; a route engine of several (`route_engine`): the same engine at every layer.
     #[prost(string, tag = "2")]
     pub engine: String,
     /// Positions the session may use (prompt + max tokens): the ticket's budget.
@@ -298,6 +299,10 @@ pub struct RouteStage {
     pub layer_start: u32,
     #[prost(uint32, tag = "4")]
     pub layer_end: u32,
+    /// The engine this stage computes with (its registration's); in a route request's `fixed`
+    /// stages, the engine a swapped-in worker must run (empty: the named workers').
+    #[prost(string, tag = "5")]
+    pub engine: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

@@ -8,7 +8,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use dgr_proto::Registration;
 use dgr_tracker::plan::{plan, Candidate};
-use dgr_tracker::registry::{Joining, Registry};
+use dgr_tracker::registry::{Joining, Registry, Want};
 use dgr_tracker::splitmix::SplitMix64;
 use std::hint::black_box;
 
@@ -83,9 +83,11 @@ fn bench_registry(c: &mut Criterion) {
     let mut group = c.benchmark_group("registry");
     for n in [1_000, 10_000] {
         let mut r = registry(n, 0);
-        assert!(r.plan_route("m", "", &[], &[]).is_some(), "the instance must be routable");
+        assert!(r.plan_route("m", &Want::Any, &[], &[]).is_some(), "the instance must be routable");
         // Each route counts in its workers' load, so successive routes spread as under real load.
-        group.bench_function(BenchmarkId::new("plan_route", n), |b| b.iter(|| r.plan_route("m", "", &[], &[]).map(|p| p.stages.len())));
+        group.bench_function(BenchmarkId::new("plan_route", n), |b| {
+            b.iter(|| r.plan_route("m", &Want::Any, &[], &[]).map(|p| p.stages.len()))
+        });
         let mut rng = SplitMix64(n as u64);
         for i in 0..n {
             let held = (0..4).flat_map(|_| {
@@ -95,12 +97,12 @@ fn bench_registry(c: &mut Criterion) {
             r.heartbeat(&format!("w{i}"), Default::default(), Some(held.collect()));
         }
         let asks: Vec<_> = (0..INSTANCES).map(|_| probes(rng.below(PROMPTS as u32) as u64)).collect();
-        assert!(asks.iter().any(|a| r.plan_route("m", "", &[], a).is_some_and(|p| p.prefix_stages > 0)), "holders are found");
+        assert!(asks.iter().any(|a| r.plan_route("m", &Want::Any, &[], a).is_some_and(|p| p.prefix_stages > 0)), "holders are found");
         let mut i = 0;
         group.bench_function(BenchmarkId::new("plan_route_prefix", n), |b| {
             b.iter(|| {
                 i = (i + 1) % asks.len();
-                r.plan_route("m", "", &[], black_box(&asks[i])).map(|p| p.stages.len())
+                r.plan_route("m", &Want::Any, &[], black_box(&asks[i])).map(|p| p.stages.len())
             })
         });
     }
@@ -143,7 +145,7 @@ fn bench_swarm(c: &mut Criterion) {
                 r.heartbeat(&ids[beat % n], load, None);
                 beat += 1;
             }
-            r.plan_route(model, "", &[], &[]).map(|p| p.stages.len())
+            r.plan_route(model, &Want::Any, &[], &[]).map(|p| p.stages.len())
         })
     });
 }

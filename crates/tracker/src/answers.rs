@@ -1,13 +1,13 @@
 //! A client's requests: routes and their tickets, usage reports, the swarm, the ledger, keys,
 //! and quarantines. One request and its answer at a time per connection.
 
-use crate::registry::Probe;
+use crate::registry::{Probe, Want};
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
 use crate::store::{key_hash, Grant, Reservation, StoreError};
 use dgr_proto::{
     check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply,
     RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus,
-    TRACKER_MAX_FRAME,
+    MAX_ROUTE_ENGINE, TRACKER_MAX_FRAME,
 };
 use futures::StreamExt;
 use prost::Message;
@@ -85,6 +85,7 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
         return Err(Refused::new(RefusalKind::BadRequest, "at most 1024 excluded workers"));
     }
     check_prefix_probes(&r.prefix).map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
+    let want = Want::parse(&r.engine).map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
     let budget = r.budget_tokens;
     let expires_ms = unix_ms() + sh.cfg.reservation_ttl.as_millis() as u64;
     let reservation = Reservation { api_key: r.api_key.clone(), request_id: r.request_id.clone(), budget, expires_ms };
@@ -106,8 +107,7 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
     let planned = {
         let mut reg = lock(&sh.registry);
         if r.fixed.is_empty() {
-            reg.plan_route(&r.model_id, &r.engine, &r.exclude, &probes)
-                .ok_or_else(|| reg.covered_but_full(&r.model_id, &r.engine, &r.exclude))
+            reg.plan_route(&r.model_id, &want, &r.exclude, &probes).ok_or_else(|| reg.covered_but_full(&r.model_id, &want, &r.exclude))
         } else {
             reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude).ok_or(false)
         }
@@ -155,8 +155,9 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
 
 /// Stores a driver's report (settling its reservation) under the key it names.
 async fn request_usage(u: RequestUsage, sh: &Arc<Shared>) -> Result<TrackerBody, Refused> {
-    if u.request_id.is_empty() || u.request_id.len() > 256 || u.stages.len() > 1024 {
-        return Err(Refused::new(RefusalKind::BadRequest, "a usage report needs a request id (≤ 256 bytes) and ≤ 1024 stages"));
+    if u.request_id.is_empty() || u.request_id.len() > 256 || u.stages.len() > 1024 || u.engine.len() > MAX_ROUTE_ENGINE {
+        let msg = format!("a usage report needs a request id (≤ 256 bytes), ≤ 1024 stages and an engine of ≤ {MAX_ROUTE_ENGINE} bytes");
+        return Err(Refused::new(RefusalKind::BadRequest, msg));
     }
     u.usage_status().map_err(|e| Refused::new(RefusalKind::BadRequest, e.to_string()))?;
     let now = unix_ms();

@@ -119,8 +119,8 @@ fn check_join(j: &Join, nonce: &[u8], sh: &Shared) -> Result<Registration, (Refu
     if reg.n_layers == 0 || reg.layer_start >= reg.layer_end || reg.layer_end > reg.n_layers {
         return bad(format!("layers {}..{} of {}", reg.layer_start, reg.layer_end, reg.n_layers));
     }
-    if reg.model_id.is_empty() || reg.model_id.len() > 256 || reg.engine.is_empty() || reg.engine.len() > 64 || reg.addr.len() > 512 {
-        return bad("a registration needs a model id, an engine and an address of sane lengths".into());
+    if reg.model_id.is_empty() || reg.model_id.len() > 256 || !dgr_proto::is_engine_id(&reg.engine) || reg.addr.len() > 512 {
+        return bad("a registration needs a model id, an engine id (without @ or +) and an address of sane lengths".into());
     }
     if !reg.step_us_per_layer.is_finite() || reg.step_us_per_layer < 0.0 {
         return bad("a step time must be a finite non-negative number".into());

@@ -9,6 +9,12 @@
 //! the others: a plan offers the planner one usable worker per cell, the first in its order,
 //! however many replicas registered that range.
 //!
+//! A route may chain groups of one model and shape that run different engines (CPU layers, then
+//! GPU layers): asked for any engine, the plan runs over all of the model's groups at once, so a
+//! mixed route serves where it is the cheapest or the only cover. A recovery asks for the mixed
+//! route's engines by layer (`Want::Spans`), and each worker is offered only the layers its
+//! engine computed before.
+//!
 //! Cache-aware routing: workers report the route digests of the prefix blocks they hold, and the
 //! registry indexes them (digest → a few holders), so a plan looks up the holders of a request's
 //! prompt blocks (at most `MAX_PREFIX_PROBES` lookups) instead of scanning workers. A holder is
@@ -18,7 +24,7 @@
 //! times the other's, and a hot prefix spreads once its holders are that loaded.
 
 use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
-use dgr_proto::{Load, Registration, RouteStage, TrackerFrame};
+use dgr_proto::{EngineSpan, Load, Registration, RouteStage, TrackerFrame};
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -127,9 +133,44 @@ pub struct Registry {
     holders: HashMap<u64, Vec<u32>>,
 }
 
-/// A planned route: the chain, and the model's shape and engine as the workers registered them.
+/// The engines a route may run: any (mixed along the route where that is cheapest), one, or the
+/// engines of a route engine's spans, each at its layers (a recovery's).
+pub enum Want {
+    Any,
+    One(String),
+    Spans(Vec<EngineSpan>),
+}
+
+impl Want {
+    /// What a route request's `engine` asks for; a malformed route engine is an error.
+    pub fn parse(engine: &str) -> Result<Want, dgr_proto::ProtoError> {
+        Ok(match dgr_proto::parse_route_engine(engine)? {
+            Some(spans) => Want::Spans(spans),
+            None if engine.is_empty() => Want::Any,
+            None => Want::One(engine.into()),
+        })
+    }
+
+    fn admits(&self, engine: &str) -> bool {
+        match self {
+            Want::Any => true,
+            Want::One(e) => e == engine,
+            Want::Spans(spans) => spans.iter().any(|s| s.engine == engine),
+        }
+    }
+
+    /// The part of `[start, end)` a worker of `engine` may compute: all of it, or, for spans,
+    /// its overlap with the first span of its engine (a worker serves one hop of a route).
+    fn clip(&self, engine: &str, start: u32, end: u32) -> Option<(u32, u32)> {
+        let Want::Spans(spans) = self else { return self.admits(engine).then_some((start, end)) };
+        spans.iter().filter(|s| s.engine == engine).map(|s| (start.max(s.start), end.min(s.end))).find(|(a, b)| a < b)
+    }
+}
+
+/// A planned route: the chain, and the model's shape as the workers registered it.
 pub struct Planned {
     pub stages: Vec<RouteStage>,
+    /// The route engine (`dgr_proto::route_engine`): one engine id, or a mixed route's spans.
     pub engine: String,
     pub hidden: u32,
     pub n_layers: u32,
@@ -152,7 +193,7 @@ pub struct Joining {
     pub control: mpsc::Sender<TrackerFrame>,
 }
 
-/// A route found in one group: its cost, and each hop as (worker slot, start, end).
+/// A route found: its cost, and each hop as (worker slot, start, end).
 struct Chain {
     cost: f64,
     hops: Vec<(u32, u32, u32)>,
@@ -437,25 +478,21 @@ impl Registry {
         w.alive(self.heartbeat, now) && w.has_room() && !excluded.contains(&slot)
     }
 
-    /// The cheapest chain of live workers of `model_id` (and `engine`, unless empty) covering
-    /// every layer exactly once, avoiding `exclude`. A stage's expected time is its measured time
-    /// per layer × layers served × (1 + its load: sessions it reported plus routes issued to it
-    /// since), plus a per-hop latency; a stage holding the prompt's `prefix` counts cheaper (see
+    /// The cheapest chain of live workers of `model_id` that `want` admits, covering every layer
+    /// exactly once, avoiding `exclude`. A stage's expected time is its measured time per layer ×
+    /// layers served × (1 + its load: sessions it reported plus routes issued to it since), plus
+    /// a per-hop latency; a stage holding the prompt's `prefix` counts cheaper (see
     /// `PREFIX_FAVOUR`). Records the issue on each chosen worker.
-    pub fn plan_route(&mut self, model_id: &str, engine: &str, exclude: &[String], prefix: &[Probe]) -> Option<Planned> {
+    pub fn plan_route(&mut self, model_id: &str, want: &Want, exclude: &[String], prefix: &[Probe]) -> Option<Planned> {
         let now = Instant::now();
         let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
         let held = self.holders_of(prefix, &excluded, now);
         let mut best: Option<(usize, Chain)> = None;
-        for group in 0..self.groups.len() {
-            let key = &self.groups[group].key;
-            if key.model_id != model_id || !(engine.is_empty() || key.engine == engine) {
-                continue;
-            }
-            let favoured = favour(&held, |slot| self.slots[slot as usize].as_ref().is_some_and(|w| w.group == group));
-            let Some(found) = self.plan_in(group, &excluded, now, &favoured) else { continue };
+        for groups in self.shapes(model_id, want) {
+            let favoured = favour(&held, |slot| self.slots[slot as usize].as_ref().is_some_and(|w| groups.contains(&w.group)));
+            let Some(found) = self.plan_over(&groups, want, &excluded, now, &favoured) else { continue };
             if best.as_ref().is_none_or(|(_, b)| found.cost < b.cost) {
-                best = Some((group, found));
+                best = Some((groups[0], found));
             }
         }
         let (group, Chain { hops, .. }) = best?;
@@ -464,31 +501,55 @@ impl Registry {
         for (slot, layer_start, layer_end) in hops {
             prefix_stages += usize::from(held.binary_search_by_key(&slot, |h| h.0).is_ok());
             let w = self.issue(slot, now);
-            stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end });
+            stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
         let key = &self.groups[group].key;
-        Some(Planned { stages, engine: key.engine.clone(), hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab, prefix_stages })
+        let engine = dgr_proto::route_engine(stages.iter().map(|s| (s.engine.as_str(), s.layer_start, s.layer_end)));
+        Some(Planned { stages, engine, hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab, prefix_stages })
     }
 
-    /// Whether live workers of `model_id` (and `engine`, unless empty), not excluded, cover every
-    /// layer, with room or not: when `plan_route` found nothing, whether it was for want of room
-    /// (which frees as sessions end) rather than of workers.
-    pub fn covered_but_full(&self, model_id: &str, engine: &str, exclude: &[String]) -> bool {
+    /// The groups of `model_id` whose engine `want` admits, by shape: the workers one route may
+    /// chain (a model's groups normally share its one shape).
+    fn shapes(&self, model_id: &str, want: &Want) -> Vec<Vec<usize>> {
+        let mut shapes: Vec<Vec<usize>> = Vec::new();
+        for (i, g) in self.groups.iter().enumerate() {
+            if g.key.model_id != model_id || !want.admits(&g.key.engine) {
+                continue;
+            }
+            let shape = |k: &GroupKey| (k.n_layers, k.hidden, k.vocab);
+            match shapes.iter_mut().find(|s| shape(&self.groups[s[0]].key) == shape(&g.key)) {
+                Some(s) => s.push(i),
+                None => shapes.push(vec![i]),
+            }
+        }
+        shapes
+    }
+
+    /// Whether live workers of `model_id` that `want` admits, not excluded, cover every layer,
+    /// with room or not: when `plan_route` found nothing, whether it was for want of room (which
+    /// frees as sessions end) rather than of workers.
+    pub fn covered_but_full(&self, model_id: &str, want: &Want, exclude: &[String]) -> bool {
         let now = Instant::now();
         let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
         let live =
             |r: &Rank| !excluded.contains(&r.slot) && self.slots[r.slot as usize].as_ref().is_some_and(|w| w.alive(self.heartbeat, now));
-        self.groups.iter().filter(|g| g.key.model_id == model_id && (engine.is_empty() || g.key.engine == engine)).any(|g| {
-            let mut cells: Vec<&Cell> = g.cells.iter().filter(|c| c.order.iter().any(live)).collect();
-            cells.sort_unstable_by_key(|c| c.start);
-            // Layer boundaries a chain of these cells reaches from 0, cells taken in start order.
+        self.shapes(model_id, want).iter().any(|groups| {
+            let mut ranges: Vec<(u32, u32)> = groups
+                .iter()
+                .flat_map(|&g| {
+                    let g = &self.groups[g];
+                    g.cells.iter().filter(|c| c.order.iter().any(live)).filter_map(|c| want.clip(&g.key.engine, c.start, c.end))
+                })
+                .collect();
+            ranges.sort_unstable();
+            // Layer boundaries a chain of these ranges reaches from 0, taken in start order.
             let mut reached = HashSet::from([0]);
-            for c in cells {
-                if reached.contains(&c.start) {
-                    reached.insert(c.end);
+            for (start, end) in ranges {
+                if reached.contains(&start) {
+                    reached.insert(end);
                 }
             }
-            reached.contains(&g.key.n_layers)
+            reached.contains(&self.groups[groups[0]].key.n_layers)
         })
     }
 
@@ -512,24 +573,67 @@ impl Registry {
         held
     }
 
-    /// The cheapest route in one group. One usable worker per cell first; if the shortest path
-    /// over those uses one twice, the first `REPAIR_DEPTH` of each cell and the planner's search
-    /// (a second replica of that range usually serves). Those are a superset of the first, so
-    /// the search's route is no dearer than a repair of the first would be.
-    fn plan_in(&mut self, group: usize, excluded: &HashSet<u32>, now: Instant, favoured: &[(u32, f64)]) -> Option<Chain> {
-        let (candidates, slots) = self.offer(group, 1, excluded, now, favoured);
-        let n_layers = self.groups[group].key.n_layers;
+    /// The cheapest route over `groups` (one shape). One usable worker per cell first; if the
+    /// shortest path over those uses one twice, the first `REPAIR_DEPTH` of each cell and the
+    /// planner's search (a second replica of that range usually serves). Those are a superset of
+    /// the first, so the search's route is no dearer than a repair of the first would be.
+    fn plan_over(
+        &mut self,
+        groups: &[usize],
+        want: &Want,
+        excluded: &HashSet<u32>,
+        now: Instant,
+        favoured: &[(u32, f64)],
+    ) -> Option<Chain> {
+        let (candidates, slots) = self.offer_over(groups, 1, want, excluded, now, favoured);
+        let n_layers = self.groups[groups[0]].key.n_layers;
         let (candidates, slots, hops) = match shortest(n_layers, &candidates) {
             Shortest::Route(hops) => (candidates, slots, hops),
             Shortest::Uncovered => return None,
             Shortest::Repeats => {
-                let (candidates, slots) = self.offer(group, REPAIR_DEPTH, excluded, now, favoured);
+                let (candidates, slots) = self.offer_over(groups, REPAIR_DEPTH, want, excluded, now, favoured);
                 let hops = plan(n_layers, &candidates)?;
                 (candidates, slots, hops)
             }
         };
         let cost = hops.iter().map(|h: &Hop| candidates[h.candidate].cost(h.start, h.end)).sum();
         Some(Chain { cost, hops: hops.iter().map(|h| (slots[h.candidate], h.start, h.end)).collect() })
+    }
+
+    /// `offer` over several groups, each candidate's range cut to the layers `want` lets its
+    /// engine compute (and dropped where there are none).
+    fn offer_over(
+        &mut self,
+        groups: &[usize],
+        depth: usize,
+        want: &Want,
+        excluded: &HashSet<u32>,
+        now: Instant,
+        favoured: &[(u32, f64)],
+    ) -> (Vec<Candidate>, Vec<u32>) {
+        if let [group] = groups {
+            if !matches!(want, Want::Spans(_)) {
+                return self.offer(*group, depth, excluded, now, favoured);
+            }
+        }
+        let (mut candidates, mut slots) = (Vec::new(), Vec::new());
+        for &group in groups {
+            let mine: Vec<(u32, f64)> = favoured
+                .iter()
+                .copied()
+                .filter(|&(slot, _)| self.slots[slot as usize].as_ref().is_some_and(|w| w.group == group))
+                .collect();
+            let (c, s) = self.offer(group, depth, excluded, now, &mine);
+            let engine = &self.groups[group].key.engine;
+            for (mut c, s) in c.into_iter().zip(s) {
+                if let Some((start, end)) = want.clip(engine, c.start, c.end) {
+                    (c.start, c.end) = (start, end);
+                    candidates.push(c);
+                    slots.push(s);
+                }
+            }
+        }
+        (candidates, slots)
     }
 
     /// The first `depth` usable workers of each cell of the group as candidates, and their slots;
@@ -613,10 +717,11 @@ impl Registry {
                 && s.layer_start < s.layer_end
         };
         let mut ids: Vec<&str> = Vec::with_capacity(fixed.len());
-        // The named workers' engine, or else the first pick's.
+        // A stage's engine as asked, else the named workers' engine, or else the first pick's.
         let mut engine = fixed.iter().find_map(|s| self.worker(&s.worker_id)).map(|w| w.reg.engine.as_str());
         for s in fixed {
-            let fits = |w: &LiveWorker| usable(w, s) && engine.is_none_or(|e| w.reg.engine == e);
+            let want = if s.engine.is_empty() { engine } else { Some(s.engine.as_str()) };
+            let fits = |w: &LiveWorker| usable(w, s) && want.is_none_or(|e| w.reg.engine == e);
             let w = if s.worker_id.is_empty() {
                 // Rare (spot checks): a scan over the registry is fine here.
                 self.workers()
@@ -625,12 +730,14 @@ impl Registry {
             } else {
                 self.worker(&s.worker_id).filter(|w| fits(w))?
             };
-            engine = Some(&w.reg.engine);
+            if s.engine.is_empty() {
+                engine = Some(&w.reg.engine);
+            }
             ids.push(&w.id);
         }
         let slots: Vec<u32> = ids.iter().map(|id| self.by_id[*id]).collect();
         let first = self.slots[*slots.first()? as usize].as_ref()?;
-        let (n_layers, hidden, vocab, engine) = (first.reg.n_layers, first.reg.hidden, first.reg.vocab, first.reg.engine.clone());
+        let (n_layers, hidden, vocab) = (first.reg.n_layers, first.reg.hidden, first.reg.vocab);
         let covers = fixed.first()?.layer_start == 0
             && fixed.last()?.layer_end == n_layers
             && fixed.windows(2).all(|p| p[0].layer_end == p[1].layer_start);
@@ -640,8 +747,10 @@ impl Registry {
         let mut stages = Vec::with_capacity(fixed.len());
         for (&slot, s) in slots.iter().zip(fixed) {
             let w = self.issue(slot, now);
-            stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start: s.layer_start, layer_end: s.layer_end });
+            let (layer_start, layer_end) = (s.layer_start, s.layer_end);
+            stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
+        let engine = dgr_proto::route_engine(stages.iter().map(|s| (s.engine.as_str(), s.layer_start, s.layer_end)));
         Some(Planned { stages, engine, hidden, n_layers, vocab, prefix_stages: 0 })
     }
 }
@@ -669,12 +778,12 @@ mod tests {
     }
 
     fn route(r: &mut Registry) -> Vec<(String, u32, u32)> {
-        let p = r.plan_route("m", "", &[], &[]).expect("a route");
+        let p = r.plan_route("m", &Want::Any, &[], &[]).expect("a route");
         p.stages.into_iter().map(|s| (s.worker_id, s.layer_start, s.layer_end)).collect()
     }
 
     fn stage(id: &str, s: u32, e: u32) -> RouteStage {
-        RouteStage { worker_id: id.into(), addr: String::new(), layer_start: s, layer_end: e }
+        RouteStage { worker_id: id.into(), addr: String::new(), layer_start: s, layer_end: e, engine: String::new() }
     }
 
     #[test]
@@ -686,7 +795,7 @@ mod tests {
         }
         let mut swapped_in = Vec::new();
         for _ in 0..4 {
-            assert_eq!(r.plan_route("m", "", &[], &[]).unwrap().stages[0].worker_id, "fast");
+            assert_eq!(r.plan_route("m", &Want::Any, &[], &[]).unwrap().stages[0].worker_id, "fast");
             let fixed = [stage("", 0, 2), stage("tail", 2, 4)];
             let p = r.plan_fixed("m", &fixed, &["fast".to_string()]).unwrap();
             assert_eq!(p.stages[1].worker_id, "tail");
@@ -700,19 +809,56 @@ mod tests {
     }
 
     #[test]
-    fn workers_of_two_kv_dtypes_never_share_a_route() {
+    fn a_route_of_one_engine_stays_within_it_and_any_engine_may_mix() {
         let mut r = Registry::new(Duration::from_secs(60));
         let of = |engine: &str, range, us| Registration { engine: engine.into(), ..reg(range, us) };
-        join(&mut r, "head", of("gguf-cpu-exact", (0, 2), 10.0));
-        join(&mut r, "tail-q8", of("gguf-cpu-exact-q8_0", (2, 4), 10.0));
-        assert!(r.plan_route("m", "", &[], &[]).is_none(), "an f32 head and a q8_0 tail make no route");
-        assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[]).is_none(), "nor a swapped one");
-        join(&mut r, "head-q8", of("gguf-cpu-exact-q8_0", (0, 2), 50.0));
-        let p = r.plan_route("m", "gguf-cpu-exact-q8_0", &[], &[]).unwrap();
-        assert_eq!((p.engine.as_str(), p.stages[0].worker_id.as_str()), ("gguf-cpu-exact-q8_0", "head-q8"));
-        assert!(r.plan_route("m", "gguf-cpu-exact", &[], &[]).is_none());
-        let swapped = r.plan_fixed("m", &[stage("", 0, 2), stage("tail-q8", 2, 4)], &[]).unwrap();
-        assert_eq!(swapped.stages[0].worker_id, "head-q8", "a swap stays within the engine");
+        join(&mut r, "head", of("cpu", (0, 2), 10.0));
+        join(&mut r, "tail-gpu", of("gpu", (2, 4), 10.0));
+        // Only a mix covers the model: asked for one engine, none; asked for any, the mix.
+        assert!(r.plan_route("m", &Want::One("cpu".into()), &[], &[]).is_none());
+        assert!(!r.covered_but_full("m", &Want::One("cpu".into()), &[]) && r.covered_but_full("m", &Want::Any, &[]));
+        let p = r.plan_route("m", &Want::Any, &[], &[]).unwrap();
+        assert_eq!(p.engine, "cpu@0..2+gpu@2..4");
+        let engines: Vec<&str> = p.stages.iter().map(|s| s.engine.as_str()).collect();
+        assert_eq!(engines, ["cpu", "gpu"]);
+        // A swap keeps each stage's engine: the one asked for, else the named workers'.
+        assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[]).is_none(), "no cpu worker holds 2..4");
+        let gpu = RouteStage { engine: "gpu".into(), ..stage("", 2, 4) };
+        assert_eq!(r.plan_fixed("m", &[stage("head", 0, 2), gpu], &[]).unwrap().engine, "cpu@0..2+gpu@2..4");
+        // Once one engine covers the model, asking for it gives that engine's route alone.
+        join(&mut r, "whole-cpu", of("cpu", (0, 4), 50.0));
+        let p = r.plan_route("m", &Want::One("cpu".into()), &[], &[]).unwrap();
+        assert_eq!((p.engine.as_str(), p.stages[0].worker_id.as_str()), ("cpu", "whole-cpu"));
+        assert!(r.plan_route("m", &Want::One("gpu".into()), &[], &[]).is_none());
+    }
+
+    #[test]
+    fn a_recovery_computes_each_layer_on_the_engine_that_computed_it() {
+        let mut r = Registry::new(Duration::from_secs(60));
+        // The cheapest mix: the GPU computes 0..3, the CPU 3..6.
+        let workers = [
+            ("gpu-head", "gpu", (0, 3), 1.0),
+            ("gpu-all", "gpu", (0, 6), 50.0),
+            ("cpu-all", "cpu", (0, 6), 100.0),
+            ("cpu-tail", "cpu", (3, 6), 1.0),
+        ];
+        for (id, engine, range, us) in workers {
+            join(&mut r, id, Registration { engine: engine.into(), n_layers: 6, ..reg(range, us) });
+        }
+        let p = r.plan_route("m", &Want::Any, &[], &[]).unwrap();
+        let hops: Vec<(&str, u32, u32)> = p.stages.iter().map(|s| (s.worker_id.as_str(), s.layer_start, s.layer_end)).collect();
+        assert_eq!((p.engine.as_str(), hops.as_slice()), ("gpu@0..3+cpu@3..6", &[("gpu-head", 0, 3), ("cpu-tail", 3, 6)][..]));
+        // The CPU stage is lost: its replacement computes 3..6 on the CPU again, though a GPU
+        // worker would be cheaper there.
+        let want = Want::parse(&p.engine).unwrap();
+        let again = r.plan_route("m", &want, &["cpu-tail".into()], &[]).unwrap();
+        let hops: Vec<(&str, u32, u32)> = again.stages.iter().map(|s| (s.worker_id.as_str(), s.layer_start, s.layer_end)).collect();
+        assert_eq!((again.engine.as_str(), hops.as_slice()), ("gpu@0..3+cpu@3..6", &[("gpu-head", 0, 3), ("cpu-all", 3, 6)][..]));
+        assert_eq!(r.plan_route("m", &Want::Any, &["cpu-tail".into()], &[]).unwrap().engine, "gpu");
+        // With no CPU worker for 3..6 the recovery has no route, and says it is not for room.
+        let lost = ["cpu-tail".to_string(), "cpu-all".to_string()];
+        assert!(r.plan_route("m", &want, &lost, &[]).is_none() && !r.covered_but_full("m", &want, &lost));
+        assert!(matches!(Want::parse("gpu@0..3+cpu@4..6"), Err(dgr_proto::ProtoError::BadInput(_))));
     }
 
     #[test]
@@ -729,7 +875,7 @@ mod tests {
             assert!(n.values().max().unwrap() - n.values().min().unwrap() <= 1 || i < 2, "{n:?}");
         }
         assert_eq!(n.values().copied().collect::<Vec<_>>(), [8, 8, 8]);
-        assert!(r.plan_route("m", "", &[], &[]).is_none());
+        assert!(r.plan_route("m", &Want::Any, &[], &[]).is_none());
         // Equal replicas are chosen in no fixed order.
         let mut seen = std::collections::HashSet::new();
         for _ in 0..64 {
@@ -760,23 +906,23 @@ mod tests {
         join(&mut r, "tail", reg((2, 4), 10.0));
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(route(&mut r).len(), 2);
-        let without_tail = r.plan_route("m", "", &["tail".into()], &[]).unwrap().stages;
+        let without_tail = r.plan_route("m", &Want::Any, &["tail".into()], &[]).unwrap().stages;
         assert_eq!((without_tail[1].worker_id.as_str(), without_tail[1].layer_start), ("whole", 2));
         r.quarantine("whole".into(), "caught".into());
-        assert!(r.plan_route("m", "", &["tail".into()], &[]).is_none());
+        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[]).is_none());
         // A re-join under a quarantined identity is listed, never routed.
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(r.workers().count(), 3);
-        assert!(r.plan_route("m", "", &["tail".into()], &[]).is_none());
+        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[]).is_none());
         // A late close of an older connection leaves the record; the current one removes it.
         r.leave("tail", 7);
         assert!(r.worker("tail").is_some());
         r.leave("tail", 0);
-        assert!(r.worker("tail").is_none() && r.plan_route("m", "", &[], &[]).is_none());
+        assert!(r.worker("tail").is_none() && r.plan_route("m", &Want::Any, &[], &[]).is_none());
         join(&mut r, "tail2", reg((2, 4), 10.0));
         assert_eq!(route(&mut r), [("head".to_string(), 0, 2), ("tail2".to_string(), 2, 4)]);
         // Another model, or another engine asked for, has no route.
-        assert!(r.plan_route("other", "", &[], &[]).is_none() && r.plan_route("m", "gguf", &[], &[]).is_none());
+        assert!(r.plan_route("other", &Want::Any, &[], &[]).is_none() && r.plan_route("m", &Want::One("gguf".into()), &[], &[]).is_none());
         for id in ["head", "tail2", "whole"] {
             r.leave(id, 0);
         }
@@ -807,7 +953,7 @@ mod tests {
                 join(&mut r, "other", whole(64));
                 holds(&mut r, "holder", holder_sessions, &p);
                 holds(&mut r, "other", other_sessions, &probes(8, 6));
-                let got = r.plan_route("m", "", &[], &p).unwrap();
+                let got = r.plan_route("m", &Want::Any, &[], &p).unwrap();
                 // The rule: load is 1 + sessions (the planner's load factor); the holder loses
                 // at twice the other's.
                 let want = if 1 + holder_sessions < 2 * (1 + other_sessions) { "holder" } else { "other" };
@@ -823,20 +969,20 @@ mod tests {
         holds(&mut r, "holder", 5, &p);
         holds(&mut r, "other", 0, &[]);
         for ask in [vec![], probes(9, 6)] {
-            let got = r.plan_route("m", "", &[], &ask).unwrap();
+            let got = r.plan_route("m", &Want::Any, &[], &ask).unwrap();
             assert_eq!((got.stages[0].worker_id.as_str(), got.prefix_stages), ("other", 0));
             holds(&mut r, "other", 0, &[]);
         }
         // Excluded, quarantined or full, a holder is not favoured.
-        assert_eq!(r.plan_route("m", "", &["other".into()], &p).unwrap().stages[0].worker_id, "holder");
+        assert_eq!(r.plan_route("m", &Want::Any, &["other".into()], &p).unwrap().stages[0].worker_id, "holder");
         holds(&mut r, "holder", 0, &p);
-        assert_eq!(r.plan_route("m", "", &["holder".into()], &p).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &["holder".into()], &p).unwrap().stages[0].worker_id, "other");
         holds(&mut r, "holder", 64, &p);
         holds(&mut r, "other", 0, &[]);
-        assert_eq!(r.plan_route("m", "", &[], &p).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &[], &p).unwrap().stages[0].worker_id, "other");
         holds(&mut r, "holder", 0, &p);
         r.quarantine("holder".into(), "caught".into());
-        assert_eq!(r.plan_route("m", "", &[], &p).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &[], &p).unwrap().stages[0].worker_id, "other");
     }
 
     #[test]
@@ -872,7 +1018,7 @@ mod tests {
     }
 
     fn route_with(r: &mut Registry, p: &[Probe]) -> Vec<String> {
-        r.plan_route("m", "", &[], p).unwrap().stages.into_iter().map(|s| s.worker_id).collect()
+        r.plan_route("m", &Want::Any, &[], p).unwrap().stages.into_iter().map(|s| s.worker_id).collect()
     }
 
     #[test]
