@@ -25,7 +25,7 @@ mod tracker_load;
 mod wan;
 
 pub use error::{BenchError, Result};
-pub use model::{ModelArg, NumericsArg};
+pub use model::{listed_devices, ModelArg, NumericsArg};
 
 #[derive(clap::Subcommand)]
 pub enum Command {

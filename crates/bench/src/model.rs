@@ -69,6 +69,20 @@ pub struct NumericsArg {
     pub kv_dtype: KvDtype,
 }
 
+/// The adapters as `dgr devices` lists them, from a child process, so that a process that
+/// computes on the CPU never loads a GPU driver (Mesa's software one alone is ~50 MB resident);
+/// none where the child cannot run.
+pub fn listed_devices() -> &'static [serde_json::Value] {
+    static LISTED: std::sync::OnceLock<Vec<serde_json::Value>> = std::sync::OnceLock::new();
+    LISTED.get_or_init(|| {
+        let listed = std::env::current_exe().and_then(|exe| std::process::Command::new(exe).arg("devices").output());
+        match listed {
+            Ok(out) if out.status.success() => serde_json::from_slice(&out.stdout).unwrap_or_default(),
+            _ => Vec::new(),
+        }
+    })
+}
+
 /// A clap parser that takes exactly `names` (listing them when refused), parsed as a `T`.
 fn names<T>(names: impl Iterator<Item = &'static str>) -> impl clap::builder::TypedValueParser<Value = T>
 where
@@ -81,7 +95,8 @@ where
 
 impl NumericsArg {
     /// The adapters this process can compute on, as `dgr devices` prints them: a JSON array of
-    /// `{index, name, vendor, device, driver, software, engine}`.
+    /// `{index, name, vendor, device, driver, software, engine, memory_total, memory_free}` (the
+    /// device memory in bytes, null where the platform does not say).
     pub fn devices_json() -> serde_json::Value {
         let adapters = dgr_engine::adapters().into_iter().enumerate().map(|(i, a)| {
             let engine = EngineId {
@@ -91,6 +106,7 @@ impl NumericsArg {
                 kv: KvDtype::F32,
                 adapter: Some(a.digest()),
             };
+            let memory = dgr_engine::adapter_memory(i).ok().flatten();
             serde_json::json!({
                 "index": i,
                 "name": a.name,
@@ -99,6 +115,8 @@ impl NumericsArg {
                 "driver": format!("{} {}", a.driver, a.driver_info),
                 "software": a.software,
                 "engine": engine.to_string(),
+                "memory_total": memory.map(|m| m.total),
+                "memory_free": memory.map(|m| m.free),
             })
         });
         serde_json::Value::Array(adapters.collect())
@@ -122,21 +140,11 @@ impl NumericsArg {
         NumericsArg { device, numerics: Some(id.numerics), kv_dtype: id.kv }
     }
 
-    /// `--device`, with `auto` resolved: the adapters are listed by a child `dgr devices`, so
-    /// that a process that computes on the CPU never loads a GPU driver (Mesa's software one
-    /// alone is ~50 MB resident). Where the child cannot run, the CPU.
+    /// `--device`, with `auto` resolved over the adapters `listed_devices` finds.
     pub fn device(&self) -> Device {
-        static AUTO: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
         match self.device {
-            Device::Auto => *AUTO.get_or_init(|| {
-                let listed = std::env::current_exe().and_then(|exe| std::process::Command::new(exe).arg("devices").output());
-                let adapters: Vec<serde_json::Value> = match listed {
-                    Ok(out) if out.status.success() => serde_json::from_slice(&out.stdout).unwrap_or_default(),
-                    _ => Vec::new(),
-                };
-                // An adapter not said to be hardware counts as software: never picked.
-                Device::auto_among(adapters.iter().map(|a| a["software"] != false))
-            }),
+            // An adapter not said to be hardware counts as software: never picked.
+            Device::Auto => Device::auto_among(listed_devices().iter().map(|a| a["software"] != false)),
             d => d,
         }
     }

@@ -4,7 +4,10 @@
 use crate::gateway::{register_keys, scheme, KeysArgs, LimitArgs, TlsArgs};
 use anyhow::{bail, Context, Result};
 use dgr_bench::swarm::{balanced_split, LocalSwarm, LocalTracker};
+use dgr_bench::NumericsArg;
+use dgr_engine::Device;
 use dgr_gateway::Gateway;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,6 +42,11 @@ pub struct Args {
     limits: LimitArgs,
     #[command(flatten)]
     plaintext: crate::links::PlaintextArg,
+    /// Most MiB of the GPU's memory the swarm may use (with --device gpu, or auto on a GPU): the
+    /// last layers that fit there (their weights in three quarters of it, the rest for the KV
+    /// cache) run on the GPU and the others on the CPU [default: what the GPU has free]
+    #[arg(long)]
+    gpu_memory_mb: Option<u64>,
     /// Each worker's prefix cache in MiB (0: off) [default: the worker's, a quarter of its KV budget]
     #[arg(long)]
     prefix_cache_mb: Option<usize>,
@@ -48,7 +56,6 @@ pub fn run(a: Args) -> Result<()> {
     if a.workers == 0 || a.replicas == 0 {
         bail!("--workers and --replicas must be at least 1");
     }
-    let numerics = a.numerics.worker_flags()?;
     let tls = a.tls.load()?;
     let model = match &a.model {
         Some(m) => m.clone(),
@@ -57,7 +64,7 @@ pub fn run(a: Args) -> Result<()> {
     let g = dgr_hf::open_any(&model).with_context(|| format!("opening {}", model.display()))?;
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     dgr_bench::swarm::check_split(n_layers, a.workers)?;
-    let ranges = balanced_split(&g, n_layers, a.workers);
+    let parts = place(&g, n_layers, a.workers, a.numerics, a.gpu_memory_mb)?;
     drop(g);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     // The host's cores divided among the workers; the stages of a route then compute different
@@ -74,7 +81,6 @@ pub fn run(a: Args) -> Result<()> {
     // The gateway runs in this process: its tracker links accept this tracker's key alone.
     dgr_proto::pin_tracker_keys(vec![dgr_proto::parse_tracker_key(&tracker.link_key).map_err(anyhow::Error::msg)?]);
     let mut flags = tracker.join_flags();
-    flags.extend(numerics);
     flags.extend(["--micro-batches".to_string(), micro_batches.to_string()]);
     if let Some(mb) = a.prefix_cache_mb {
         flags.extend(["--prefix-cache-mb".to_string(), mb.to_string()]);
@@ -83,17 +89,14 @@ pub fn run(a: Args) -> Result<()> {
         flags.push("--insecure-plaintext".into());
     }
     let mut swarms = Vec::new();
+    let workers: usize = parts.iter().map(|p| p.ranges.len()).sum();
+    let desc: Vec<String> = parts.iter().flat_map(|p| p.ranges.iter().map(|x| format!("{}..{} ({})", x.start, x.end, p.on))).collect();
     for r in 0..a.replicas {
-        let desc: Vec<String> = ranges.iter().map(|x| format!("{}..{}", x.start, x.end)).collect();
-        eprint!(
-            "dgr up: replica {}/{}: {} worker(s), layers {}, {threads} thread(s) each … ",
-            r + 1,
-            a.replicas,
-            a.workers,
-            desc.join(" + ")
-        );
+        eprint!("dgr up: replica {}/{}: {workers} worker(s), layers {}, {threads} thread(s) each … ", r + 1, a.replicas, desc.join(" + "));
         let t0 = Instant::now();
-        swarms.push(LocalSwarm::start(&model, &ranges, threads, &flags)?);
+        for p in &parts {
+            swarms.push(LocalSwarm::start(&model, &p.ranges, threads, &[&flags[..], &p.flags].concat())?);
+        }
         eprintln!("ready ({:.1} s)", t0.elapsed().as_secs_f64());
     }
     let mut cfg = a.limits.config(tracker.addr.clone(), vec![model.clone()])?;
@@ -150,6 +153,89 @@ pub fn run(a: Args) -> Result<()> {
     result
 }
 
+/// Workers of one device: their layer ranges and the flags that put them there.
+struct Part {
+    ranges: Vec<Range<usize>>,
+    flags: Vec<String>,
+    on: &'static str,
+}
+
+/// Of a GPU's memory, the share the weights of the layers placed on it may take: the rest is for
+/// the KV cache (a worker's default budget shrinks to what fits) and each step's scratch.
+const GPU_WEIGHT_SHARE: f64 = 0.75;
+
+/// Where a route's layers run: all on the device `numerics` names, balanced by compute over
+/// `workers` workers; or, on a GPU whose memory (as it reports it, or `gpu_memory_mb`) cannot
+/// hold them all, the last layers that fit (the head with them: it is the largest matrix in a
+/// small model) on one GPU worker and the others over the rest of the workers on the CPU. Each
+/// GPU worker may hold its weights' share of that memory (`--gpu-memory-mb`), so workers that
+/// share a GPU share its room for KV fairly.
+fn place(g: &dgr_gguf::Gguf, n_layers: usize, workers: usize, numerics: NumericsArg, gpu_memory_mb: Option<u64>) -> Result<Vec<Part>> {
+    let flags = numerics.worker_flags()?.to_vec();
+    let balanced = || balanced_split(g, n_layers, workers);
+    let Device::Gpu(index) = numerics.device() else { return Ok(vec![Part { ranges: balanced(), flags, on: "CPU" }]) };
+    let free = dgr_bench::listed_devices().get(index).and_then(|d| d["memory_free"].as_u64());
+    // Where the GPU does not say, every layer goes there: its workers refuse at start what does not fit.
+    let Some(room) = free.into_iter().chain(gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20))).min() else {
+        return Ok(vec![Part { ranges: balanced(), flags, on: "GPU" }]);
+    };
+    let (bytes, head) = dgr_bench::swarm::per_layer(g, n_layers, |t| t.n_bytes);
+    let weights = |r: &Range<usize>| bytes[r.clone()].iter().sum::<u64>() + if r.end == n_layers { head } else { 0 };
+    let on_gpu = |ranges: &[Range<usize>]| {
+        let total = ranges.iter().map(weights).sum::<u64>().max(1);
+        let share = |r: &Range<usize>| (u128::from(room) * u128::from(weights(r)) / u128::from(total)) as u64 >> 20;
+        let part = |r: Range<usize>| {
+            let cap = ["--gpu-memory-mb".to_string(), share(&r).max(1).to_string()];
+            Part { flags: [&flags[..], &cap].concat(), ranges: vec![r], on: "GPU" }
+        };
+        ranges.iter().cloned().map(part).collect::<Vec<Part>>()
+    };
+    let fit = gpu_layers(&bytes, head, room);
+    if fit == n_layers {
+        return Ok(on_gpu(&balanced()));
+    }
+    let cpu = NumericsArg { device: Device::Cpu, ..numerics }.worker_flags()?.to_vec();
+    let mib = |b: u64| b >> 20;
+    let needed = weights(&(0..n_layers));
+    if fit == 0 || workers < 2 {
+        let why = if fit == 0 { "not even the head fits" } else { "--workers 1 cannot split it between the GPU and the CPU" };
+        eprintln!(
+            "dgr up: the model's weights take {} MiB and the GPU has {} MiB for them: {why}; running on the CPU",
+            mib(needed),
+            mib(room)
+        );
+        return Ok(vec![Part { ranges: balanced(), flags: cpu, on: "CPU" }]);
+    }
+    let cut = n_layers - fit;
+    eprintln!(
+        "dgr up: the model's weights take {} MiB and the GPU has {} MiB: layers {cut}..{n_layers} on the GPU, the rest on the CPU",
+        mib(needed),
+        mib(room)
+    );
+    let (cost, _) = dgr_bench::swarm::per_layer(g, cut, dgr_gguf::TensorInfo::n_elements);
+    let mut parts = vec![Part { ranges: dgr_bench::swarm::balance(&cost, 0, (workers - 1).min(cut)), flags: cpu, on: "CPU" }];
+    parts.extend(on_gpu(std::slice::from_ref(&(cut..n_layers))));
+    Ok(parts)
+}
+
+/// How many of the last layers fit, with the head, in `room` bytes of GPU memory, their weights
+/// (`bytes` a layer) taking at most `GPU_WEIGHT_SHARE` of it.
+fn gpu_layers(bytes: &[u64], head: u64, room: u64) -> usize {
+    let limit = (room as f64 * GPU_WEIGHT_SHARE) as u64;
+    let mut used = head;
+    if used > limit {
+        return 0;
+    }
+    bytes
+        .iter()
+        .rev()
+        .take_while(|&&b| {
+            used += b;
+            used <= limit
+        })
+        .count()
+}
+
 /// The command that adds a whole replica of the model (every layer) on another host to this
 /// swarm; any layer range would do, the tracker composes routes from whatever joins.
 fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path, n_layers: usize) -> String {
@@ -165,4 +251,18 @@ fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path, n_layers:
         tracker.token_file.display(),
         model.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_layers;
+
+    #[test]
+    fn the_gpu_takes_the_last_layers_that_fit_with_the_head() {
+        // Three quarters of 100 bytes hold the head (30) and three layers of 15.
+        assert_eq!(gpu_layers(&[15; 6], 30, 100), 3);
+        assert_eq!(gpu_layers(&[15; 6], 30, 1000), 6);
+        assert_eq!(gpu_layers(&[15; 6], 80, 100), 0, "no room for the head");
+        assert_eq!(gpu_layers(&[40, 10, 10], 0, 40), 2, "from the last layer back, stopping at the first that does not fit");
+    }
 }

@@ -35,6 +35,11 @@ pub struct Args {
     /// 246723 in q8_0]
     #[arg(long)]
     kv_tokens: Option<usize>,
+    /// Most MiB of the GPU's memory this stage may hold (weights, KV cache and each step's
+    /// scratch), for a GPU shared with other programs: a stage whose weights take more is
+    /// refused at start, and the default KV budget shrinks to fit [default: what the GPU has free]
+    #[arg(long)]
+    gpu_memory_mb: Option<u64>,
     /// MiB of KV blocks the prefix cache keeps for later prompts that start alike (0: off)
     /// [default: a quarter of the bytes --kv-tokens positions take on this stage: sessions
     /// reserve their whole context but touch only what they use, so this rarely meets their
@@ -167,6 +172,7 @@ pub fn run(a: Args) -> Result<()> {
     cfg.max_sessions = a.max_sessions.max(1);
     cfg.kv_budget_tokens = a.kv_tokens.unwrap_or_else(|| a.numerics.kv_dtype.positions_in(DEFAULT_KV_TOKENS, KvDtype::F32)).max(1);
     cfg.kv_budget_default = a.kv_tokens.is_none();
+    cfg.gpu_memory_cap = a.gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20));
     cfg.prefix_cache_bytes = a.prefix_cache_mb.map(|mb| mb << 20);
     cfg.idle_timeout = secs(a.idle_timeout, "idle-timeout")?;
     cfg.drain_timeout = secs(a.drain_timeout, "drain-timeout")?;

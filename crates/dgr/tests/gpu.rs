@@ -175,6 +175,60 @@ fn a_tracker_plans_a_mixed_route_and_its_replay_keeps_each_layers_engine() {
     println!("a mixed route {engine} replayed after {} tokens onto a GPU again: {}", recoveries[0]["at_token"], got["text"]);
 }
 
+/// `dgr up` with `--device` as given, its workers' engines and layers as the tracker lists
+/// them, in layer order, and the tokens of a request through it (any engine, as the gateway asks).
+fn up(device: &[&str]) -> (Vec<(String, u64, u64)>, serde_json::Value) {
+    let state = std::env::temp_dir().join(format!("dgr-gpu-up-{}-{}", std::process::id(), device.join("-")));
+    let _ = std::fs::remove_dir_all(&state);
+    let mut cmd = dgr();
+    cmd.args(["up", "--listen", "127.0.0.1:0"]).args(device).arg("--model").arg(model()).env("DGR_STATE_DIR", &state);
+    let (mut child, ready, log) = common::swarm::spawn_ready(cmd, "dgr up");
+    let tracker = ready["tracker"].as_str().unwrap().to_string();
+    let swarm = dgr().args(["swarm", "--tracker", &tracker, "--format", "json"]).output().unwrap();
+    let swarm: serde_json::Value = serde_json::from_slice(&swarm.stdout).unwrap();
+    let mut workers: Vec<(String, u64, u64)> = swarm["models"][0]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["engine"].as_str().unwrap().to_string(), w["layers"][0].as_u64().unwrap(), w["layers"][1].as_u64().unwrap()))
+        .collect();
+    workers.sort_by_key(|w| w.1);
+    let args =
+        ["generate", "--tracker", &tracker, "--any-engine", "--format", "json", "-p", "The quick brown fox", "-n", "8", "--ignore-eos"];
+    let out = dgr_json(&args);
+    // SIGINT, as Ctrl-C: dgr up stops its workers and tracker.
+    // SAFETY: kill(2) on our own child's pid, which has not been waited for, so not reused.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "dgr up exited {status}: {}", String::from_utf8_lossy(&log.lock().unwrap()));
+    let _ = std::fs::remove_dir_all(&state);
+    (workers, out)
+}
+
+/// `dgr up` on a machine whose only GPU is a software one runs on the CPU by default and on that
+/// GPU when asked; a GPU whose memory cannot hold the model takes the last layers that fit, the
+/// CPU the others, and requests run over the mixed route.
+#[test]
+fn dgr_up_runs_on_the_gpu_asked_for_and_puts_what_does_not_fit_there_on_the_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let engines = |w: &[(String, u64, u64)]| w.iter().map(|w| w.0.clone()).collect::<Vec<_>>();
+    let (by_default, _) = up(&[]);
+    assert_eq!(engines(&by_default), ["gguf-cpu-fast", "gguf-cpu-fast"], "{by_default:?}");
+    let (asked, all_gpu) = up(&["--device", "gpu"]);
+    assert!(asked.iter().all(|w| w.0.starts_with("gguf-gpu.")) && asked.len() == 2, "{asked:?}");
+    // SmolLM2's weights are 92 MiB; in 60 MiB three quarters hold the head and a few layers.
+    let (mixed, out) = up(&["--device", "gpu", "--gpu-memory-mb", "60"]);
+    let cut = mixed[1].1;
+    assert!(mixed.len() == 2 && mixed[0] == ("gguf-cpu-fast".into(), 0, cut) && mixed[1].2 == 30 && (1..30).contains(&cut), "{mixed:?}");
+    assert_eq!(mixed[1].0, asked[1].0, "the GPU's engine: {mixed:?}");
+    assert_eq!(out["engine"], format!("gguf-cpu-fast@0..{cut}+{}@{cut}..30", asked[1].0).as_str(), "{out}");
+    assert_eq!(out["tokens"].as_array().map(Vec::len), Some(8), "{out}");
+    println!("dgr up with 60 MiB of GPU memory: layers 0..{cut} on the CPU, {cut}..30 on the GPU: {}", out["text"]);
+    assert!(all_gpu["engine"].as_str().is_some_and(|e| e.starts_with("gguf-gpu.")), "{all_gpu}");
+}
+
 /// A GPU that is not there, and numerics the GPU has no kernels for, are refused at start,
 /// naming what is there.
 #[test]
@@ -193,8 +247,8 @@ fn an_adapter_that_is_not_there_is_refused_at_start() {
 
 /// A GPU stage's KV budget fits in the device memory its weights leave, so no session meets an
 /// out-of-memory failure mid-way: a budget asked for that does not fit is refused at start,
-/// naming the bytes; the default shrinks to what fits. The GPU's memory is in the worker's
-/// /metrics, and in its heartbeats, so `dgr swarm` shows it.
+/// naming the bytes, as are weights over `--gpu-memory-mb`; the default shrinks to what fits.
+/// The GPU's memory is in the worker's /metrics, and in its heartbeats, so `dgr swarm` shows it.
 #[test]
 fn a_gpu_stages_kv_budget_fits_its_device_memory_and_the_swarm_sees_it() {
     if !have_gpu() {
@@ -210,6 +264,15 @@ fn a_gpu_stages_kv_budget_fits_its_device_memory_and_the_swarm_sees_it() {
     // SmolLM2's 30 layers keep 2 × 192 f32 a position each: 46,080 bytes.
     let want = "--kv-tokens 100000000 needs 4608000000000 bytes of GPU memory (46080 a position over the stage's layers)";
     assert!(!out.status.success() && err.contains(want), "{err}");
+    // Weights over the memory the stage may take are refused at start too.
+    let out = dgr()
+        .args(["worker", "--layers", "0..30", "--device", "gpu", "--gpu-memory-mb", "10"])
+        .arg("--model")
+        .arg(model())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("bytes of GPU memory, over --gpu-memory-mb's 10485760"), "{err}");
 
     let t = Tracker::start("gpu-memory", &[]);
     let w = Worker::start(&t, (0, 30), "gpu", &["--device", "gpu"]);

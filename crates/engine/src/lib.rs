@@ -19,7 +19,7 @@ mod stage;
 pub mod synth;
 
 pub use backend::cpu::kernels::Isa;
-pub use backend::gpu::{adapters, AdapterIdentity, DeviceMemory};
+pub use backend::gpu::{adapter_memory, adapters, AdapterIdentity, DeviceMemory};
 pub use config::{Activation, Arch, ModelConfig, RopeStyle, SlidingWindow};
 pub use embed::{Pooler, Pooling};
 pub use engine::{Engine, SeqState};

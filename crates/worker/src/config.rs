@@ -21,6 +21,9 @@ pub struct WorkerConfig {
     /// `kv_budget_tokens` is the default, not asked for: on a GPU it shrinks to what fits in the
     /// device's memory (a budget asked for that does not fit is refused at start).
     pub kv_budget_default: bool,
+    /// Most bytes of the GPU's memory the stage may hold (weights, KV and scratch); None: what
+    /// the device has free.
+    pub gpu_memory_cap: Option<u64>,
     /// A session with no traffic for this long is freed.
     pub idle_timeout: Duration,
     /// After SIGTERM, how long open sessions may take to finish before they are cancelled.
@@ -81,6 +84,7 @@ impl WorkerConfig {
             max_sessions: 64,
             kv_budget_tokens: 1 << 16,
             kv_budget_default: true,
+            gpu_memory_cap: None,
             idle_timeout: Duration::from_secs(120),
             drain_timeout: Duration::from_secs(10),
             max_connections: 1024,

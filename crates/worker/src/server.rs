@@ -56,6 +56,8 @@ pub enum WorkerError {
          held by this worker): ask for fewer positions, or give this stage fewer layers"
     )]
     DeviceMemory { positions: u64, per_position: u64, needed: u64, room: u64, free: u64, total: u64, used: u64 },
+    #[error("the stage's weights take {weights} bytes of GPU memory, over --gpu-memory-mb's {cap}: give this stage fewer layers")]
+    GpuMemoryCap { weights: u64, cap: u64 },
     #[error("the GPU was lost mid-step ({0}): this worker's sessions were failed, for their drivers to replay elsewhere")]
     DeviceLost(String),
 }
@@ -119,9 +121,17 @@ const KV_SHARE_OF_FREE: f64 = 0.8;
 /// On a GPU, the KV budget must fit in the device memory the weights left, so that no session
 /// meets an out-of-memory failure mid-way (a session that needs more than the budget is refused
 /// at open): a budget asked for (`--kv-tokens`) that does not fit is refused at start, naming
-/// the bytes; the default shrinks to what fits, and says so.
+/// the bytes; the default shrinks to what fits, and says so. A cap on the GPU memory the stage
+/// may take (`--gpu-memory-mb`) holds its weights, and what they leave of it is all that is free.
 fn fit_kv_budget(cfg: &mut WorkerConfig, stage: &dgr_engine::Stage) -> Result<(), WorkerError> {
-    let Some(mem) = stage.device_memory() else { return Ok(()) };
+    let Some(mut mem) = stage.device_memory() else { return Ok(()) };
+    if let Some(cap) = cfg.gpu_memory_cap {
+        let weights = stage.weight_bytes() as u64;
+        if weights > cap {
+            return Err(WorkerError::GpuMemoryCap { weights, cap });
+        }
+        mem.free = mem.free.min(cap - weights);
+    }
     let per_position = (stage.kv_position_bytes() as u64).max(1);
     let room = (mem.free as f64 * KV_SHARE_OF_FREE) as u64;
     let (asked, fits) = (cfg.kv_budget_tokens as u64, room / per_position);

@@ -60,6 +60,12 @@ pub struct DeviceMemory {
     pub free: u64,
 }
 
+/// Adapter `index`'s device memory as this process sees it (opening its device, once per
+/// process); None where the platform does not say.
+pub fn adapter_memory(index: usize) -> Result<Option<DeviceMemory>, EngineError> {
+    Ok(Ctx::open(index)?.memory())
+}
+
 fn instance() -> wgpu::Instance {
     wgpu::Instance::new(wgpu::InstanceDescriptor {
         backends: wgpu::Backends::PRIMARY,

@@ -9,7 +9,7 @@ pub(crate) mod device;
 mod kv;
 mod matrix;
 
-pub use device::{adapters, AdapterIdentity, DeviceMemory};
+pub use device::{adapter_memory, adapters, AdapterIdentity, DeviceMemory};
 pub use kv::GpuKv;
 
 use crate::backend::cpu::ops;
