@@ -23,10 +23,10 @@ pub struct RouteArgs {
     /// cannot answer), for a route and its signed ticket, and report the request's usage to the ledger
     #[arg(long, value_parser = crate::addr::list)]
     pub tracker: Option<String>,
-    /// With --tracker: take the cheapest route of any engine, one that mixes engines (CPU
-    /// layers, then GPU layers) included, as the gateway does, instead of a route of the engine
-    /// --device, --numerics and --kv-dtype name
-    #[arg(long, requires = "tracker")]
+    /// Run on a route of any engine, one that mixes engines (CPU layers, then GPU layers)
+    /// included: with --tracker the cheapest, as the gateway asks; with --route the one given.
+    /// Without it the route must run the engine --device, --numerics and --kv-dtype name
+    #[arg(long)]
     pub any_engine: bool,
     /// The API key the tracker bills (needed once the tracker has keys)
     #[arg(long, env = "DGR_API_KEY", default_value = "", hide_env_values = true)]
@@ -99,7 +99,7 @@ pub fn generate(
             return Err(DriveError::new(FailKind::Route, Some(0), Some(&route.stages[0].addr), msg));
         }
         if !a.any_engine && route.engine() != engine.to_string() {
-            let msg = format!("the route computes with engine {} but this run asks for {engine}", route.engine());
+            let msg = format!("the route computes with engine {} but this run asks for {engine} (--any-engine runs on it)", route.engine());
             return Err(DriveError::new(FailKind::Route, Some(0), Some(&route.stages[0].addr), msg));
         }
         let g = GenRequest {

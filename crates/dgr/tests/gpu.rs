@@ -87,6 +87,16 @@ fn a_route_of_cpu_and_gpu_stages_generates_the_cpu_routes_tokens_where_the_margi
     let (front, cpu_back, gpu_back) =
         (Workers::start(&[0, 15], &cpu_flags), Workers::start(&[15, 30], &cpu_flags), Workers::start(&[15, 30], &["--device", "gpu"]));
     let (cpu_route, mixed_route) = (format!("{},{}", front.route(), cpu_back.route()), format!("{},{}", front.route(), gpu_back.route()));
+    // Without --any-engine a run takes only a route of the engine its flags name.
+    let out = dgr()
+        .args(["generate", "-n", "1", "-p", "hi", "--route", &mixed_route])
+        .args(cpu_flags)
+        .arg("--model")
+        .arg(model())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && err.contains("but this run asks for gguf-cpu-exact (--any-engine runs on it)"), "{err}");
     // |Δ logprob| against the float64 computation while the mixed route follows the reference's
     // tokens, and against the CPU route (exact numerics, ~1e-6 from float64) while it follows
     // that route's.
