@@ -193,8 +193,18 @@ fn up(device: &[&str]) -> (Vec<(String, u64, u64)>, serde_json::Value) {
     let mut cmd = dgr();
     cmd.args(["up", "--listen", "127.0.0.1:0"]).args(device).arg("--model").arg(model()).env("DGR_STATE_DIR", &state);
     let (mut child, ready, log) = common::swarm::spawn_ready(cmd, "dgr up");
-    let tracker = ready["tracker"].as_str().unwrap().to_string();
+    // What the test asks of the swarm is read before anything can fail, so dgr up is always stopped.
+    let tracker = ready["tracker"].as_str().unwrap_or_default().to_string();
     let swarm = dgr().args(["swarm", "--tracker", &tracker, "--format", "json"]).output().unwrap();
+    let args =
+        ["generate", "--tracker", &tracker, "--any-engine", "--format", "json", "-p", "The quick brown fox", "-n", "8", "--ignore-eos"];
+    let generated = dgr().args(args).arg("--model").arg(model()).output().unwrap();
+    // SIGINT, as Ctrl-C: dgr up stops its workers and tracker.
+    // SAFETY: kill(2) on our own child's pid, which has not been waited for, so not reused.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&state);
+    assert!(status.success(), "dgr up exited {status}: {}", String::from_utf8_lossy(&log.lock().unwrap()));
     let swarm: serde_json::Value = serde_json::from_slice(&swarm.stdout).unwrap();
     let mut workers: Vec<(String, u64, u64)> = swarm["models"][0]["workers"]
         .as_array()
@@ -203,15 +213,8 @@ fn up(device: &[&str]) -> (Vec<(String, u64, u64)>, serde_json::Value) {
         .map(|w| (w["engine"].as_str().unwrap().to_string(), w["layers"][0].as_u64().unwrap(), w["layers"][1].as_u64().unwrap()))
         .collect();
     workers.sort_by_key(|w| w.1);
-    let args =
-        ["generate", "--tracker", &tracker, "--any-engine", "--format", "json", "-p", "The quick brown fox", "-n", "8", "--ignore-eos"];
-    let out = dgr_json(&args);
-    // SIGINT, as Ctrl-C: dgr up stops its workers and tracker.
-    // SAFETY: kill(2) on our own child's pid, which has not been waited for, so not reused.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
-    let status = child.wait().unwrap();
-    assert!(status.success(), "dgr up exited {status}: {}", String::from_utf8_lossy(&log.lock().unwrap()));
-    let _ = std::fs::remove_dir_all(&state);
+    let out = serde_json::from_slice(&generated.stdout)
+        .unwrap_or_else(|e| panic!("generate through dgr up {device:?}: {e}: {}", String::from_utf8_lossy(&generated.stderr)));
     (workers, out)
 }
 
@@ -264,25 +267,16 @@ fn a_gpu_stages_kv_budget_fits_its_device_memory_and_the_swarm_sees_it() {
     if !have_gpu() {
         return;
     }
-    let out = dgr()
-        .args(["worker", "--layers", "0..30", "--device", "gpu", "--kv-tokens", "100000000"])
-        .arg("--model")
-        .arg(model())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let refused = |flag: &str, value: &str, want: &str| {
+        let out = dgr().args(["worker", "--layers", "0..30", "--device", "gpu", flag, value]).arg("--model").arg(model()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{flag} {value}: {err}");
+    };
     // SmolLM2's 30 layers keep 2 × 192 f32 a position each: 46,080 bytes.
     let want = "--kv-tokens 100000000 needs 4608000000000 bytes of GPU memory (46080 a position over the stage's layers)";
-    assert!(!out.status.success() && err.contains(want), "{err}");
+    refused("--kv-tokens", "100000000", want);
     // Weights over the memory the stage may take are refused at start too.
-    let out = dgr()
-        .args(["worker", "--layers", "0..30", "--device", "gpu", "--gpu-memory-mb", "10"])
-        .arg("--model")
-        .arg(model())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("bytes of GPU memory, over --gpu-memory-mb's 10485760"), "{err}");
+    refused("--gpu-memory-mb", "10", "bytes of GPU memory, over --gpu-memory-mb's 10485760");
 
     let t = Tracker::start("gpu-memory", &[]);
     let w = Worker::start(&t, (0, 30), "gpu", &["--device", "gpu"]);

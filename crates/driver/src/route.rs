@@ -97,8 +97,7 @@ impl Route {
                     vocab: reply.vocab,
                     max_positions: t.budget_tokens,
                     version: String::new(),
-                    // A tracker before protocol version 13 named one engine, the ticket's.
-                    engine: if s.engine.is_empty() { t.engine.clone() } else { s.engine.clone() },
+                    engine: s.engine.clone(),
                 },
             })
             .collect();

@@ -259,6 +259,11 @@ fn favour(held: &[(u32, u32)], ours: impl Fn(u32) -> bool) -> Vec<(u32, f64)> {
     mine.into_iter().map(|(slot, blocks)| (slot, 1.0 + (most - 1.0) * f64::from(blocks) / f64::from(deepest))).collect()
 }
 
+/// The route engine of planned stages (`dgr_proto::route_engine`).
+fn route_engine(stages: &[RouteStage]) -> String {
+    dgr_proto::route_engine(stages.iter().map(|s| (s.engine.as_str(), s.layer_start, s.layer_end)))
+}
+
 /// xorshift64: only to break exact ties, so equal replicas share arrivals in any order.
 fn next_random(state: &mut u64) -> u64 {
     *state ^= *state << 13;
@@ -504,8 +509,7 @@ impl Registry {
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
         let key = &self.groups[group].key;
-        let engine = dgr_proto::route_engine(stages.iter().map(|s| (s.engine.as_str(), s.layer_start, s.layer_end)));
-        Some(Planned { stages, engine, hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab, prefix_stages })
+        Some(Planned { engine: route_engine(&stages), stages, hidden: key.hidden, n_layers: key.n_layers, vocab: key.vocab, prefix_stages })
     }
 
     /// The groups of `model_id` whose engine `want` admits, by shape: the workers one route may
@@ -611,6 +615,8 @@ impl Registry {
         now: Instant,
         favoured: &[(u32, f64)],
     ) -> (Vec<Candidate>, Vec<u32>) {
+        // The common case, one engine's group, needs no cutting: its candidates as offered, on
+        // the hot path without a copy.
         if let [group] = groups {
             if !matches!(want, Want::Spans(_)) {
                 return self.offer(*group, depth, excluded, now, favoured);
@@ -750,8 +756,7 @@ impl Registry {
             let (layer_start, layer_end) = (s.layer_start, s.layer_end);
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
-        let engine = dgr_proto::route_engine(stages.iter().map(|s| (s.engine.as_str(), s.layer_start, s.layer_end)));
-        Some(Planned { stages, engine, hidden, n_layers, vocab, prefix_stages: 0 })
+        Some(Planned { engine: route_engine(&stages), stages, hidden, n_layers, vocab, prefix_stages: 0 })
     }
 }
 
