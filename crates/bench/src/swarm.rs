@@ -33,22 +33,8 @@ pub fn even_split(layers: usize, n: usize) -> Vec<std::ops::Range<usize>> {
 /// element count, and the last stage also carries the head (as large as several layers in a
 /// small model), so it gets fewer layers.
 pub fn balanced_split(g: &dgr_gguf::Gguf, layers: usize, n: usize) -> Vec<std::ops::Range<usize>> {
-    let (cost, head) = per_layer(g, layers, dgr_gguf::TensorInfo::n_elements);
+    let (cost, head) = g.per_layer(layers, dgr_gguf::TensorInfo::n_elements);
     balance(&cost, head, n)
-}
-
-/// `f` summed over each layer's tensors, and `f` of the head: the output matrix, or the token
-/// embeddings a model with tied embeddings computes its logits with.
-pub fn per_layer(g: &dgr_gguf::Gguf, layers: usize, f: impl Fn(&dgr_gguf::TensorInfo) -> u64) -> (Vec<u64>, u64) {
-    let mut per = vec![0u64; layers];
-    for t in g.tensors() {
-        let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
-        if let Some(c) = layer.and_then(|i| per.get_mut(i)) {
-            *c += f(t);
-        }
-    }
-    let head = g.tensor("output.weight").or_else(|| g.tensor("token_embd.weight")).map_or(0, f);
-    (per, head)
 }
 
 /// Ranges of `n` stages over the layers `0..cost.len()` with about equal cost each, the last

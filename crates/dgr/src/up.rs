@@ -137,7 +137,7 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("  join token:  {}", tracker.token_file.display());
         eprintln!("  tracker key: {} (clients and workers pin it with --tracker-key)", tracker.link_key);
         eprintln!("  add a worker from another host (copy the join token file and the model there first):");
-        eprintln!("    {}", add_worker_command(&tracker, &model, n_layers));
+        eprintln!("    {}", add_worker_command(&tracker, &model));
         if tracker.addr.starts_with("127.") || tracker.addr.starts_with("[::1]") || tracker.addr.starts_with("localhost:") {
             eprintln!(
                 "    (the tracker listens on loopback only: restart with --tracker-listen 0.0.0.0:7400 to take workers from other hosts)"
@@ -160,10 +160,6 @@ struct Part {
     on: &'static str,
 }
 
-/// Of a GPU's memory, the share the weights of the layers placed on it may take: the rest is for
-/// the KV cache (a worker's default budget shrinks to what fits) and each step's scratch.
-const GPU_WEIGHT_SHARE: f64 = 0.75;
-
 /// Where a route's layers run: all on the device `numerics` names, balanced by compute over
 /// `workers` workers; or, on a GPU whose memory (as it reports it, or `gpu_memory_mb`) cannot
 /// hold them all, the last layers that fit (the head with them: it is the largest matrix in a
@@ -179,7 +175,7 @@ fn place(g: &dgr_gguf::Gguf, n_layers: usize, workers: usize, numerics: Numerics
     let Some(room) = free.into_iter().chain(gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20))).min() else {
         return Ok(vec![Part { ranges: balanced(), flags, on: "GPU" }]);
     };
-    let (bytes, head) = dgr_bench::swarm::per_layer(g, n_layers, |t| t.n_bytes);
+    let (bytes, head) = g.per_layer(n_layers, |t| t.n_bytes);
     let weights = |r: &Range<usize>| bytes[r.clone()].iter().sum::<u64>() + if r.end == n_layers { head } else { 0 };
     let on_gpu = |ranges: &[Range<usize>]| {
         let total = ranges.iter().map(weights).sum::<u64>().max(1);
@@ -212,16 +208,16 @@ fn place(g: &dgr_gguf::Gguf, n_layers: usize, workers: usize, numerics: Numerics
         mib(needed),
         mib(room)
     );
-    let (cost, _) = dgr_bench::swarm::per_layer(g, cut, dgr_gguf::TensorInfo::n_elements);
+    let (cost, _) = g.per_layer(cut, dgr_gguf::TensorInfo::n_elements);
     let mut parts = vec![Part { ranges: dgr_bench::swarm::balance(&cost, 0, (workers - 1).min(cut)), flags: cpu, on: "CPU" }];
     parts.extend(on_gpu(std::slice::from_ref(&(cut..n_layers))));
     Ok(parts)
 }
 
 /// How many of the last layers fit, with the head, in `room` bytes of GPU memory, their weights
-/// (`bytes` a layer) taking at most `GPU_WEIGHT_SHARE` of it.
+/// (`bytes` a layer) taking at most `dgr_worker::WEIGHT_SHARE` of it.
 fn gpu_layers(bytes: &[u64], head: u64, room: u64) -> usize {
-    let limit = (room as f64 * GPU_WEIGHT_SHARE) as u64;
+    let limit = (room as f64 * dgr_worker::WEIGHT_SHARE) as u64;
     let mut used = head;
     if used > limit {
         return 0;
@@ -236,9 +232,10 @@ fn gpu_layers(bytes: &[u64], head: u64, room: u64) -> usize {
         .count()
 }
 
-/// The command that adds a whole replica of the model (every layer) on another host to this
-/// swarm; any layer range would do, the tracker composes routes from whatever joins.
-fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path, n_layers: usize) -> String {
+/// The command that adds a worker on another host to this swarm: the tracker assigns it as many
+/// layers as fit there, where they add most (any range would do: routes compose from whatever
+/// joins).
+fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path) -> String {
     let port = tracker.addr.rsplit_once(':').map_or("7400", |(_, p)| p);
     let addr = if tracker.addr.starts_with("0.0.0.0:") || tracker.addr.starts_with("[::]:") {
         format!("THIS_HOST:{port}")
@@ -246,7 +243,7 @@ fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path, n_layers:
         tracker.addr.clone()
     };
     format!(
-        "dgr worker --tracker {addr} --tracker-key {} --join-token-file {} --model {} --layers 0..{n_layers} --listen 0.0.0.0:7401 --advertise THAT_HOST:7401",
+        "dgr worker --tracker {addr} --tracker-key {} --join-token-file {} --model {} --listen 0.0.0.0:7401 --advertise THAT_HOST:7401",
         tracker.link_key,
         tracker.token_file.display(),
         model.display()

@@ -22,8 +22,13 @@ pub struct Args {
     #[command(flatten)]
     peer_key: crate::links::PeerKeyArg,
     /// The layer range to serve, A..B (layers A to B-1; the first stage starts at 0, the last ends at the model's layer count)
+    /// [default with --tracker: as many layers as fit in the device's memory, where a tracker
+    /// says they add most to the swarm]
     #[arg(long)]
-    layers: String,
+    layers: Option<String>,
+    /// Without --layers: take at most this many layers [default: as many as fit]
+    #[arg(long, conflicts_with = "layers")]
+    max_layers: Option<u32>,
     /// Address to serve the stage protocol (and GET /metrics) on (host:port, [v6]:port, or dgr://, tcp://, http:// before either); port 0 picks a free port
     #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::addr::one)]
     listen: String,
@@ -159,7 +164,10 @@ pub fn run(a: Args) -> Result<()> {
             bail!("the link identity was set before the worker's own");
         }
     }
-    let layers = parse_layers(&a.layers)?;
+    let layers = match &a.layers {
+        Some(l) => parse_layers(l)?,
+        None => placed_layers(&a)?,
+    };
     let model = match (&a.model.model, &a.model_id) {
         (None, Some(id)) => fetch_slice(&a, id, &layers)?,
         _ => a.model.path()?,
@@ -256,6 +264,45 @@ pub fn run(a: Args) -> Result<()> {
 }
 
 /// Fetches the slice of model `id` for `layers` from the swarm (or finds it fetched already).
+/// The range a tracker assigns this worker: at most `--max-layers`, and no more than fit in the
+/// memory of the device it computes on (the slice it will fetch is not measured beforehand).
+fn placed_layers(a: &Args) -> Result<std::ops::Range<usize>> {
+    anyhow::ensure!(!a.tracker.is_empty(), "--layers A..B is needed without --tracker (with one, a tracker assigns the range)");
+    let token_file = a.join_token_file.as_ref().context("--tracker needs --join-token-file")?;
+    let (model_id, n_layers, fit) = match (&a.model.model, &a.model_id) {
+        (None, Some(id)) => {
+            let max =
+                a.max_layers.context("--model-id without --layers needs --max-layers: a slice's size is not known before it is fetched")?;
+            (id.clone(), 0, max)
+        }
+        _ => {
+            let room = match a.numerics.device() {
+                dgr_engine::Device::Gpu(i) => {
+                    let free = dgr_bench::listed_devices().get(i).and_then(|d| d["memory_free"].as_u64());
+                    free.into_iter().chain(a.gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20))).min()
+                }
+                _ => dgr_worker::available_memory(),
+            };
+            dgr_worker::fitting(&a.model.path()?, room)?
+        }
+    };
+    let spec = dgr_worker::PlaceSpec {
+        trackers: a.tracker.clone(),
+        join_token: crate::state::read_secret(token_file)?,
+        model_id,
+        n_layers,
+        max_layers: a.max_layers.map_or(fit, |m| m.min(fit)),
+        timeout: positive(a.join_timeout, "join-timeout")?,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (layers, addr) = rt.block_on(spec.run())?;
+    eprintln!(
+        "dgr worker: the tracker at {addr} placed this worker at layers {}..{} (it may hold {})",
+        layers.start, layers.end, spec.max_layers
+    );
+    Ok(layers)
+}
+
 fn fetch_slice(a: &Args, id: &str, layers: &std::ops::Range<usize>) -> Result<std::path::PathBuf> {
     anyhow::ensure!(!a.tracker.is_empty(), "--model-id needs --tracker");
     let token_file = a.join_token_file.as_ref().context("fetching a slice needs --join-token-file")?;

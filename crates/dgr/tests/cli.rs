@@ -429,6 +429,24 @@ fn a_missing_default_model_points_at_the_fetch_script() {
 
 /// An unknown numerics or KV dtype is refused by the argument parser with the list of the known
 /// ones; every known one runs.
+/// Without --layers a worker asks a tracker for its range: with no tracker, or fetching a slice
+/// whose size it cannot know, it says what is missing before doing anything.
+#[test]
+fn a_worker_without_layers_says_what_it_needs_to_be_placed() {
+    let dir = TempDir::new("placed");
+    let token = dir.path("token");
+    std::fs::write(&token, "a-join-token-of-some-length").unwrap();
+    let mut alone = dgr();
+    alone.args(["worker", "--model"]).arg(model());
+    assert!(expect_clean_failure(alone).contains("--layers A..B is needed without --tracker"));
+    let mut fetching = dgr();
+    fetching.args(["worker", "--model-id", "abc", "--tracker", "127.0.0.1:9", "--join-token-file"]).arg(&token);
+    assert!(expect_clean_failure(fetching).contains("--model-id without --layers needs --max-layers"));
+    let mut both = dgr();
+    both.args(["worker", "--model"]).arg(model()).args(["--layers", "0..30", "--max-layers", "3"]);
+    assert!(expect_clean_failure(both).contains("cannot be used with"));
+}
+
 #[test]
 fn unknown_numerics_and_kv_dtypes_are_refused_at_start_with_the_ones_available() {
     let model = model();

@@ -132,6 +132,31 @@ fn routes_over_overlapping_ranges_equal_one_process() {
     }
 }
 
+/// Workers started without --layers serve what the tracker assigns: an empty swarm is tiled from
+/// layer 0, a later worker goes where layers are missing, and one whose memory holds the model
+/// takes all of it; the route they make equals one process bit for bit.
+#[test]
+fn workers_without_layers_serve_the_ranges_the_tracker_assigns() {
+    let _g = serial();
+    let args = ["--prompt", PROMPT, "--max-tokens", "16", "--top-logprobs", "3"];
+    let want = one_process(&args[2..]);
+    let t = Tracker::start("placed", &[]);
+    let ws: Vec<Worker> = ["a", "b", "c"].iter().map(|k| Worker::start_placed(&t, k, &["--max-layers", "12"])).collect();
+    let ranges: Vec<(usize, usize)> = ws.iter().map(|w| w.layers).collect();
+    assert_eq!(ranges, [(0, 12), (12, 24), (18, 30)], "the third covers what the first two left");
+    let ids: Vec<&str> = ws.iter().map(|w| w.id.as_str()).collect();
+    t.wait_live(&ids, Duration::from_secs(5), "placed workers");
+    assert_same_output(&t.generate(&args), &want, "a route over placed workers");
+    for w in &ws {
+        assert!(w.log().contains(&format!("placed this worker at layers {}..{}", w.layers.0, w.layers.1)), "{}", w.log());
+    }
+    // The default model fits this host's memory whole.
+    let whole = Worker::start_placed(&t, "d", &[]);
+    assert_eq!(whole.layers, (0, 30));
+    assert_eq!(t.log().matches("a starting worker of model").count(), 4, "{}", t.log());
+    println!("placed: {ranges:?}, then {:?} for a worker without --max-layers", whole.layers);
+}
+
 /// A raw driver connection to a worker (over its secure channel): Hello, then frames.
 struct Raw {
     conn: tokio_util::codec::Framed<dgr_proto::SecureStream, tokio_util::codec::LengthDelimitedCodec>,

@@ -45,7 +45,7 @@ pub use tracker::*;
 pub use trust::{check_peer, check_route_peer, parse_peer_key, parse_tracker_key, pin_peer_keys, pin_tracker_keys};
 
 /// Bumped on any incompatible change to the messages or their meaning.
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// `ErrorMsg.stage` when the sender does not know its place in the route (no session to ask).
 pub const STAGE_UNKNOWN: u32 = u32::MAX;

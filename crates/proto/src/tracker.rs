@@ -13,7 +13,7 @@ use crate::SignedTicket;
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct TrackerFrame {
-    #[prost(oneof = "TrackerBody", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23")]
+    #[prost(oneof = "TrackerBody", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25")]
     pub body: Option<TrackerBody>,
 }
 
@@ -78,6 +78,38 @@ pub enum TrackerBody {
     /// Gateway → tracker (with the join token): a spot check caught this worker; quarantine it.
     #[prost(message, tag = "23")]
     Suspect(Suspect),
+    /// Worker → tracker (with the join token), before it loads anything: which layers to serve.
+    #[prost(message, tag = "24")]
+    PlaceRequest(PlaceRequest),
+    #[prost(message, tag = "25")]
+    Placed(Placed),
+}
+
+/// A starting worker asks where it adds most to the swarm's capacity for a model.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PlaceRequest {
+    #[prost(string, tag = "1")]
+    pub join_token: String,
+    #[prost(string, tag = "2")]
+    pub model_id: String,
+    /// The model's layer count; 0 when the worker does not know it (it fetches its slice from
+    /// the swarm), and the swarm's workers of the model say.
+    #[prost(uint32, tag = "3")]
+    pub n_layers: u32,
+    /// Most layers it can hold.
+    #[prost(uint32, tag = "4")]
+    pub max_layers: u32,
+}
+
+/// The range a worker is to serve: `layer_start..layer_end` of the model's `n_layers`.
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Placed {
+    #[prost(uint32, tag = "1")]
+    pub layer_start: u32,
+    #[prost(uint32, tag = "2")]
+    pub layer_end: u32,
+    #[prost(uint32, tag = "3")]
+    pub n_layers: u32,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

@@ -5,8 +5,8 @@ use crate::registry::{Probe, Want};
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
 use crate::store::{key_hash, Grant, Reservation, StoreError};
 use dgr_proto::{
-    check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, RefusalKind, Refused, Registration, RequestUsage, RouteReply,
-    RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus,
+    check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, PlaceRequest, RefusalKind, Refused, Registration, RequestUsage,
+    RouteReply, RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus,
     MAX_ROUTE_ENGINE, TRACKER_MAX_FRAME,
 };
 use futures::StreamExt;
@@ -55,6 +55,7 @@ async fn answer(body: TrackerBody, sh: &Arc<Shared>) -> TrackerBody {
         TrackerBody::UsageQuery(q) => usage(q, sh).await,
         TrackerBody::KeyAdd(k) => key_add(k, sh).await,
         TrackerBody::Suspect(q) => suspect(q, sh).await,
+        TrackerBody::PlaceRequest(p) => place(p, sh),
         _ => Err(Refused::new(RefusalKind::BadRequest, "not a request a client may send")),
     };
     result.unwrap_or_else(TrackerBody::Refused)
@@ -238,6 +239,20 @@ async fn suspect(q: Suspect, sh: &Shared) -> Result<TrackerBody, Refused> {
     eprintln!("dgr tracker: quarantined worker {}: {}", q.worker_id, q.evidence);
     lock(&sh.registry).quarantine(q.worker_id, q.evidence);
     Ok(TrackerBody::Ack(Ack::default()))
+}
+
+/// The layers a starting worker is to serve (`Registry::place`).
+fn place(p: PlaceRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
+    if !token_ok(&p.join_token, &sh.cfg.join_token) {
+        return Err(Refused::new(RefusalKind::BadJoinToken, "a placement needs the join token"));
+    }
+    if p.model_id.is_empty() || p.model_id.len() > 256 {
+        return Err(Refused::new(RefusalKind::BadRequest, "a placement needs a model id of 1 to 256 bytes"));
+    }
+    let placed = lock(&sh.registry).place(&p.model_id, p.n_layers, p.max_layers, Instant::now());
+    let placed = placed.map_err(|why| Refused::new(RefusalKind::BadRequest, why))?;
+    eprintln!("dgr tracker: a starting worker of model {} takes layers {}..{}", p.model_id, placed.layer_start, placed.layer_end);
+    Ok(TrackerBody::Placed(placed))
 }
 
 /// Compares secrets by their hashes, so the time taken says nothing about the token.

@@ -6,6 +6,7 @@ mod answers;
 mod control;
 mod keys;
 mod metrics;
+pub mod place;
 pub mod plan;
 pub mod registry;
 mod relay;

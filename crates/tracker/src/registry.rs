@@ -23,8 +23,9 @@
 //! depth. So, of two replicas, the holder serves unless its load is at least `PREFIX_FAVOUR`
 //! times the other's, and a hot prefix spreads once its holders are that loaded.
 
+use crate::place::{best_window, rate, Held, MAX_PLACE_LAYERS};
 use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
-use dgr_proto::{EngineSpan, Load, Registration, RouteStage, TrackerFrame};
+use dgr_proto::{EngineSpan, Load, Placed, Registration, RouteStage, TrackerFrame};
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -46,6 +47,12 @@ const PREFIX_FAVOUR: f64 = 2.0;
 const HOLDERS_PER_DIGEST: usize = 32;
 /// (holder, depth) pairs a plan reads from the index at most, deepest probes first.
 const MAX_HOLDER_READS: usize = 256;
+/// How long a range handed to a starting worker counts as held without the worker joining with
+/// it: loading a large model from disk takes a while, and a worker that never comes must not
+/// keep others off those layers for long.
+const PLACING_TTL: Duration = Duration::from_secs(120);
+/// Ranges handed out and not yet joined with, at most (the oldest is forgotten first).
+const MAX_PLACINGS: usize = 1024;
 
 pub struct LiveWorker {
     pub id: String,
@@ -131,6 +138,17 @@ pub struct Registry {
     rng: u64,
     /// Route digest → slots of workers holding that prefix block, longest listed first.
     holders: HashMap<u64, Vec<u32>>,
+    /// Ranges handed to starting workers that have not joined with them yet, oldest first.
+    placing: Vec<Placing>,
+}
+
+/// A range handed to a starting worker, counted as held (at `rate`) until it joins or `until`.
+struct Placing {
+    model_id: String,
+    start: u32,
+    end: u32,
+    rate: f64,
+    until: Instant,
 }
 
 /// The engines a route may run: any (mixed along the route where that is cheapest), one, or the
@@ -285,6 +303,7 @@ impl Registry {
             heartbeat,
             rng: u64::from_le_bytes(seed) | 1,
             holders: HashMap::new(),
+            placing: Vec::new(),
         }
     }
 
@@ -300,6 +319,11 @@ impl Registry {
     /// listed twice). A quarantined worker is listed but never indexed for planning.
     pub fn join(&mut self, j: Joining) {
         self.remove(&j.id);
+        let placed =
+            self.placing.iter().position(|p| p.model_id == j.reg.model_id && (p.start, p.end) == (j.reg.layer_start, j.reg.layer_end));
+        if let Some(i) = placed {
+            self.placing.remove(i);
+        }
         let key = GroupKey {
             model_id: j.reg.model_id.clone(),
             engine: j.reg.engine.clone(),
@@ -348,6 +372,49 @@ impl Registry {
             self.groups[group].cells[cell].order.insert(rank);
             self.rerank(slot);
         }
+    }
+
+    /// The layers a starting worker of `model_id` that holds at most `max_layers` should serve
+    /// (`place::best_window` over the live workers of the model and the ranges handed out before
+    /// whose workers have not joined yet), and the model's layer count: `n_layers`, or where that
+    /// is 0 the count its live workers registered. The range counts as held from now on.
+    pub fn place(&mut self, model_id: &str, n_layers: u32, max_layers: u32, now: Instant) -> Result<Placed, String> {
+        self.placing.retain(|p| p.until > now);
+        let live: Vec<&LiveWorker> = self
+            .workers()
+            .filter(|w| w.reg.model_id == model_id && w.alive(self.heartbeat, now) && !self.quarantined.contains_key(&w.id))
+            .collect();
+        let n = match (n_layers, live.first()) {
+            (0, None) => return Err(format!("no live worker serves model {model_id}, so its layer count is not known here")),
+            (0, Some(w)) => w.reg.n_layers,
+            (n, _) => n,
+        };
+        if let Some(w) = live.iter().find(|w| w.reg.n_layers != n) {
+            return Err(format!("model {model_id} has {} layers in this swarm, not {n}", w.reg.n_layers));
+        }
+        if n == 0 || n > MAX_PLACE_LAYERS || max_layers == 0 {
+            return Err(format!("placing {max_layers} of {n} layers: a model of 1 to {MAX_PLACE_LAYERS} layers, at least one held"));
+        }
+        let mut held: Vec<Held> = live
+            .iter()
+            .map(|w| Held {
+                start: w.reg.layer_start,
+                end: w.reg.layer_end,
+                rate: rate(w.reg.step_us_per_layer, w.reg.layer_end - w.reg.layer_start),
+            })
+            .collect();
+        held.extend(self.placing.iter().filter(|p| p.model_id == model_id).map(|p| Held { start: p.start, end: p.end, rate: p.rate }));
+        // Its own time per layer is measured only once it has loaded: the swarm's median stands in.
+        let mut steps: Vec<f64> = live.iter().map(|w| w.reg.step_us_per_layer).filter(|s| s.is_finite()).collect();
+        steps.sort_by(f64::total_cmp);
+        let k = max_layers.min(n);
+        let own = rate(steps.get(steps.len() / 2).copied().unwrap_or(1000.0), k);
+        let (start, end) = best_window(n, k, &held, own);
+        if self.placing.len() >= MAX_PLACINGS {
+            self.placing.remove(0);
+        }
+        self.placing.push(Placing { model_id: model_id.to_string(), start, end, rate: own, until: now + PLACING_TTL });
+        Ok(Placed { layer_start: start, layer_end: end, n_layers: n })
     }
 
     /// Removes the worker if `conn` is still the connection that registered it.
@@ -864,6 +931,32 @@ mod tests {
         let lost = ["cpu-tail".to_string(), "cpu-all".to_string()];
         assert!(r.plan_route("m", &want, &lost, &[]).is_none() && !r.covered_but_full("m", &want, &lost));
         assert!(matches!(Want::parse("gpu@0..3+cpu@4..6"), Err(dgr_proto::ProtoError::BadInput(_))));
+    }
+
+    #[test]
+    fn starting_workers_are_placed_apart_until_they_join_or_their_ranges_expire() {
+        let mut r = Registry::new(Duration::from_secs(1));
+        let range = |p: Placed| (p.layer_start, p.layer_end);
+        let now = Instant::now();
+        // No worker yet: the layer count must be given.
+        assert!(r.place("m", 0, 2, now).is_err());
+        // Two workers asking before either joins get different halves.
+        assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (0, 2));
+        assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (2, 4));
+        // The first joins with its range: held by a worker now, not twice.
+        join(&mut r, "a", reg((0, 2), 100.0));
+        assert_eq!(r.placing.len(), 1);
+        // A third, told the count by the swarm, doubles up the half still to come: counted at
+        // a default speed (no worker had measured one), it is far thinner than the first's.
+        let third = r.place("m", 0, 2, now).unwrap();
+        assert_eq!((third.n_layers, range(third)), (4, (2, 4)));
+        // A count the swarm contradicts, or nothing to hold, is refused.
+        assert!(r.place("m", 5, 2, now).is_err());
+        assert!(r.place("m", 4, 0, now).is_err());
+        // Ranges never joined with expire: then layers 2..4 are uncovered again.
+        r.placing.iter_mut().for_each(|p| p.until = now);
+        assert_eq!(range(r.place("m", 4, 1, Instant::now()).unwrap()), (2, 3));
+        assert_eq!(r.placing.len(), 1);
     }
 
     #[test]

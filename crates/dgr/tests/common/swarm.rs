@@ -209,7 +209,24 @@ impl Worker {
     /// the key file lives under the first one's dir).
     pub fn start_joined(
         ts: &[&Tracker],
-        (a, b): (usize, usize),
+        layers: (usize, usize),
+        key: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        model: Option<&Path>,
+    ) -> Worker {
+        Worker::spawn(ts, Some(layers), key, extra, env, model)
+    }
+
+    /// A worker of the default model started without --layers, joined to `t`: it serves the
+    /// range the tracker assigns.
+    pub fn start_placed(t: &Tracker, key: &str, extra: &[&str]) -> Worker {
+        Worker::spawn(&[t], None, key, extra, &[], Some(&model()))
+    }
+
+    fn spawn(
+        ts: &[&Tracker],
+        layers: Option<(usize, usize)>,
         key: &str,
         extra: &[&str],
         env: &[(&str, &str)],
@@ -219,7 +236,12 @@ impl Worker {
         let trackers: Vec<&str> = ts.iter().map(|t| t.addr.as_str()).collect();
         let mut cmd = dgr();
         cmd.envs(env.iter().copied());
-        cmd.args(["worker", "--threads", "1", "--layers", &format!("{a}..{b}"), "--tracker", &trackers.join(","), "--join-token-file"])
+        if let Some((a, b)) = layers {
+            cmd.args(["worker", "--layers", &format!("{a}..{b}")]);
+        } else {
+            cmd.arg("worker");
+        }
+        cmd.args(["--threads", "1", "--tracker", &trackers.join(","), "--join-token-file"])
             .arg(&t.token_file)
             .arg("--key-file")
             .arg(t.dir.join(format!("{key}.key")))
@@ -231,11 +253,12 @@ impl Worker {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
         let (child, v, log) = spawn_ready(cmd, "worker");
+        let layer = |i: usize| v["layers"][i].as_u64().expect("layers") as usize;
         Worker {
             child,
             id: v["worker_id"].as_str().expect("worker_id").to_string(),
             addr: v["listening"].as_str().map(String::from),
-            layers: (a, b),
+            layers: (layer(0), layer(1)),
             log,
         }
     }
