@@ -116,8 +116,9 @@ pub struct Args {
     #[arg(long)]
     key_file: Option<std::path::PathBuf>,
     /// Serve this model (its identity, as `dgr inspect` or `dgr swarm` shows it). Without --model,
-    /// the slice for --layers is fetched from the swarm's workers that hold it (every tensor
-    /// checked against the identity; an interrupted fetch resumes) and kept in --slice-dir
+    /// the slice for --layers (or for the range a tracker assigns) is fetched from the swarm's
+    /// workers that hold it (every tensor checked against the identity; an interrupted fetch
+    /// resumes) and kept in --slice-dir
     #[arg(long, requires = "tracker")]
     model_id: Option<String>,
     /// Where fetched slices are kept [default: $DGR_MODEL_DIR/slices]
@@ -204,7 +205,6 @@ pub fn run(a: Args) -> Result<()> {
         let bound = if a.relay { None } else { Some(dgr_worker::bind(&a.listen).await.with_context(|| format!("binding {}", a.listen))?) };
         let addr = bound.as_ref().map(|(_, addr)| addr.to_string());
         if !a.tracker.is_empty() {
-            let token_file = a.join_token_file.as_ref().context("--tracker needs --join-token-file")?;
             let identity = identity.clone().context("an identity with --tracker")?;
             let advertise = match (&a.advertise, &addr) {
                 (_, None) => None,
@@ -216,7 +216,7 @@ pub fn run(a: Args) -> Result<()> {
             };
             cfg.tracker = Some(dgr_worker::TrackerLink {
                 addrs: a.tracker.clone(),
-                join_token: crate::state::read_secret(token_file)?,
+                join_token: read_token(&a)?,
                 identity,
                 advertise,
                 join_timeout: positive(a.join_timeout, "join-timeout")?,
@@ -265,58 +265,58 @@ pub fn run(a: Args) -> Result<()> {
 
 /// Fetches the slice of model `id` for `layers` from the swarm (or finds it fetched already).
 /// The range a tracker assigns this worker: at most `--max-layers`, and no more than fit in the
-/// memory of the device it computes on (the slice it will fetch is not measured beforehand).
+/// memory of the device it computes on (a slice to fetch is sized by the swarm's manifest).
 fn placed_layers(a: &Args) -> Result<std::ops::Range<usize>> {
     anyhow::ensure!(!a.tracker.is_empty(), "--layers A..B is needed without --tracker (with one, a tracker assigns the range)");
-    let token_file = a.join_token_file.as_ref().context("--tracker needs --join-token-file")?;
-    let (model_id, n_layers, fit) = match (&a.model.model, &a.model_id) {
-        (None, Some(id)) => {
-            let max =
-                a.max_layers.context("--model-id without --layers needs --max-layers: a slice's size is not known before it is fetched")?;
-            (id.clone(), 0, max)
-        }
-        _ => {
-            let room = match a.numerics.device() {
-                dgr_engine::Device::Gpu(i) => {
-                    let free = dgr_bench::listed_devices().get(i).and_then(|d| d["memory_free"].as_u64());
-                    free.into_iter().chain(a.gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20))).min()
-                }
-                _ => dgr_worker::available_memory(),
-            };
-            dgr_worker::fitting(&a.model.path()?, room)?
-        }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (model_id, sizes) = match (&a.model.model, &a.model_id) {
+        (None, Some(id)) => (id.clone(), rt.block_on(fetch_spec(a, id, 0..0)?.sizes()).with_context(|| format!("sizing model {id}"))?),
+        _ => dgr_worker::ModelSizes::of_file(&a.model.path()?)?,
     };
+    let room = match a.numerics.device() {
+        dgr_engine::Device::Gpu(i) => {
+            let free = dgr_bench::listed_devices().get(i).and_then(|d| d["memory_free"].as_u64());
+            free.into_iter().chain(a.gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20))).min()
+        }
+        _ => dgr_worker::available_memory(),
+    };
+    let fit = sizes.fit(room)?;
     let spec = dgr_worker::PlaceSpec {
         trackers: a.tracker.clone(),
-        join_token: crate::state::read_secret(token_file)?,
+        join_token: read_token(a)?,
         model_id,
-        n_layers,
+        n_layers: sizes.n_layers,
         max_layers: a.max_layers.map_or(fit, |m| m.min(fit)),
         timeout: positive(a.join_timeout, "join-timeout")?,
     };
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let (layers, addr) = rt.block_on(spec.run())?;
-    eprintln!(
-        "dgr worker: the tracker at {addr} placed this worker at layers {}..{} (it may hold {})",
-        layers.start, layers.end, spec.max_layers
-    );
+    let (start, end, max) = (layers.start, layers.end, spec.max_layers);
+    eprintln!("dgr worker: the tracker at {addr} placed this worker at layers {start}..{end} (it may hold {max} of {})", sizes.n_layers);
     Ok(layers)
 }
 
-fn fetch_slice(a: &Args, id: &str, layers: &std::ops::Range<usize>) -> Result<std::path::PathBuf> {
-    anyhow::ensure!(!a.tracker.is_empty(), "--model-id needs --tracker");
-    let token_file = a.join_token_file.as_ref().context("fetching a slice needs --join-token-file")?;
+fn read_token(a: &Args) -> Result<String> {
+    crate::state::read_secret(a.join_token_file.as_ref().context("--tracker needs --join-token-file")?)
+}
+
+/// Fetching layers `layers` of model `id` from the swarm.
+fn fetch_spec(a: &Args, id: &str, layers: std::ops::Range<usize>) -> Result<dgr_worker::FetchSpec> {
     let dir = match &a.slice_dir {
         Some(d) => d.clone(),
         None => dgr_gguf::default_model_path().parent().map(|p| p.join("slices")).context("no model directory")?,
     };
-    let spec = dgr_worker::FetchSpec {
+    Ok(dgr_worker::FetchSpec {
         trackers: a.tracker.clone(),
-        join_token: crate::state::read_secret(token_file)?,
+        join_token: read_token(a)?,
         model_id: id.to_string(),
         layers: u32::try_from(layers.start)?..u32::try_from(layers.end)?,
         dir,
-    };
+    })
+}
+
+fn fetch_slice(a: &Args, id: &str, layers: &std::ops::Range<usize>) -> Result<std::path::PathBuf> {
+    anyhow::ensure!(!a.tracker.is_empty(), "--model-id needs --tracker");
+    let spec = fetch_spec(a, id, layers.clone())?;
     let started = std::time::Instant::now();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let fetched = rt.block_on(spec.run()).with_context(|| format!("fetching layers {}..{} of model {id}", layers.start, layers.end))?;

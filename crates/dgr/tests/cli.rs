@@ -429,8 +429,8 @@ fn a_missing_default_model_points_at_the_fetch_script() {
 
 /// An unknown numerics or KV dtype is refused by the argument parser with the list of the known
 /// ones; every known one runs.
-/// Without --layers a worker asks a tracker for its range: with no tracker, or fetching a slice
-/// whose size it cannot know, it says what is missing before doing anything.
+/// Without --layers a worker asks a tracker for its range: with no tracker, or none to size the
+/// slice it would fetch, it says what is missing before doing anything.
 #[test]
 fn a_worker_without_layers_says_what_it_needs_to_be_placed() {
     let dir = TempDir::new("placed");
@@ -441,7 +441,8 @@ fn a_worker_without_layers_says_what_it_needs_to_be_placed() {
     assert!(expect_clean_failure(alone).contains("--layers A..B is needed without --tracker"));
     let mut fetching = dgr();
     fetching.args(["worker", "--model-id", "abc", "--tracker", "127.0.0.1:9", "--join-token-file"]).arg(&token);
-    assert!(expect_clean_failure(fetching).contains("--model-id without --layers needs --max-layers"));
+    let err = expect_clean_failure(fetching);
+    assert!(err.contains("sizing model abc") && err.contains("127.0.0.1:9"), "{err}");
     let mut both = dgr();
     both.args(["worker", "--model"]).arg(model()).args(["--layers", "0..30", "--max-layers", "3"]);
     assert!(expect_clean_failure(both).contains("cannot be used with"));

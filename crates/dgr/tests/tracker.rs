@@ -134,14 +134,16 @@ fn routes_over_overlapping_ranges_equal_one_process() {
 
 /// Workers started without --layers serve what the tracker assigns: an empty swarm is tiled from
 /// layer 0, a later worker goes where layers are missing, and one whose memory holds the model
-/// takes all of it; the route they make equals one process bit for bit.
+/// takes all of it, even without the file (sized by the swarm's manifest, then fetched); the
+/// routes they make equal one process bit for bit.
 #[test]
 fn workers_without_layers_serve_the_ranges_the_tracker_assigns() {
     let _g = serial();
     let args = ["--prompt", PROMPT, "--max-tokens", "16", "--top-logprobs", "3"];
     let want = one_process(&args[2..]);
     let t = Tracker::start("placed", &[]);
-    let ws: Vec<Worker> = ["a", "b", "c"].iter().map(|k| Worker::start_placed(&t, k, &["--max-layers", "12"])).collect();
+    let model = common::model();
+    let ws: Vec<Worker> = ["a", "b", "c"].iter().map(|k| Worker::start_placed(&t, k, &["--max-layers", "12"], Some(&model))).collect();
     let ranges: Vec<(usize, usize)> = ws.iter().map(|w| w.layers).collect();
     assert_eq!(ranges, [(0, 12), (12, 24), (18, 30)], "the third covers what the first two left");
     let ids: Vec<&str> = ws.iter().map(|w| w.id.as_str()).collect();
@@ -150,11 +152,17 @@ fn workers_without_layers_serve_the_ranges_the_tracker_assigns() {
     for w in &ws {
         assert!(w.log().contains(&format!("placed this worker at layers {}..{}", w.layers.0, w.layers.1)), "{}", w.log());
     }
-    // The default model fits this host's memory whole.
-    let whole = Worker::start_placed(&t, "d", &[]);
-    assert_eq!(whole.layers, (0, 30));
+    // Without the file or --max-layers: the default model fits this host's memory whole.
+    let id = dgr_gguf::model_identity(&model).unwrap().id;
+    let slices = t.dir.join("slices");
+    let whole = Worker::start_placed(&t, "d", &["--model-id", &id, "--slice-dir", slices.to_str().unwrap()], None);
+    assert_eq!(whole.layers, (0, 30), "{}", whole.log());
+    assert!(whole.log().contains("fetched"), "{}", whole.log());
+    drop(ws);
+    t.wait_live(&[&whole.id], Duration::from_secs(5), "the fetched replica alone");
+    assert_same_output(&t.generate(&args), &want, "the fetched replica");
     assert_eq!(t.log().matches("a starting worker of model").count(), 4, "{}", t.log());
-    println!("placed: {ranges:?}, then {:?} for a worker without --max-layers", whole.layers);
+    println!("placed: {ranges:?}, then {:?} for a worker fetching its slice", whole.layers);
 }
 
 /// A raw driver connection to a worker (over its secure channel): Hello, then frames.

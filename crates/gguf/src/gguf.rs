@@ -208,19 +208,9 @@ impl Gguf {
         self.header.tensors.get(*self.header.tensor_index.get(name)?)
     }
 
-    /// `f` summed over the tensors of each of the first `layers` layers, and `f` of the head:
-    /// the output matrix, or the token embeddings a model with tied embeddings computes its
-    /// logits with.
+    /// `f` of each of the first `layers` layers' tensors summed, and of the head (`per_layer`).
     pub fn per_layer(&self, layers: usize, f: impl Fn(&TensorInfo) -> u64) -> (Vec<u64>, u64) {
-        let mut per = vec![0u64; layers];
-        for t in self.tensors() {
-            let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
-            if let Some(c) = layer.and_then(|i| per.get_mut(i)) {
-                *c += f(t);
-            }
-        }
-        let head = self.tensor("output.weight").or_else(|| self.tensor("token_embd.weight")).map_or(0, f);
-        (per, head)
+        crate::slice::per_layer(self.tensors().iter().map(|t| (t.name.as_str(), f(t))), layers)
     }
 
     fn held(&self, t: &TensorInfo) -> Option<&[u8]> {

@@ -48,6 +48,13 @@ pub struct TensorHash {
     pub sha256: [u8; 32],
 }
 
+impl TensorHash {
+    /// Its data's size in bytes (a shape too large for the address space is an error).
+    pub fn n_bytes(&self) -> Result<u64, GgufError> {
+        crate::tensor::tensor_n_bytes(&self.name, self.ty, &self.dims, None)
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelIdentity {
     /// 64 lowercase hex chars.

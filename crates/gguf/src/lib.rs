@@ -25,7 +25,7 @@ pub use error::GgufError;
 pub use gguf::Gguf;
 pub use identity::{cached_tensor_hashes, file_sha256, identity, model_identity, sha256_range, ModelIdentity, TensorHash};
 pub use paths::{default_model_path, DEFAULT_MODEL_FILE};
-pub use slice::{needed_by_stage, SliceInfo};
+pub use slice::{needed_by_stage, per_layer, SliceInfo};
 pub use slice_write::{slice_metadata, write_slice, SliceLayout};
 pub use tensor::{TensorInfo, MAX_DIMS};
 pub use types::GgmlType;

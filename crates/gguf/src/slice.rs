@@ -53,6 +53,26 @@ pub fn needed_by_stage(name: &str, start: u32, end: u32, n_layers: u32, tied: bo
     }
 }
 
+/// Of (tensor name, size) pairs (GGUF naming), the sizes of each of the first `layers` layers'
+/// tensors summed, and the head's: the output matrix, or the token embeddings a model with tied
+/// embeddings computes its logits with.
+pub fn per_layer<'a>(tensors: impl IntoIterator<Item = (&'a str, u64)>, layers: usize) -> (Vec<u64>, u64) {
+    let mut per = vec![0u64; layers];
+    let (mut output, mut embedding) = (None, None);
+    for (name, size) in tensors {
+        let layer = name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+        if let Some(c) = layer.and_then(|i| per.get_mut(i)) {
+            *c = c.saturating_add(size);
+        }
+        match name {
+            "output.weight" => output = Some(size),
+            "token_embd.weight" => embedding = Some(size),
+            _ => {}
+        }
+    }
+    (per, output.or(embedding).unwrap_or(0))
+}
+
 /// `[start, end)` must be nonempty and lie within `[lo, hi)`.
 pub(crate) fn check_range(start: u32, end: u32, lo: u32, hi: u32) -> Result<(), GgufError> {
     if start < end && lo <= start && end <= hi {

@@ -85,6 +85,10 @@ pub enum TrackerBody {
     Placed(Placed),
 }
 
+/// Most layers a model may have to be placed (a placement costs a sort of the layers for each
+/// window); no model comes near it.
+pub const MAX_PLACE_LAYERS: u32 = 1024;
+
 /// A starting worker asks where it adds most to the swarm's capacity for a model.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct PlaceRequest {
@@ -92,8 +96,7 @@ pub struct PlaceRequest {
     pub join_token: String,
     #[prost(string, tag = "2")]
     pub model_id: String,
-    /// The model's layer count; 0 when the worker does not know it (it fetches its slice from
-    /// the swarm), and the swarm's workers of the model say.
+    /// The model's layer count, 1 to `MAX_PLACE_LAYERS`.
     #[prost(uint32, tag = "3")]
     pub n_layers: u32,
     /// Most layers it can hold.
@@ -101,15 +104,13 @@ pub struct PlaceRequest {
     pub max_layers: u32,
 }
 
-/// The range a worker is to serve: `layer_start..layer_end` of the model's `n_layers`.
+/// The range a worker is to serve: `layer_start..layer_end`.
 #[derive(Clone, Copy, PartialEq, prost::Message)]
 pub struct Placed {
     #[prost(uint32, tag = "1")]
     pub layer_start: u32,
     #[prost(uint32, tag = "2")]
     pub layer_end: u32,
-    #[prost(uint32, tag = "3")]
-    pub n_layers: u32,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

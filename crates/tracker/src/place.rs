@@ -8,10 +8,6 @@
 //! the least (leximin): an uncovered layer is covered first, then the thinnest capacity raised.
 //! Equal windows go to the lowest start, so an empty swarm is tiled from layer 0 upward.
 
-/// Most layers a placement looks at (each window costs a sort of the layers); no model comes
-/// near it.
-pub const MAX_PLACE_LAYERS: u32 = 1024;
-
 /// A range of layers held, and its holder's rate.
 #[derive(Clone, Copy, Debug)]
 pub struct Held {
@@ -25,7 +21,7 @@ pub fn rate(step_us_per_layer: f64, layers: u32) -> f64 {
     1e6 / (step_us_per_layer.max(1.0) * f64::from(layers.max(1)))
 }
 
-/// The window of `k` of the `n` layers (`k` ≤ `n`, `n` ≤ `MAX_PLACE_LAYERS`) where a worker of
+/// The window of `k` of the `n` layers (`k` ≤ `n`, `n` ≤ `dgr_proto::MAX_PLACE_LAYERS`) where a worker of
 /// `rate` leaves the capacities most even, as the module says.
 pub fn best_window(n: u32, k: u32, held: &[Held], rate: f64) -> (u32, u32) {
     let k = k.clamp(1, n.max(1));

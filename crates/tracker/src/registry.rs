@@ -23,9 +23,9 @@
 //! depth. So, of two replicas, the holder serves unless its load is at least `PREFIX_FAVOUR`
 //! times the other's, and a hot prefix spreads once its holders are that loaded.
 
-use crate::place::{best_window, rate, Held, MAX_PLACE_LAYERS};
+use crate::place::{best_window, rate, Held};
 use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
-use dgr_proto::{EngineSpan, Load, Placed, Registration, RouteStage, TrackerFrame};
+use dgr_proto::{EngineSpan, Load, Placed, Registration, RouteStage, TrackerFrame, MAX_PLACE_LAYERS};
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -374,26 +374,20 @@ impl Registry {
         }
     }
 
-    /// The layers a starting worker of `model_id` that holds at most `max_layers` should serve
-    /// (`place::best_window` over the live workers of the model and the ranges handed out before
-    /// whose workers have not joined yet), and the model's layer count: `n_layers`, or where that
-    /// is 0 the count its live workers registered. The range counts as held from now on.
-    pub fn place(&mut self, model_id: &str, n_layers: u32, max_layers: u32, now: Instant) -> Result<Placed, String> {
+    /// The layers a starting worker of `model_id` (`n` layers) that holds at most `max_layers`
+    /// should serve: `place::best_window` over the live workers of the model and the ranges
+    /// handed out before whose workers have not joined yet. The range counts as held from now on.
+    pub fn place(&mut self, model_id: &str, n: u32, max_layers: u32, now: Instant) -> Result<Placed, String> {
+        if n == 0 || n > MAX_PLACE_LAYERS || max_layers == 0 {
+            return Err(format!("placing {max_layers} of {n} layers: a model of 1 to {MAX_PLACE_LAYERS} layers, at least one held"));
+        }
         self.placing.retain(|p| p.until > now);
         let live: Vec<&LiveWorker> = self
             .workers()
             .filter(|w| w.reg.model_id == model_id && w.alive(self.heartbeat, now) && !self.quarantined.contains_key(&w.id))
             .collect();
-        let n = match (n_layers, live.first()) {
-            (0, None) => return Err(format!("no live worker serves model {model_id}, so its layer count is not known here")),
-            (0, Some(w)) => w.reg.n_layers,
-            (n, _) => n,
-        };
         if let Some(w) = live.iter().find(|w| w.reg.n_layers != n) {
             return Err(format!("model {model_id} has {} layers in this swarm, not {n}", w.reg.n_layers));
-        }
-        if n == 0 || n > MAX_PLACE_LAYERS || max_layers == 0 {
-            return Err(format!("placing {max_layers} of {n} layers: a model of 1 to {MAX_PLACE_LAYERS} layers, at least one held"));
         }
         let mut held: Vec<Held> = live
             .iter()
@@ -414,7 +408,7 @@ impl Registry {
             self.placing.remove(0);
         }
         self.placing.push(Placing { model_id: model_id.to_string(), start, end, rate: own, until: now + PLACING_TTL });
-        Ok(Placed { layer_start: start, layer_end: end, n_layers: n })
+        Ok(Placed { layer_start: start, layer_end: end })
     }
 
     /// Removes the worker if `conn` is still the connection that registered it.
@@ -938,20 +932,18 @@ mod tests {
         let mut r = Registry::new(Duration::from_secs(1));
         let range = |p: Placed| (p.layer_start, p.layer_end);
         let now = Instant::now();
-        // No worker yet: the layer count must be given.
-        assert!(r.place("m", 0, 2, now).is_err());
         // Two workers asking before either joins get different halves.
         assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (0, 2));
         assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (2, 4));
         // The first joins with its range: held by a worker now, not twice.
         join(&mut r, "a", reg((0, 2), 100.0));
         assert_eq!(r.placing.len(), 1);
-        // A third, told the count by the swarm, doubles up the half still to come: counted at
-        // a default speed (no worker had measured one), it is far thinner than the first's.
-        let third = r.place("m", 0, 2, now).unwrap();
-        assert_eq!((third.n_layers, range(third)), (4, (2, 4)));
-        // A count the swarm contradicts, or nothing to hold, is refused.
+        // A third doubles up the half still to come: counted at a default speed (no worker had
+        // measured one), it is far thinner than the first's.
+        assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (2, 4));
+        // A count the swarm contradicts, no layers, or nothing to hold, is refused.
         assert!(r.place("m", 5, 2, now).is_err());
+        assert!(r.place("m", 0, 2, now).is_err());
         assert!(r.place("m", 4, 0, now).is_err());
         // Ranges never joined with expire: then layers 2..4 are uncovered again.
         r.placing.iter_mut().for_each(|p| p.until = now);

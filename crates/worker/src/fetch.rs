@@ -132,6 +132,24 @@ impl FetchSpec {
         Ok(out)
     }
 
+    /// How large the model's layers are, as the first holder's manifest says (checked against
+    /// the model id): known before a range is chosen, so a worker can take what fits.
+    pub async fn sizes(&self) -> Result<crate::placement::ModelSizes, FetchError> {
+        let mut holders = self.holders().await?;
+        let (manifest, identity) = self.manifest(&mut holders).await?;
+        let arch = manifest.get_str("general.architecture")?;
+        let n_layers = u32::try_from(manifest.get_u64(&format!("{arch}.block_count"))?).unwrap_or(u32::MAX);
+        // The count comes from a stranger: bounded before anything is sized by it.
+        if n_layers == 0 || n_layers > dgr_proto::MAX_PLACE_LAYERS {
+            let why = format!("a manifest of {n_layers} layers (1 to {} can be placed)", dgr_proto::MAX_PLACE_LAYERS);
+            return Err(FetchError::NoManifest { model_id: self.model_id.clone(), why });
+        }
+        let sizes =
+            identity.tensors.iter().map(|t| Ok((t.name.as_str(), t.n_bytes()?))).collect::<Result<Vec<_>, dgr_gguf::GgufError>>()?;
+        let (layers, head) = dgr_gguf::per_layer(sizes, n_layers as usize);
+        Ok(crate::placement::ModelSizes { n_layers, layers, head })
+    }
+
     /// Live, unquarantined workers serving the model, nearest layers first.
     async fn holders(&self) -> Result<Vec<Holder>, FetchError> {
         let reply = self.swarm().await?;

@@ -27,6 +27,6 @@ pub use config::{TrackerLink, WorkerConfig};
 pub use fetch::{describe as describe_fetch, FetchError, FetchSpec, Fetched};
 pub use join::load_or_create_identity;
 pub use metrics::{rss_bytes, Metrics};
-pub use placement::{available_memory, fitting, layers_that_fit, PlaceError, PlaceSpec, WEIGHT_SHARE};
+pub use placement::{available_memory, ModelSizes, PlaceError, PlaceSpec, WEIGHT_SHARE};
 pub use plan::Policy;
 pub use server::{bind, Worker, WorkerError};

@@ -23,29 +23,38 @@ pub enum PlaceError {
     NoRoom { head: u64, layer: u64, room: u64 },
     #[error("the tracker at {addr} would not place this worker: {why}")]
     Refused { addr: String, why: String },
-    #[error("the tracker at {addr} placed this worker at layers {start}..{end} of {n}, which is not a range of at most {max} of this model's layers")]
+    #[error("the tracker at {addr} placed this worker at layers {start}..{end}, which is not a range of at most {max} of this model's {n} layers")]
     BadRange { addr: String, start: u32, end: u32, n: u32, max: u32 },
     #[error("no tracker at {trackers} placed this worker within {} s (every attempt's reason is logged above)", .after.as_secs_f64())]
     Timeout { trackers: String, after: Duration },
 }
 
-/// What the model at `path` asks of a placement: its identity, its layer count, and how many of
-/// its layers fit in `room` bytes (every one where the room is not known).
-pub fn fitting(path: &Path, room: Option<u64>) -> Result<(String, u32, u32), PlaceError> {
-    let g = dgr_hf::open_any(path)?;
-    let n = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
-    let (layers, head) = g.per_layer(n, |t| t.n_bytes);
-    let fit = match room {
-        None => n,
-        Some(room) => layers_that_fit(&layers, head, room),
-    };
-    if fit == 0 {
-        let (head, layer, room) = (head, layers.iter().copied().max().unwrap_or(0), room.unwrap_or(0));
-        return Err(PlaceError::NoRoom { head, layer, room });
+/// How large a model's layers are: its layer count, each layer's tensor bytes, and the head's
+/// (which a last stage holds).
+pub struct ModelSizes {
+    pub n_layers: u32,
+    pub layers: Vec<u64>,
+    pub head: u64,
+}
+
+impl ModelSizes {
+    /// The model at `path` (a GGUF file or a checkpoint directory), and its identity.
+    pub fn of_file(path: &Path) -> Result<(String, ModelSizes), PlaceError> {
+        let g = dgr_hf::open_any(path)?;
+        let n = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
+        let (layers, head) = g.per_layer(n, |t| t.n_bytes);
+        let n_layers = u32::try_from(n).unwrap_or(u32::MAX);
+        Ok((dgr_hf::identity_any(path)?.id, ModelSizes { n_layers, layers, head }))
     }
-    let id = dgr_hf::identity_any(path)?.id;
-    let clamp = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-    Ok((id, clamp(n), clamp(fit)))
+
+    /// How many of its layers fit in `room` bytes (every one where the room is not known).
+    pub fn fit(&self, room: Option<u64>) -> Result<u32, PlaceError> {
+        let Some(room) = room else { return Ok(self.n_layers) };
+        match layers_that_fit(&self.layers, self.head, room) {
+            0 => Err(PlaceError::NoRoom { head: self.head, layer: self.layers.iter().copied().max().unwrap_or(0), room }),
+            fit => Ok(u32::try_from(fit).unwrap_or(u32::MAX)),
+        }
+    }
 }
 
 /// How many layers fit in `room` bytes wherever the range lands: the head (which a last stage
@@ -71,8 +80,8 @@ pub fn available_memory() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// A placement to ask for: of model `model_id` (`n_layers` layers, 0 if unknown here), at most
-/// `max_layers`, from the first of `trackers` that answers, trying for `timeout`.
+/// A placement to ask for: of model `model_id` (`n_layers` layers), at most `max_layers`, from
+/// the first of `trackers` that answers, trying for `timeout`.
 pub struct PlaceSpec {
     pub trackers: Vec<String>,
     pub join_token: String,
@@ -121,12 +130,9 @@ impl PlaceSpec {
 
     /// `p`, if it is a range of at most `max_layers` of the model's layers.
     fn check(&self, p: Placed, addr: &str) -> Result<std::ops::Range<usize>, PlaceError> {
-        let ok = p.layer_start < p.layer_end
-            && p.layer_end <= p.n_layers
-            && p.layer_end - p.layer_start <= self.max_layers
-            && (self.n_layers == 0 || p.n_layers == self.n_layers);
+        let ok = p.layer_start < p.layer_end && p.layer_end <= self.n_layers && p.layer_end - p.layer_start <= self.max_layers;
         if !ok {
-            let (start, end, n, max) = (p.layer_start, p.layer_end, p.n_layers, self.max_layers);
+            let (start, end, n, max) = (p.layer_start, p.layer_end, self.n_layers, self.max_layers);
             return Err(PlaceError::BadRange { addr: addr.into(), start, end, n, max });
         }
         Ok(p.layer_start as usize..p.layer_end as usize)

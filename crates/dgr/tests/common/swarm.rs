@@ -218,10 +218,10 @@ impl Worker {
         Worker::spawn(ts, Some(layers), key, extra, env, model)
     }
 
-    /// A worker of the default model started without --layers, joined to `t`: it serves the
-    /// range the tracker assigns.
-    pub fn start_placed(t: &Tracker, key: &str, extra: &[&str]) -> Worker {
-        Worker::spawn(&[t], None, key, extra, &[], Some(&model()))
+    /// A worker started without --layers, joined to `t`: it serves the range the tracker
+    /// assigns, of `model` (None: no --model, for a worker that fetches its slice).
+    pub fn start_placed(t: &Tracker, key: &str, extra: &[&str], model: Option<&Path>) -> Worker {
+        Worker::spawn(&[t], None, key, extra, &[], model)
     }
 
     fn spawn(
