@@ -18,10 +18,10 @@ use dgr_gguf::{quant, GgmlType, Gguf, GgufWriter, ModelIdentity, Value};
 use dgr_proto::{
     check_forward, check_open, check_prefix_probes, check_ticket_open, decode_rows, encode_rows, key_id, session_id, sign_ticket,
     verify_ticket, verifying_key, worker_id, Body, BoundarySchema, Challenge, Embed, Embedding, ErrorKind, ErrorMsg, Forward, Frame,
-    Heartbeat, Hello, Hop, Join, Joined, Load, OpenSession, Ping, Pooling, PrefixHeld, PrefixProbe, RefusalKind, Refused, Registration,
-    Role, RouteReply, RouteRequest, RouteStage, Sampled, Sampling, SeamDtype, SessionRef, SignedTicket, SigningKey, StageInfo, Ticket,
-    TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage, VerifyingKey, MAX_CHUNK, MAX_HELD_DIGESTS,
-    PROTOCOL_VERSION,
+    Heartbeat, Hello, Hop, Join, Joined, Load, OpenSession, Ping, PlaceRequest, Placed, Pooling, PrefixHeld, PrefixProbe, RefusalKind,
+    Refused, Registration, Role, RouteReply, RouteRequest, RouteStage, Sampled, Sampling, SeamDtype, SessionRef, SignedTicket, SigningKey,
+    StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage, VerifyingKey,
+    MAX_CHUNK, MAX_HELD_DIGESTS, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, Signer};
 use prost::Message;
@@ -758,6 +758,7 @@ fn tracker_seeds() -> Vec<(&'static str, TrackerFrame)> {
             recent_step_us: 812.5,
             device_memory_total: 1 << 33,
             device_memory_free: 1 << 32,
+            kv_reserved_tokens: 4096,
         }),
         prefix: Some(PrefixHeld { digests: (0..300).map(|i| 0x5851_f42d_4c95_7f2du64.wrapping_mul(i + 1)).collect() }),
     };
@@ -785,6 +786,16 @@ fn tracker_seeds() -> Vec<(&'static str, TrackerFrame)> {
         ("heartbeat", TrackerFrame::new(TrackerBody::Heartbeat(beat))),
         ("route-reply", TrackerFrame::new(TrackerBody::RouteReply(reply))),
         ("refused", TrackerFrame::new(TrackerBody::Refused(Refused::new(RefusalKind::NoRoute, "no worker serves layers 6..12")))),
+        (
+            "place-request",
+            TrackerFrame::new(TrackerBody::PlaceRequest(PlaceRequest {
+                join_token: "join-token".into(),
+                model_id: "m".into(),
+                n_layers: 30,
+                max_layers: 12,
+            })),
+        ),
+        ("placed", TrackerFrame::new(TrackerBody::Placed(Placed { layer_start: 12, layer_end: 24 }))),
     ]
 }
 

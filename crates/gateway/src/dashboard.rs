@@ -30,6 +30,7 @@ pub fn swarm_json(r: &SwarmReply) -> Value {
             "sessions": load.sessions,
             "queue_depth": load.queue_depth,
             "kv_used_tokens": load.kv_used_tokens,
+            "kv_reserved_tokens": load.kv_reserved_tokens,
             "kv_tokens": reg.kv_tokens,
             "device_memory_total": load.device_memory_total,
             "device_memory_free": load.device_memory_free,

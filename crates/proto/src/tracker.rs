@@ -238,6 +238,10 @@ pub struct Load {
     /// What of that memory is free to the worker, in bytes.
     #[prost(uint64, tag = "6")]
     pub device_memory_free: u64,
+    /// KV positions its open sessions reserved (each its prompt and most tokens), counted over
+    /// all its layers: of its registration's `kv_tokens`, what no new session can have.
+    #[prost(uint64, tag = "7")]
+    pub kv_reserved_tokens: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

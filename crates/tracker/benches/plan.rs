@@ -57,6 +57,7 @@ fn registry(n: usize, seed: u64) -> Registry {
             layer_end: c.end,
             max_sessions: u32::MAX,
             step_us_per_layer: c.per_layer * 1e3,
+            kv_tokens: u64::MAX,
             ..Default::default()
         };
         let (control, _) = tokio::sync::mpsc::channel(1);
@@ -83,10 +84,10 @@ fn bench_registry(c: &mut Criterion) {
     let mut group = c.benchmark_group("registry");
     for n in [1_000, 10_000] {
         let mut r = registry(n, 0);
-        assert!(r.plan_route("m", &Want::Any, &[], &[]).is_some(), "the instance must be routable");
+        assert!(r.plan_route("m", &Want::Any, &[], &[], 64).is_some(), "the instance must be routable");
         // Each route counts in its workers' load, so successive routes spread as under real load.
         group.bench_function(BenchmarkId::new("plan_route", n), |b| {
-            b.iter(|| r.plan_route("m", &Want::Any, &[], &[]).map(|p| p.stages.len()))
+            b.iter(|| r.plan_route("m", &Want::Any, &[], &[], 64).map(|p| p.stages.len()))
         });
         let mut rng = SplitMix64(n as u64);
         for i in 0..n {
@@ -97,12 +98,12 @@ fn bench_registry(c: &mut Criterion) {
             r.heartbeat(&format!("w{i}"), Default::default(), Some(held.collect()));
         }
         let asks: Vec<_> = (0..INSTANCES).map(|_| probes(rng.below(PROMPTS as u32) as u64)).collect();
-        assert!(asks.iter().any(|a| r.plan_route("m", &Want::Any, &[], a).is_some_and(|p| p.prefix_stages > 0)), "holders are found");
+        assert!(asks.iter().any(|a| r.plan_route("m", &Want::Any, &[], a, 64).is_some_and(|p| p.prefix_stages > 0)), "holders are found");
         let mut i = 0;
         group.bench_function(BenchmarkId::new("plan_route_prefix", n), |b| {
             b.iter(|| {
                 i = (i + 1) % asks.len();
-                r.plan_route("m", &Want::Any, &[], black_box(&asks[i])).map(|p| p.stages.len())
+                r.plan_route("m", &Want::Any, &[], black_box(&asks[i]), 64).map(|p| p.stages.len())
             })
         });
     }
@@ -130,6 +131,7 @@ fn bench_swarm(c: &mut Criterion) {
             layer_end: end,
             max_sessions: 1 << 20,
             step_us_per_layer: 100.0 + 900.0 * rng.unit(),
+            kv_tokens: u64::MAX,
             ..Default::default()
         };
         let (control, _) = tokio::sync::mpsc::channel(1);
@@ -145,7 +147,7 @@ fn bench_swarm(c: &mut Criterion) {
                 r.heartbeat(&ids[beat % n], load, None);
                 beat += 1;
             }
-            r.plan_route(model, &Want::Any, &[], &[]).map(|p| p.stages.len())
+            r.plan_route(model, &Want::Any, &[], &[], 64).map(|p| p.stages.len())
         })
     });
 }

@@ -108,9 +108,10 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
     let planned = {
         let mut reg = lock(&sh.registry);
         if r.fixed.is_empty() {
-            reg.plan_route(&r.model_id, &want, &r.exclude, &probes).ok_or_else(|| reg.covered_but_full(&r.model_id, &want, &r.exclude))
+            reg.plan_route(&r.model_id, &want, &r.exclude, &probes, budget)
+                .ok_or_else(|| reg.covered_but_full(&r.model_id, &want, &r.exclude, budget))
         } else {
-            reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude).ok_or(false)
+            reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude, budget).ok_or(false)
         }
     };
     sh.metrics.planned(started.elapsed().as_micros() as u64);

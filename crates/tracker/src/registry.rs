@@ -65,10 +65,12 @@ pub struct LiveWorker {
     pub conn: u64,
     pub last_heartbeat: Instant,
     pub load: Load,
-    /// When routes naming it were issued, newest last, kept for four heartbeat intervals.
-    issued: VecDeque<Instant>,
-    /// How many of `issued` its last heartbeat may not show yet.
+    /// When routes naming it were issued, and their sessions' KV budgets, newest last, kept for
+    /// four heartbeat intervals.
+    issued: VecDeque<(Instant, u64)>,
+    /// How many of `issued` its last heartbeat may not show yet, and their KV budgets summed.
     unseen: usize,
+    unseen_kv: u64,
     pub routes_total: u64,
     /// The route digests of the prefix blocks it last said it holds, sorted.
     held: Vec<u64>,
@@ -116,13 +118,15 @@ struct Cell {
     head: Option<Head>,
 }
 
-/// What a plan needs to know of a cell's first worker: its rank, its last heartbeat, and whether
-/// it had room (which changes only with its rank).
+/// What a plan needs to know of a cell's first worker: its rank, its last heartbeat, whether it
+/// had room for another session and the KV positions it had free (which change only with its
+/// rank).
 #[derive(Clone, Copy)]
 struct Head {
     rank: Rank,
     beat: Instant,
     room: bool,
+    kv_room: u64,
 }
 
 pub struct Registry {
@@ -149,6 +153,14 @@ struct Placing {
     end: u32,
     rate: f64,
     until: Instant,
+}
+
+/// Whom a plan may offer: live workers not `excluded`, with room for another session and for
+/// its `kv` positions of KV cache.
+struct Ask<'a> {
+    excluded: &'a HashSet<u32>,
+    now: Instant,
+    kv: u64,
 }
 
 /// The engines a route may run: any (mixed along the route where that is cheapest), one, or the
@@ -247,13 +259,21 @@ impl LiveWorker {
         (self.load.sessions as usize + self.unseen) < self.reg.max_sessions.max(1) as usize
     }
 
+    /// KV positions a new session may still reserve here: its budget less what its sessions
+    /// reserved and what routes issued since its heartbeat will.
+    fn kv_room(&self) -> u64 {
+        self.reg.kv_tokens.saturating_sub(self.load.kv_reserved_tokens.saturating_add(self.unseen_kv))
+    }
+
     /// Drops issue times older than the window they can matter in.
     fn forget_old(&mut self, heartbeat: Duration, now: Instant) {
-        while self.issued.front().is_some_and(|t| now.duration_since(*t) > 4 * heartbeat) {
+        while self.issued.front().is_some_and(|(t, _)| now.duration_since(*t) > 4 * heartbeat) {
             self.issued.pop_front();
         }
         let since = self.last_heartbeat.checked_sub(OPEN_GRACE).unwrap_or(self.last_heartbeat);
-        self.unseen = self.issued.len() - self.issued.partition_point(|t| *t < since);
+        let first = self.issued.partition_point(|(t, _)| *t < since);
+        self.unseen = self.issued.len() - first;
+        self.unseen_kv = self.issued.range(first..).fold(0u64, |sum, (_, kv)| sum.saturating_add(*kv));
     }
 }
 
@@ -361,6 +381,7 @@ impl Registry {
             load: Load::default(),
             issued: VecDeque::new(),
             unseen: 0,
+            unseen_kv: 0,
             routes_total: 0,
             held: Vec::new(),
             control: j.control,
@@ -535,13 +556,14 @@ impl Registry {
         let c = &mut self.groups[group].cells[cell];
         c.head = c.order.first().and_then(|&rank| {
             let w = self.slots[rank.slot as usize].as_ref()?;
-            Some(Head { rank, beat: w.last_heartbeat, room: w.has_room() })
+            Some(Head { rank, beat: w.last_heartbeat, room: w.has_room(), kv_room: w.kv_room() })
         });
     }
 
-    fn usable(&self, slot: u32, excluded: &HashSet<u32>, now: Instant) -> bool {
+    /// Whether the worker in `slot` may take the session `ask` describes.
+    fn usable(&self, slot: u32, ask: &Ask) -> bool {
         let w = self.slots[slot as usize].as_ref().expect("indexed workers are live");
-        w.alive(self.heartbeat, now) && w.has_room() && !excluded.contains(&slot)
+        w.alive(self.heartbeat, ask.now) && w.has_room() && ask.kv <= w.kv_room() && !ask.excluded.contains(&slot)
     }
 
     /// The cheapest chain of live workers of `model_id` that `want` admits, covering every layer
@@ -549,14 +571,15 @@ impl Registry {
     /// layers served × (1 + its load: sessions it reported plus routes issued to it since), plus
     /// a per-hop latency; a stage holding the prompt's `prefix` counts cheaper (see
     /// `PREFIX_FAVOUR`). Records the issue on each chosen worker.
-    pub fn plan_route(&mut self, model_id: &str, want: &Want, exclude: &[String], prefix: &[Probe]) -> Option<Planned> {
+    pub fn plan_route(&mut self, model_id: &str, want: &Want, exclude: &[String], prefix: &[Probe], kv: u64) -> Option<Planned> {
         let now = Instant::now();
         let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
-        let held = self.holders_of(prefix, &excluded, now);
+        let ask = Ask { excluded: &excluded, now, kv };
+        let held = self.holders_of(prefix, &ask);
         let mut best: Option<(usize, Chain)> = None;
         for groups in self.shapes(model_id, want) {
             let favoured = favour(&held, |slot| self.slots[slot as usize].as_ref().is_some_and(|w| groups.contains(&w.group)));
-            let Some(found) = self.plan_over(&groups, want, &excluded, now, &favoured) else { continue };
+            let Some(found) = self.plan_over(&groups, want, &ask, &favoured) else { continue };
             if best.as_ref().is_none_or(|(_, b)| found.cost < b.cost) {
                 best = Some((groups[0], found));
             }
@@ -566,7 +589,7 @@ impl Registry {
         let mut prefix_stages = 0;
         for (slot, layer_start, layer_end) in hops {
             prefix_stages += usize::from(held.binary_search_by_key(&slot, |h| h.0).is_ok());
-            let w = self.issue(slot, now);
+            let w = self.issue(slot, now, kv);
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
         let key = &self.groups[group].key;
@@ -593,11 +616,14 @@ impl Registry {
     /// Whether live workers of `model_id` that `want` admits, not excluded, cover every layer,
     /// with room or not: when `plan_route` found nothing, whether it was for want of room (which
     /// frees as sessions end) rather than of workers.
-    pub fn covered_but_full(&self, model_id: &str, want: &Want, exclude: &[String]) -> bool {
+    pub fn covered_but_full(&self, model_id: &str, want: &Want, exclude: &[String], kv: u64) -> bool {
         let now = Instant::now();
         let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
-        let live =
-            |r: &Rank| !excluded.contains(&r.slot) && self.slots[r.slot as usize].as_ref().is_some_and(|w| w.alive(self.heartbeat, now));
+        // A worker whose whole KV budget is smaller than the session never makes room for it.
+        let live = |r: &Rank| {
+            !excluded.contains(&r.slot)
+                && self.slots[r.slot as usize].as_ref().is_some_and(|w| w.alive(self.heartbeat, now) && kv <= w.reg.kv_tokens)
+        };
         self.shapes(model_id, want).iter().any(|groups| {
             let mut ranges: Vec<(u32, u32)> = groups
                 .iter()
@@ -620,7 +646,7 @@ impl Registry {
 
     /// The usable workers holding some of `prefix`, each with the most blocks it holds, by slot.
     /// Deepest probes first, and at most `MAX_HOLDER_READS` index entries read.
-    fn holders_of(&self, prefix: &[Probe], excluded: &HashSet<u32>, now: Instant) -> Vec<(u32, u32)> {
+    fn holders_of(&self, prefix: &[Probe], ask: &Ask) -> Vec<(u32, u32)> {
         let mut held: Vec<(u32, u32)> = Vec::new();
         for &(blocks, digest) in prefix.iter().rev() {
             if held.len() >= MAX_HOLDER_READS {
@@ -633,7 +659,7 @@ impl Registry {
         held.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
         held.dedup_by_key(|h| h.0);
         held.retain(|&(slot, _)| {
-            self.usable(slot, excluded, now) && self.slots[slot as usize].as_ref().is_some_and(|w| !self.quarantined.contains_key(&w.id))
+            self.usable(slot, ask) && self.slots[slot as usize].as_ref().is_some_and(|w| !self.quarantined.contains_key(&w.id))
         });
         held
     }
@@ -642,21 +668,14 @@ impl Registry {
     /// shortest path over those uses one twice, the first `REPAIR_DEPTH` of each cell and the
     /// planner's search (a second replica of that range usually serves). Those are a superset of
     /// the first, so the search's route is no dearer than a repair of the first would be.
-    fn plan_over(
-        &mut self,
-        groups: &[usize],
-        want: &Want,
-        excluded: &HashSet<u32>,
-        now: Instant,
-        favoured: &[(u32, f64)],
-    ) -> Option<Chain> {
-        let (candidates, slots) = self.offer_over(groups, 1, want, excluded, now, favoured);
+    fn plan_over(&mut self, groups: &[usize], want: &Want, ask: &Ask, favoured: &[(u32, f64)]) -> Option<Chain> {
+        let (candidates, slots) = self.offer_over(groups, 1, want, ask, favoured);
         let n_layers = self.groups[groups[0]].key.n_layers;
         let (candidates, slots, hops) = match shortest(n_layers, &candidates) {
             Shortest::Route(hops) => (candidates, slots, hops),
             Shortest::Uncovered => return None,
             Shortest::Repeats => {
-                let (candidates, slots) = self.offer_over(groups, REPAIR_DEPTH, want, excluded, now, favoured);
+                let (candidates, slots) = self.offer_over(groups, REPAIR_DEPTH, want, ask, favoured);
                 let hops = plan(n_layers, &candidates)?;
                 (candidates, slots, hops)
             }
@@ -672,15 +691,14 @@ impl Registry {
         groups: &[usize],
         depth: usize,
         want: &Want,
-        excluded: &HashSet<u32>,
-        now: Instant,
+        ask: &Ask,
         favoured: &[(u32, f64)],
     ) -> (Vec<Candidate>, Vec<u32>) {
         // The common case, one engine's group, needs no cutting: its candidates as offered, on
         // the hot path without a copy.
         if let [group] = groups {
             if !matches!(want, Want::Spans(_)) {
-                return self.offer(*group, depth, excluded, now, favoured);
+                return self.offer(*group, depth, ask, favoured);
             }
         }
         let (mut candidates, mut slots) = (Vec::new(), Vec::new());
@@ -690,7 +708,7 @@ impl Registry {
                 .copied()
                 .filter(|&(slot, _)| self.slots[slot as usize].as_ref().is_some_and(|w| w.group == group))
                 .collect();
-            let (c, s) = self.offer(group, depth, excluded, now, &mine);
+            let (c, s) = self.offer(group, depth, ask, &mine);
             let engine = &self.groups[group].key.engine;
             for (mut c, s) in c.into_iter().zip(s) {
                 if let Some((start, end)) = want.clip(engine, c.start, c.end) {
@@ -703,23 +721,16 @@ impl Registry {
         (candidates, slots)
     }
 
-    /// The first `depth` usable workers of each cell of the group as candidates, and their slots;
-    /// then the `favoured` ones (usable, by slot, with their divisors) not offered yet. A favoured
-    /// worker's time per layer is divided by its divisor.
-    fn offer(
-        &mut self,
-        group: usize,
-        depth: usize,
-        excluded: &HashSet<u32>,
-        now: Instant,
-        favoured: &[(u32, f64)],
-    ) -> (Vec<Candidate>, Vec<u32>) {
+    /// The first `depth` workers of each cell of the group usable for `ask` as candidates, and
+    /// their slots; then the `favoured` ones (usable, by slot, with their divisors) not offered
+    /// yet. A favoured worker's time per layer is divided by its divisor.
+    fn offer(&mut self, group: usize, depth: usize, ask: &Ask, favoured: &[(u32, f64)]) -> (Vec<Candidate>, Vec<u32>) {
         let g = &self.groups[group];
         let room = g.cells.len() * depth + favoured.len();
         let (mut candidates, mut slots) = (Vec::with_capacity(room), Vec::with_capacity(room));
         let mut rng = self.rng;
         // A head is live if it beat since then (`LiveWorker::alive`, without a subtraction a cell).
-        let since = now.checked_sub(3 * self.heartbeat);
+        let since = ask.now.checked_sub(3 * self.heartbeat);
         let mut offered = vec![false; favoured.len()];
         let mut offer = |cell: &Cell, rank: &Rank, offered: &mut [bool]| {
             // Jitter below any real difference breaks ties between equal chains at random.
@@ -734,12 +745,16 @@ impl Registry {
         };
         for cell in &g.cells {
             match cell.head {
-                Some(h) if depth == 1 && h.room && since.is_none_or(|t| h.beat >= t) && !excluded.contains(&h.rank.slot) => {
+                Some(h)
+                    if depth == 1
+                        && h.room
+                        && ask.kv <= h.kv_room
+                        && since.is_none_or(|t| h.beat >= t)
+                        && !ask.excluded.contains(&h.rank.slot) =>
+                {
                     offer(cell, &h.rank, &mut offered)
                 }
-                _ => {
-                    cell.order.iter().filter(|r| self.usable(r.slot, excluded, now)).take(depth).for_each(|r| offer(cell, r, &mut offered))
-                }
+                _ => cell.order.iter().filter(|r| self.usable(r.slot, ask)).take(depth).for_each(|r| offer(cell, r, &mut offered)),
             }
         }
         for (i, &(slot, _)) in favoured.iter().enumerate() {
@@ -752,11 +767,11 @@ impl Registry {
         (candidates, slots)
     }
 
-    /// Counts a route issued to the worker in `slot` in its load.
-    fn issue(&mut self, slot: u32, now: Instant) -> &LiveWorker {
+    /// Counts a route issued to the worker in `slot`, its session of `kv` positions, in its load.
+    fn issue(&mut self, slot: u32, now: Instant, kv: u64) -> &LiveWorker {
         let hb = self.heartbeat;
         if let Some(w) = self.slots[slot as usize].as_mut() {
-            w.issued.push_back(now);
+            w.issued.push_back((now, kv));
             w.routes_total += 1;
             w.forget_old(hb, now);
         }
@@ -771,7 +786,7 @@ impl Registry {
     /// have been checked). Every stage runs one engine (numerics and KV dtype included), the
     /// named workers': another engine computes other bits. None when a segment cannot be served or
     /// the segments do not cover the model.
-    pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String]) -> Option<Planned> {
+    pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String], kv: u64) -> Option<Planned> {
         let now = Instant::now();
         let hb = self.heartbeat;
         let exclude: HashSet<&str> = exclude.iter().map(String::as_str).collect();
@@ -813,7 +828,7 @@ impl Registry {
         }
         let mut stages = Vec::with_capacity(fixed.len());
         for (&slot, s) in slots.iter().zip(fixed) {
-            let w = self.issue(slot, now);
+            let w = self.issue(slot, now, kv);
             let (layer_start, layer_end) = (s.layer_start, s.layer_end);
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
@@ -834,6 +849,7 @@ mod tests {
             layer_end: range.1,
             max_sessions: 8,
             step_us_per_layer: step_us,
+            kv_tokens: 1000,
             ..Default::default()
         }
     }
@@ -844,7 +860,7 @@ mod tests {
     }
 
     fn route(r: &mut Registry) -> Vec<(String, u32, u32)> {
-        let p = r.plan_route("m", &Want::Any, &[], &[]).expect("a route");
+        let p = r.plan_route("m", &Want::Any, &[], &[], 1).expect("a route");
         p.stages.into_iter().map(|s| (s.worker_id, s.layer_start, s.layer_end)).collect()
     }
 
@@ -861,17 +877,17 @@ mod tests {
         }
         let mut swapped_in = Vec::new();
         for _ in 0..4 {
-            assert_eq!(r.plan_route("m", &Want::Any, &[], &[]).unwrap().stages[0].worker_id, "fast");
+            assert_eq!(r.plan_route("m", &Want::Any, &[], &[], 1).unwrap().stages[0].worker_id, "fast");
             let fixed = [stage("", 0, 2), stage("tail", 2, 4)];
-            let p = r.plan_fixed("m", &fixed, &["fast".to_string()]).unwrap();
+            let p = r.plan_fixed("m", &fixed, &["fast".to_string()], 1).unwrap();
             assert_eq!(p.stages[1].worker_id, "tail");
             swapped_in.push(p.stages[0].worker_id.clone());
         }
         assert_eq!(swapped_in, ["slow1", "slow2", "slow1", "slow2"]);
         // A named stage must hold the range; an excluded or uncovered segment has no route.
-        assert!(r.plan_fixed("m", &[stage("tail", 0, 2), stage("tail", 2, 4)], &[]).is_none());
-        assert!(r.plan_fixed("m", &[stage("", 0, 2), stage("tail", 2, 4)], &["fast".into(), "slow1".into(), "slow2".into()]).is_none());
-        assert!(r.plan_fixed("m", &[stage("", 0, 2)], &[]).is_none());
+        assert!(r.plan_fixed("m", &[stage("tail", 0, 2), stage("tail", 2, 4)], &[], 1).is_none());
+        assert!(r.plan_fixed("m", &[stage("", 0, 2), stage("tail", 2, 4)], &["fast".into(), "slow1".into(), "slow2".into()], 1).is_none());
+        assert!(r.plan_fixed("m", &[stage("", 0, 2)], &[], 1).is_none());
     }
 
     #[test]
@@ -881,21 +897,21 @@ mod tests {
         join(&mut r, "head", of("cpu", (0, 2), 10.0));
         join(&mut r, "tail-gpu", of("gpu", (2, 4), 10.0));
         // Only a mix covers the model: asked for one engine, none; asked for any, the mix.
-        assert!(r.plan_route("m", &Want::One("cpu".into()), &[], &[]).is_none());
-        assert!(!r.covered_but_full("m", &Want::One("cpu".into()), &[]) && r.covered_but_full("m", &Want::Any, &[]));
-        let p = r.plan_route("m", &Want::Any, &[], &[]).unwrap();
+        assert!(r.plan_route("m", &Want::One("cpu".into()), &[], &[], 1).is_none());
+        assert!(!r.covered_but_full("m", &Want::One("cpu".into()), &[], 1) && r.covered_but_full("m", &Want::Any, &[], 1));
+        let p = r.plan_route("m", &Want::Any, &[], &[], 1).unwrap();
         assert_eq!(p.engine, "cpu@0..2+gpu@2..4");
         let engines: Vec<&str> = p.stages.iter().map(|s| s.engine.as_str()).collect();
         assert_eq!(engines, ["cpu", "gpu"]);
         // A swap keeps each stage's engine: the one asked for, else the named workers'.
-        assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[]).is_none(), "no cpu worker holds 2..4");
+        assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[], 1).is_none(), "no cpu worker holds 2..4");
         let gpu = RouteStage { engine: "gpu".into(), ..stage("", 2, 4) };
-        assert_eq!(r.plan_fixed("m", &[stage("head", 0, 2), gpu], &[]).unwrap().engine, "cpu@0..2+gpu@2..4");
+        assert_eq!(r.plan_fixed("m", &[stage("head", 0, 2), gpu], &[], 1).unwrap().engine, "cpu@0..2+gpu@2..4");
         // Once one engine covers the model, asking for it gives that engine's route alone.
         join(&mut r, "whole-cpu", of("cpu", (0, 4), 50.0));
-        let p = r.plan_route("m", &Want::One("cpu".into()), &[], &[]).unwrap();
+        let p = r.plan_route("m", &Want::One("cpu".into()), &[], &[], 1).unwrap();
         assert_eq!((p.engine.as_str(), p.stages[0].worker_id.as_str()), ("cpu", "whole-cpu"));
-        assert!(r.plan_route("m", &Want::One("gpu".into()), &[], &[]).is_none());
+        assert!(r.plan_route("m", &Want::One("gpu".into()), &[], &[], 1).is_none());
     }
 
     #[test]
@@ -911,20 +927,40 @@ mod tests {
         for (id, engine, range, us) in workers {
             join(&mut r, id, Registration { engine: engine.into(), n_layers: 6, ..reg(range, us) });
         }
-        let p = r.plan_route("m", &Want::Any, &[], &[]).unwrap();
+        let p = r.plan_route("m", &Want::Any, &[], &[], 1).unwrap();
         let hops: Vec<(&str, u32, u32)> = p.stages.iter().map(|s| (s.worker_id.as_str(), s.layer_start, s.layer_end)).collect();
         assert_eq!((p.engine.as_str(), hops.as_slice()), ("gpu@0..3+cpu@3..6", &[("gpu-head", 0, 3), ("cpu-tail", 3, 6)][..]));
         // The CPU stage is lost: its replacement computes 3..6 on the CPU again, though a GPU
         // worker would be cheaper there.
         let want = Want::parse(&p.engine).unwrap();
-        let again = r.plan_route("m", &want, &["cpu-tail".into()], &[]).unwrap();
+        let again = r.plan_route("m", &want, &["cpu-tail".into()], &[], 1).unwrap();
         let hops: Vec<(&str, u32, u32)> = again.stages.iter().map(|s| (s.worker_id.as_str(), s.layer_start, s.layer_end)).collect();
         assert_eq!((again.engine.as_str(), hops.as_slice()), ("gpu@0..3+cpu@3..6", &[("gpu-head", 0, 3), ("cpu-all", 3, 6)][..]));
-        assert_eq!(r.plan_route("m", &Want::Any, &["cpu-tail".into()], &[]).unwrap().engine, "gpu");
+        assert_eq!(r.plan_route("m", &Want::Any, &["cpu-tail".into()], &[], 1).unwrap().engine, "gpu");
         // With no CPU worker for 3..6 the recovery has no route, and says it is not for room.
         let lost = ["cpu-tail".to_string(), "cpu-all".to_string()];
-        assert!(r.plan_route("m", &want, &lost, &[]).is_none() && !r.covered_but_full("m", &want, &lost));
+        assert!(r.plan_route("m", &want, &lost, &[], 1).is_none() && !r.covered_but_full("m", &want, &lost, 1));
         assert!(matches!(Want::parse("gpu@0..3+cpu@4..6"), Err(dgr_proto::ProtoError::BadInput(_))));
+    }
+
+    #[test]
+    fn a_worker_without_kv_room_for_the_session_is_passed_over() {
+        let mut r = Registry::new(Duration::from_secs(1));
+        join(&mut r, "big", Registration { kv_tokens: 1000, ..reg((0, 4), 200.0) });
+        join(&mut r, "small", Registration { kv_tokens: 300, ..reg((0, 4), 100.0) });
+        let to = |r: &mut Registry, kv: u64| r.plan_route("m", &Want::Any, &[], &[], kv).map(|p| p.stages[0].worker_id.clone());
+        // The faster worker has room for 200 positions; once it is routed that session, not again.
+        assert_eq!(to(&mut r, 200).as_deref(), Some("small"));
+        assert_eq!(to(&mut r, 200).as_deref(), Some("big"));
+        // A heartbeat says what the sessions reserved; a route issued just before it may not be
+        // in it yet, and still counts: 1000 - 250 - 200 leave 550.
+        r.heartbeat("big", Load { kv_reserved_tokens: 250, ..Default::default() }, None);
+        assert_eq!(to(&mut r, 600), None);
+        assert!(r.covered_but_full("m", &Want::Any, &[], 600), "room frees as sessions end");
+        assert_eq!(to(&mut r, 500).as_deref(), Some("big"));
+        // A session larger than any worker's whole budget never fits: not a matter of waiting.
+        assert_eq!(to(&mut r, 2000), None);
+        assert!(!r.covered_but_full("m", &Want::Any, &[], 2000));
     }
 
     #[test]
@@ -965,7 +1001,7 @@ mod tests {
             assert!(n.values().max().unwrap() - n.values().min().unwrap() <= 1 || i < 2, "{n:?}");
         }
         assert_eq!(n.values().copied().collect::<Vec<_>>(), [8, 8, 8]);
-        assert!(r.plan_route("m", &Want::Any, &[], &[]).is_none());
+        assert!(r.plan_route("m", &Want::Any, &[], &[], 1).is_none());
         // Equal replicas are chosen in no fixed order.
         let mut seen = std::collections::HashSet::new();
         for _ in 0..64 {
@@ -996,23 +1032,25 @@ mod tests {
         join(&mut r, "tail", reg((2, 4), 10.0));
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(route(&mut r).len(), 2);
-        let without_tail = r.plan_route("m", &Want::Any, &["tail".into()], &[]).unwrap().stages;
+        let without_tail = r.plan_route("m", &Want::Any, &["tail".into()], &[], 1).unwrap().stages;
         assert_eq!((without_tail[1].worker_id.as_str(), without_tail[1].layer_start), ("whole", 2));
         r.quarantine("whole".into(), "caught".into());
-        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[]).is_none());
+        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[], 1).is_none());
         // A re-join under a quarantined identity is listed, never routed.
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(r.workers().count(), 3);
-        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[]).is_none());
+        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[], 1).is_none());
         // A late close of an older connection leaves the record; the current one removes it.
         r.leave("tail", 7);
         assert!(r.worker("tail").is_some());
         r.leave("tail", 0);
-        assert!(r.worker("tail").is_none() && r.plan_route("m", &Want::Any, &[], &[]).is_none());
+        assert!(r.worker("tail").is_none() && r.plan_route("m", &Want::Any, &[], &[], 1).is_none());
         join(&mut r, "tail2", reg((2, 4), 10.0));
         assert_eq!(route(&mut r), [("head".to_string(), 0, 2), ("tail2".to_string(), 2, 4)]);
         // Another model, or another engine asked for, has no route.
-        assert!(r.plan_route("other", &Want::Any, &[], &[]).is_none() && r.plan_route("m", &Want::One("gguf".into()), &[], &[]).is_none());
+        assert!(
+            r.plan_route("other", &Want::Any, &[], &[], 1).is_none() && r.plan_route("m", &Want::One("gguf".into()), &[], &[], 1).is_none()
+        );
         for id in ["head", "tail2", "whole"] {
             r.leave(id, 0);
         }
@@ -1043,7 +1081,7 @@ mod tests {
                 join(&mut r, "other", whole(64));
                 holds(&mut r, "holder", holder_sessions, &p);
                 holds(&mut r, "other", other_sessions, &probes(8, 6));
-                let got = r.plan_route("m", &Want::Any, &[], &p).unwrap();
+                let got = r.plan_route("m", &Want::Any, &[], &p, 1).unwrap();
                 // The rule: load is 1 + sessions (the planner's load factor); the holder loses
                 // at twice the other's.
                 let want = if 1 + holder_sessions < 2 * (1 + other_sessions) { "holder" } else { "other" };
@@ -1059,20 +1097,20 @@ mod tests {
         holds(&mut r, "holder", 5, &p);
         holds(&mut r, "other", 0, &[]);
         for ask in [vec![], probes(9, 6)] {
-            let got = r.plan_route("m", &Want::Any, &[], &ask).unwrap();
+            let got = r.plan_route("m", &Want::Any, &[], &ask, 1).unwrap();
             assert_eq!((got.stages[0].worker_id.as_str(), got.prefix_stages), ("other", 0));
             holds(&mut r, "other", 0, &[]);
         }
         // Excluded, quarantined or full, a holder is not favoured.
-        assert_eq!(r.plan_route("m", &Want::Any, &["other".into()], &p).unwrap().stages[0].worker_id, "holder");
+        assert_eq!(r.plan_route("m", &Want::Any, &["other".into()], &p, 1).unwrap().stages[0].worker_id, "holder");
         holds(&mut r, "holder", 0, &p);
-        assert_eq!(r.plan_route("m", &Want::Any, &["holder".into()], &p).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &["holder".into()], &p, 1).unwrap().stages[0].worker_id, "other");
         holds(&mut r, "holder", 64, &p);
         holds(&mut r, "other", 0, &[]);
-        assert_eq!(r.plan_route("m", &Want::Any, &[], &p).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &[], &p, 1).unwrap().stages[0].worker_id, "other");
         holds(&mut r, "holder", 0, &p);
         r.quarantine("holder".into(), "caught".into());
-        assert_eq!(r.plan_route("m", &Want::Any, &[], &p).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &[], &p, 1).unwrap().stages[0].worker_id, "other");
     }
 
     #[test]
@@ -1108,7 +1146,7 @@ mod tests {
     }
 
     fn route_with(r: &mut Registry, p: &[Probe]) -> Vec<String> {
-        r.plan_route("m", &Want::Any, &[], p).unwrap().stages.into_iter().map(|s| s.worker_id).collect()
+        r.plan_route("m", &Want::Any, &[], p, 1).unwrap().stages.into_iter().map(|s| s.worker_id).collect()
     }
 
     #[test]

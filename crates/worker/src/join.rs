@@ -322,6 +322,7 @@ impl Joiner {
             recent_step_us: recent,
             device_memory_total: memory.map_or(0, |m| m.total),
             device_memory_free: memory.map_or(0, |m| m.free),
+            kv_reserved_tokens: m.kv_tokens_reserved.load(Relaxed),
         }
     }
 }

@@ -12,6 +12,8 @@ pub struct Metrics {
     pub kv_bytes_used: AtomicU64,
     /// KV positions reserved by open sessions.
     pub kv_tokens_used: AtomicU64,
+    /// KV positions open sessions reserved, over all the held layers (rounded up).
+    pub kv_tokens_reserved: AtomicU64,
     pub kv_bytes_capacity: AtomicU64,
     pub queue_depth: AtomicU64,
     pub weight_bytes: AtomicU64,
@@ -129,6 +131,12 @@ impl Metrics {
         t.metric("dgr_worker_sessions_open", "Sessions holding state on this worker.", Gauge, get(&self.sessions_open));
         t.metric("dgr_worker_kv_bytes_used", "KV cache bytes held by open sessions.", Gauge, get(&self.kv_bytes_used));
         t.metric("dgr_worker_kv_bytes_capacity", "KV cache bytes this worker may hold.", Gauge, get(&self.kv_bytes_capacity));
+        t.metric(
+            "dgr_worker_kv_tokens_reserved",
+            "KV positions open sessions reserved (prompt and most tokens), over all held layers.",
+            Gauge,
+            get(&self.kv_tokens_reserved),
+        );
         t.metric(
             "dgr_worker_prefix_cache_hit_blocks_total",
             "Prefix-cache blocks (16 positions each) sessions attached instead of prefilling.",

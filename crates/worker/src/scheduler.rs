@@ -1039,6 +1039,8 @@ impl<E: Engine> Scheduler<E> {
         let m = &self.metrics;
         m.sessions_open.store(self.sessions.len() as u64, Relaxed);
         m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.positions() as u64).sum(), Relaxed);
+        // `reserved` counts positions × layers; a session over fewer layers reserves less.
+        m.kv_tokens_reserved.store(self.reserved.div_ceil(self.stage.layers().len().max(1)) as u64, Relaxed);
         m.kv_bytes_used.store(self.sessions.values().map(|s| s.kv.bytes() as u64).sum(), Relaxed);
         m.queue_depth.store(self.sessions.values().map(|s| s.pending.len() as u64).sum(), Relaxed);
         m.prefix_blocks.store(self.prefix.blocks() as u64, Relaxed);
