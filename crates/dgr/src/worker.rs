@@ -263,7 +263,6 @@ pub fn run(a: Args) -> Result<()> {
     })
 }
 
-/// Fetches the slice of model `id` for `layers` from the swarm (or finds it fetched already).
 /// The range a tracker assigns this worker: at most `--max-layers`, and no more than fit in the
 /// memory of the device it computes on (a slice to fetch is sized by the swarm's manifest).
 fn placed_layers(a: &Args) -> Result<std::ops::Range<usize>> {
@@ -314,6 +313,7 @@ fn fetch_spec(a: &Args, id: &str, layers: std::ops::Range<usize>) -> Result<dgr_
     })
 }
 
+/// Fetches the slice of model `id` for `layers` from the swarm (or finds it fetched already).
 fn fetch_slice(a: &Args, id: &str, layers: &std::ops::Range<usize>) -> Result<std::path::PathBuf> {
     anyhow::ensure!(!a.tracker.is_empty(), "--model-id needs --tracker");
     let spec = fetch_spec(a, id, layers.clone())?;

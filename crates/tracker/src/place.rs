@@ -21,8 +21,8 @@ pub fn rate(step_us_per_layer: f64, layers: u32) -> f64 {
     1e6 / (step_us_per_layer.max(1.0) * f64::from(layers.max(1)))
 }
 
-/// The window of `k` of the `n` layers (`k` ≤ `n`, `n` ≤ `dgr_proto::MAX_PLACE_LAYERS`) where a worker of
-/// `rate` leaves the capacities most even, as the module says.
+/// The window of `k` of the `n` layers (`k` ≤ `n` ≤ `dgr_proto::MAX_PLACE_LAYERS`) where a
+/// worker of `rate` leaves the capacities most even, as the module says.
 pub fn best_window(n: u32, k: u32, held: &[Held], rate: f64) -> (u32, u32) {
     let k = k.clamp(1, n.max(1));
     let mut capacity = vec![0.0f64; n as usize];

@@ -22,6 +22,11 @@
 //! holder of the deepest match gets all of it, a shallower one a share in proportion to its
 //! depth. So, of two replicas, the holder serves unless its load is at least `PREFIX_FAVOUR`
 //! times the other's, and a hot prefix spreads once its holders are that loaded.
+//!
+//! A worker is offered only with room for the request's session: a session slot, and KV room
+//! for its budget of positions (what its heartbeat says its sessions reserved, plus the budgets
+//! of routes issued since, off its registered KV budget). A worker started without a layer
+//! range is given one (`place`), counted as held until it joins with it.
 
 use crate::place::{best_window, rate, Held};
 use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
