@@ -140,12 +140,12 @@ pub fn usage(a: UsageArgs) -> Result<()> {
     Ok(())
 }
 
-const HEADER: [&str; 9] = ["worker", "addr", "layers", "state", "sessions", "queue", "GPU MiB free", "us/layer", "routes"];
+const HEADER: [&str; 10] = ["worker", "addr", "layers", "state", "sessions", "queue", "KV free", "GPU MiB free", "us/layer", "routes"];
 
 /// One line of `dgr swarm`'s table: the header's or a worker's cells, each in its column.
-fn table_row(cells: [&str; 9]) -> String {
-    let [id, addr, layers, state, sessions, queue, gpu, step, routes] = cells;
-    format!("  {id:<16} {addr:<28} {layers:>9} {state:<6} {sessions:>8} {queue:>6} {gpu:>15} {step:>11} {routes:>7}")
+fn table_row(cells: [&str; 10]) -> String {
+    let [id, addr, layers, state, sessions, queue, kv, gpu, step, routes] = cells;
+    format!("  {id:<16} {addr:<28} {layers:>9} {state:<6} {sessions:>8} {queue:>6} {kv:>9} {gpu:>15} {step:>11} {routes:>7}")
 }
 
 /// A worker of `dgr_gateway::swarm_json` as a row of the table.
@@ -171,6 +171,8 @@ fn worker_row(w: &serde_json::Value) -> String {
         state,
         &count("sessions"),
         &count("queue_depth"),
+        // The KV positions a new session may still reserve (what the tracker routes by).
+        &w["kv_tokens"].as_u64().unwrap_or(0).saturating_sub(w["kv_reserved_tokens"].as_u64().unwrap_or(0)).to_string(),
         &gpu,
         &format!("{:.1}", w["step_us_per_layer"].as_f64().unwrap_or(0.0)),
         &count("routes_total"),
@@ -187,7 +189,7 @@ mod tests {
     fn a_workers_row_lines_up_with_the_header() {
         let w = serde_json::json!({
             "worker_id": "w-1", "addr": "127.0.0.1:9", "layers": [0, 15], "live": true, "sessions": 3,
-            "queue_depth": 1, "device_memory_total": 2u64 << 30, "device_memory_free": 1u64 << 30,
+            "queue_depth": 1, "kv_tokens": 65536, "kv_reserved_tokens": 300, "device_memory_total": 2u64 << 30, "device_memory_free": 1u64 << 30,
             "step_us_per_layer": 12.5, "routes_total": 40,
         });
         let header = table_row(HEADER);
@@ -195,8 +197,8 @@ mod tests {
         assert_eq!(
             row,
             format!(
-                "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>15} {:>11} {:>7}",
-                "w-1", "127.0.0.1:9", "0..15", "live", 3, 1, "1024 / 2048", "12.5", 40
+                "  {:<16} {:<28} {:>9} {:<6} {:>8} {:>6} {:>9} {:>15} {:>11} {:>7}",
+                "w-1", "127.0.0.1:9", "0..15", "live", 3, 1, 65236, "1024 / 2048", "12.5", 40
             )
         );
         assert_eq!(row.len(), header.len(), "{header}\n{row}");
