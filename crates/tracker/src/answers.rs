@@ -5,7 +5,7 @@ use crate::registry::{Probe, Want};
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
 use crate::store::{key_hash, Grant, Reservation, StoreError};
 use dgr_proto::{
-    check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, PlaceRequest, RefusalKind, Refused, Registration, RequestUsage,
+    check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, PlaceRequest, Placed, RefusalKind, Refused, Registration, RequestUsage,
     RouteReply, RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus,
     MAX_ROUTE_ENGINE, TRACKER_MAX_FRAME,
 };
@@ -55,7 +55,7 @@ async fn answer(body: TrackerBody, sh: &Arc<Shared>) -> TrackerBody {
         TrackerBody::UsageQuery(q) => usage(q, sh).await,
         TrackerBody::KeyAdd(k) => key_add(k, sh).await,
         TrackerBody::Suspect(q) => suspect(q, sh).await,
-        TrackerBody::PlaceRequest(p) => place(p, sh),
+        TrackerBody::PlaceRequest(p) => place(p, sh).await,
         _ => Err(Refused::new(RefusalKind::BadRequest, "not a request a client may send")),
     };
     result.unwrap_or_else(TrackerBody::Refused)
@@ -242,18 +242,22 @@ async fn suspect(q: Suspect, sh: &Shared) -> Result<TrackerBody, Refused> {
     Ok(TrackerBody::Ack(Ack::default()))
 }
 
-/// The layers a starting worker is to serve (`Registry::place`).
-fn place(p: PlaceRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
+/// The layers a starting worker is to serve (`place::Placement`), worked out off the runtime's
+/// threads and without the registry's lock: it takes a sort of the layers for each window.
+async fn place(p: PlaceRequest, sh: &Shared) -> Result<TrackerBody, Refused> {
     if !token_ok(&p.join_token, &sh.cfg.join_token) {
         return Err(Refused::new(RefusalKind::BadJoinToken, "a placement needs the join token"));
     }
     if p.model_id.is_empty() || p.model_id.len() > 256 {
         return Err(Refused::new(RefusalKind::BadRequest, "a placement needs a model id of 1 to 256 bytes"));
     }
-    let placed = lock(&sh.registry).place(&p.model_id, p.n_layers, p.max_layers, Instant::now());
-    let placed = placed.map_err(|why| Refused::new(RefusalKind::BadRequest, why))?;
-    eprintln!("dgr tracker: a starting worker of model {} takes layers {}..{}", p.model_id, placed.layer_start, placed.layer_end);
-    Ok(TrackerBody::Placed(placed))
+    let placement = lock(&sh.registry).placement(&p.model_id, p.n_layers, p.max_layers, Instant::now());
+    let placement = placement.map_err(|why| Refused::new(RefusalKind::BadRequest, why))?;
+    let best =
+        tokio::task::spawn_blocking(move || placement.best()).await.map_err(|e| Refused::new(RefusalKind::Internal, e.to_string()))?;
+    lock(&sh.registry).hold(&p.model_id, best, Instant::now());
+    eprintln!("dgr tracker: a starting worker of model {} takes layers {}..{}", p.model_id, best.start, best.end);
+    Ok(TrackerBody::Placed(Placed { layer_start: best.start, layer_end: best.end }))
 }
 
 /// Compares secrets by their hashes, so the time taken says nothing about the token.

@@ -16,6 +16,23 @@ pub struct Held {
     pub rate: f64,
 }
 
+/// What a placement weighs: the model's `n` layers, the `k` the new worker holds, the ranges held
+/// already, and the new worker's rate.
+pub struct Placement {
+    pub n: u32,
+    pub k: u32,
+    pub held: Vec<Held>,
+    pub rate: f64,
+}
+
+impl Placement {
+    /// The new worker's range (`best_window`), as held at its rate.
+    pub fn best(&self) -> Held {
+        let (start, end) = best_window(self.n, self.k, &self.held, self.rate);
+        Held { start, end, rate: self.rate }
+    }
+}
+
 /// The rate of a worker holding `layers` layers at `step_us_per_layer` each: steps a second.
 pub fn rate(step_us_per_layer: f64, layers: u32) -> f64 {
     1e6 / (step_us_per_layer.max(1.0) * f64::from(layers.max(1)))

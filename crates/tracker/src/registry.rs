@@ -26,11 +26,11 @@
 //! A worker is offered only with room for the request's session: a session slot, and KV room
 //! for its budget of positions (what its heartbeat says its sessions reserved, plus the budgets
 //! of routes issued since, off its registered KV budget). A worker started without a layer
-//! range is given one (`place`), counted as held until it joins with it.
+//! range is given one (`placement`, then `hold`), counted as held until it joins with it.
 
-use crate::place::{best_window, rate, Held};
+use crate::place::{rate, Held, Placement};
 use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
-use dgr_proto::{EngineSpan, Load, Placed, Registration, RouteStage, TrackerFrame, MAX_PLACE_LAYERS};
+use dgr_proto::{EngineSpan, Load, Registration, RouteStage, TrackerFrame, MAX_PLACE_LAYERS};
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -151,12 +151,10 @@ pub struct Registry {
     placing: Vec<Placing>,
 }
 
-/// A range handed to a starting worker, counted as held (at `rate`) until it joins or `until`.
+/// A range handed to a starting worker, counted as held until it joins or `until`.
 struct Placing {
     model_id: String,
-    start: u32,
-    end: u32,
-    rate: f64,
+    held: Held,
     until: Instant,
 }
 
@@ -344,8 +342,10 @@ impl Registry {
     /// listed twice). A quarantined worker is listed but never indexed for planning.
     pub fn join(&mut self, j: Joining) {
         self.remove(&j.id);
-        let placed =
-            self.placing.iter().position(|p| p.model_id == j.reg.model_id && (p.start, p.end) == (j.reg.layer_start, j.reg.layer_end));
+        let placed = self
+            .placing
+            .iter()
+            .position(|p| p.model_id == j.reg.model_id && (p.held.start, p.held.end) == (j.reg.layer_start, j.reg.layer_end));
         if let Some(i) = placed {
             self.placing.remove(i);
         }
@@ -400,10 +400,11 @@ impl Registry {
         }
     }
 
-    /// The layers a starting worker of `model_id` (`n` layers) that holds at most `max_layers`
-    /// should serve: `place::best_window` over the live workers of the model and the ranges
-    /// handed out before whose workers have not joined yet. The range counts as held from now on.
-    pub fn place(&mut self, model_id: &str, n: u32, max_layers: u32, now: Instant) -> Result<Placed, String> {
+    /// What placing a starting worker of `model_id` (`n` layers) that holds at most
+    /// `max_layers` weighs (`place::Placement`): the live workers of the model and the ranges
+    /// handed out before whose workers have not joined yet. The window itself is worked out
+    /// without the registry (`Placement::best`), then `hold` counts it.
+    pub fn placement(&mut self, model_id: &str, n: u32, max_layers: u32, now: Instant) -> Result<Placement, String> {
         if n == 0 || n > MAX_PLACE_LAYERS || max_layers == 0 {
             return Err(format!("placing {max_layers} of {n} layers: a model of 1 to {MAX_PLACE_LAYERS} layers, at least one held"));
         }
@@ -423,18 +424,21 @@ impl Registry {
                 rate: rate(w.reg.step_us_per_layer, w.reg.layer_end - w.reg.layer_start),
             })
             .collect();
-        held.extend(self.placing.iter().filter(|p| p.model_id == model_id).map(|p| Held { start: p.start, end: p.end, rate: p.rate }));
+        held.extend(self.placing.iter().filter(|p| p.model_id == model_id).map(|p| p.held));
         // Its own time per layer is measured only once it has loaded: the swarm's median stands in.
         let mut steps: Vec<f64> = live.iter().map(|w| w.reg.step_us_per_layer).filter(|s| s.is_finite()).collect();
         steps.sort_by(f64::total_cmp);
         let k = max_layers.min(n);
-        let own = rate(steps.get(steps.len() / 2).copied().unwrap_or(1000.0), k);
-        let (start, end) = best_window(n, k, &held, own);
+        Ok(Placement { n, k, held, rate: rate(steps.get(steps.len() / 2).copied().unwrap_or(1000.0), k) })
+    }
+
+    /// Counts `held`, a range handed to a starting worker of `model_id`, as held until that
+    /// worker joins with it or `PLACING_TTL` passes.
+    pub fn hold(&mut self, model_id: &str, held: Held, now: Instant) {
         if self.placing.len() >= MAX_PLACINGS {
             self.placing.remove(0);
         }
-        self.placing.push(Placing { model_id: model_id.to_string(), start, end, rate: own, until: now + PLACING_TTL });
-        Ok(Placed { layer_start: start, layer_end: end })
+        self.placing.push(Placing { model_id: model_id.to_string(), held, until: now + PLACING_TTL });
     }
 
     /// Removes the worker if `conn` is still the connection that registered it.
@@ -971,24 +975,29 @@ mod tests {
     #[test]
     fn starting_workers_are_placed_apart_until_they_join_or_their_ranges_expire() {
         let mut r = Registry::new(Duration::from_secs(1));
-        let range = |p: Placed| (p.layer_start, p.layer_end);
+        // What the tracker does for a request: weigh, work out the window, hold it.
+        let place = |r: &mut Registry, n: u32, max: u32, now: Instant| {
+            let best = r.placement("m", n, max, now)?.best();
+            r.hold("m", best, now);
+            Ok::<_, String>((best.start, best.end))
+        };
         let now = Instant::now();
         // Two workers asking before either joins get different halves.
-        assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (0, 2));
-        assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (2, 4));
+        assert_eq!(place(&mut r, 4, 2, now).unwrap(), (0, 2));
+        assert_eq!(place(&mut r, 4, 2, now).unwrap(), (2, 4));
         // The first joins with its range: held by a worker now, not twice.
         join(&mut r, "a", reg((0, 2), 100.0));
         assert_eq!(r.placing.len(), 1);
         // A third doubles up the half still to come: counted at a default speed (no worker had
         // measured one), it is far thinner than the first's.
-        assert_eq!(range(r.place("m", 4, 2, now).unwrap()), (2, 4));
+        assert_eq!(place(&mut r, 4, 2, now).unwrap(), (2, 4));
         // A count the swarm contradicts, no layers, or nothing to hold, is refused.
-        assert!(r.place("m", 5, 2, now).is_err());
-        assert!(r.place("m", 0, 2, now).is_err());
-        assert!(r.place("m", 4, 0, now).is_err());
+        assert!(place(&mut r, 5, 2, now).is_err());
+        assert!(place(&mut r, 0, 2, now).is_err());
+        assert!(place(&mut r, 4, 0, now).is_err());
         // Ranges never joined with expire: then layers 2..4 are uncovered again.
         r.placing.iter_mut().for_each(|p| p.until = now);
-        assert_eq!(range(r.place("m", 4, 1, Instant::now()).unwrap()), (2, 3));
+        assert_eq!(place(&mut r, 4, 1, Instant::now()).unwrap(), (2, 3));
         assert_eq!(r.placing.len(), 1);
     }
 
