@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long)]
     layers: Option<String>,
     /// Without --layers: take at most this many layers [default: as many as fit]
-    #[arg(long, conflicts_with = "layers")]
+    #[arg(long, conflicts_with = "layers", value_parser = clap::value_parser!(u32).range(1..))]
     max_layers: Option<u32>,
     /// Address to serve the stage protocol (and GET /metrics) on (host:port, [v6]:port, or dgr://, tcp://, http:// before either); port 0 picks a free port
     #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::addr::one)]

@@ -446,6 +446,9 @@ fn a_worker_without_layers_says_what_it_needs_to_be_placed() {
     let mut both = dgr();
     both.args(["worker", "--model"]).arg(model()).args(["--layers", "0..30", "--max-layers", "3"]);
     assert!(expect_clean_failure(both).contains("cannot be used with"));
+    let mut none = dgr();
+    none.args(["worker", "--model"]).arg(model()).args(["--max-layers", "0", "--tracker", "127.0.0.1:9"]);
+    assert!(expect_clean_failure(none).contains("invalid value '0' for '--max-layers"));
 }
 
 #[test]

@@ -155,4 +155,13 @@ mod tests {
         // A head over the share alone leaves no room for any layer.
         assert_eq!(layers_that_fit(&layers, 700, 800), 0);
     }
+
+    #[test]
+    fn a_model_fits_whole_where_the_room_is_unknown_and_not_at_all_says_why() {
+        let sizes = ModelSizes { n_layers: 4, layers: vec![100, 150, 100, 100], head: 200 };
+        assert_eq!(sizes.fit(None).unwrap(), 4);
+        assert_eq!(sizes.fit(Some(800)).unwrap(), 3);
+        let err = sizes.fit(Some(400)).unwrap_err().to_string();
+        assert!(err.contains("head takes 200 bytes and a layer up to 150, and 400 bytes of memory are free"), "{err}");
+    }
 }
