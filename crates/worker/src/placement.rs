@@ -1,6 +1,6 @@
 //! A worker started without a layer range: it takes as many layers as its memory holds, and a
-//! tracker of its swarm says which (where they add most to the swarm's capacity for the model;
-//! `Registry::place` there). Asked before anything is loaded, so only that range is mapped.
+//! tracker of its swarm says which (where they add most to the swarm's capacity for the model:
+//! the tracker's `place`). Asked before anything is loaded, so only that range is mapped.
 
 use dgr_proto::{PlaceRequest, Placed, RefusalKind, TrackerBody, TrackerCallError, TrackerClient};
 use std::path::Path;
@@ -59,7 +59,7 @@ impl ModelSizes {
 
 /// How many layers fit in `room` bytes wherever the range lands: the head (which a last stage
 /// holds) and that many of the largest layers, their weights taking at most `WEIGHT_SHARE`.
-pub fn layers_that_fit(layers: &[u64], head: u64, room: u64) -> usize {
+fn layers_that_fit(layers: &[u64], head: u64, room: u64) -> usize {
     let limit = (room as f64 * WEIGHT_SHARE) as u64;
     let mut largest = layers.to_vec();
     largest.sort_unstable_by(|a, b| b.cmp(a));
