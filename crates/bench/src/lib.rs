@@ -14,6 +14,7 @@ mod model;
 mod peer;
 mod plot;
 mod prefix;
+pub mod probe;
 mod record;
 mod route;
 mod serve;
@@ -25,7 +26,7 @@ mod tracker_load;
 mod wan;
 
 pub use error::{BenchError, Result};
-pub use model::{listed_devices, ModelArg, NumericsArg};
+pub use model::{gpu_room, ModelArg, NumericsArg};
 
 #[derive(clap::Subcommand)]
 pub enum Command {

@@ -72,7 +72,7 @@ pub struct NumericsArg {
 /// The adapters as `dgr devices` lists them, from a child process, so that a process that
 /// computes on the CPU never loads a GPU driver (Mesa's software one alone is ~50 MB resident);
 /// none where the child cannot run.
-pub fn listed_devices() -> &'static [serde_json::Value] {
+fn listed_devices() -> &'static [serde_json::Value] {
     static LISTED: std::sync::OnceLock<Vec<serde_json::Value>> = std::sync::OnceLock::new();
     LISTED.get_or_init(|| {
         let listed = std::env::current_exe().and_then(|exe| std::process::Command::new(exe).arg("devices").output());
@@ -81,6 +81,13 @@ pub fn listed_devices() -> &'static [serde_json::Value] {
             _ => Vec::new(),
         }
     })
+}
+
+/// The bytes of GPU `index`'s memory a process may use: what `dgr devices` lists free there,
+/// capped by `cap_mb` (a `--gpu-memory-mb`); `None` where neither says.
+pub fn gpu_room(index: usize, cap_mb: Option<u64>) -> Option<u64> {
+    let free = listed_devices().get(index).and_then(|d| d["memory_free"].as_u64());
+    free.into_iter().chain(cap_mb.map(|mb| mb.saturating_mul(1 << 20))).min()
 }
 
 /// A clap parser that takes exactly `names` (listing them when refused), parsed as a `T`.

@@ -1,6 +1,7 @@
 //! `dgr`: the command line over dgr's crates. Each subcommand lives in its own module.
 
 mod addr;
+mod devices;
 mod embed;
 mod fetch;
 mod gateway;
@@ -46,8 +47,8 @@ enum Command {
     /// Print a GGUF file's architecture, hyperparameters and tensors.
     Inspect(inspect::Args),
     /// List the GPU adapters `--device gpu:N` counts, as JSON: index, name, ids, driver, whether
-    /// it is a software device (never picked by `--device auto`) and its engine id.
-    Devices,
+    /// it is a software device (never picked by `--device auto`), its engine id and memory.
+    Devices(devices::Args),
     /// Cut the part of a model one stage needs (its layers' tensors, the whole model's metadata
     /// and identity) into a GGUF file a worker can serve from.
     Slice(slice::Args),
@@ -84,7 +85,7 @@ fn main() {
             | Command::Embed(_)
             | Command::Score(_)
             | Command::Inspect(_)
-            | Command::Devices
+            | Command::Devices(_)
             | Command::Synth(_)
             | Command::Swarm(_)
             | Command::Usage(_)
@@ -98,10 +99,7 @@ fn main() {
         Command::Embed(a) => embed::run(a),
         Command::Worker(a) => worker::run(a),
         Command::Inspect(a) => inspect::run(a),
-        Command::Devices => {
-            println!("{}", dgr_bench::NumericsArg::devices_json());
-            Ok(())
-        }
+        Command::Devices(a) => devices::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Slice(a) => slice::run(a),
         Command::Up(a) => up::run(a),

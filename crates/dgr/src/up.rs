@@ -61,15 +61,15 @@ pub fn run(a: Args) -> Result<()> {
         Some(m) => m.clone(),
         None => crate::fetch::default_model()?,
     };
-    let g = dgr_hf::open_any(&model).with_context(|| format!("opening {}", model.display()))?;
+    let g = Arc::new(dgr_hf::open_any(&model).with_context(|| format!("opening {}", model.display()))?);
     let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
     dgr_bench::swarm::check_split(n_layers, a.workers)?;
-    let parts = place(&g, n_layers, a.workers, a.numerics, a.gpu_memory_mb)?;
-    drop(g);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     // The host's cores divided among the workers; the stages of a route then compute different
     // micro-batches at once (one per stage), as `dgr bench batch` measures best.
     let threads = (cores / (a.workers * a.replicas)).max(1);
+    let parts = place(&Model { path: &model, g: &g, n_layers }, a.workers, threads, a.numerics, a.gpu_memory_mb)?;
+    drop(g);
     let micro_batches = a.workers.max(1);
     let started = Instant::now();
     eprint!("dgr up: tracker … ");
@@ -160,19 +160,28 @@ struct Part {
     on: &'static str,
 }
 
+/// The model `dgr up` places.
+struct Model<'a> {
+    path: &'a std::path::Path,
+    g: &'a Arc<dgr_gguf::Gguf>,
+    n_layers: usize,
+}
+
 /// Where a route's layers run: all on the device `numerics` names, balanced by compute over
 /// `workers` workers; or, on a GPU whose memory (as it reports it, or `gpu_memory_mb`) cannot
-/// hold them all, the last layers that fit (the head with them: it is the largest matrix in a
-/// small model) on one GPU worker and the others over the rest of the workers on the CPU. Each
-/// GPU worker may hold its weights' share of that memory (`--gpu-memory-mb`), so workers that
-/// share a GPU share its room for KV fairly.
-fn place(g: &dgr_gguf::Gguf, n_layers: usize, workers: usize, numerics: NumericsArg, gpu_memory_mb: Option<u64>) -> Result<Vec<Part>> {
+/// hold them all, some of the last layers that fit (the head with them: it is the largest matrix
+/// in a small model) on one GPU worker and the others over the rest of the workers on the CPU,
+/// `threads` each. How many of those layers the GPU takes is what keeps the route's slowest
+/// stage fastest, by the decode step each device is measured to take per layer (`gpu_share`).
+/// Each GPU worker may hold its weights' share of that memory (`--gpu-memory-mb`), so workers
+/// that share a GPU share its room for KV fairly.
+fn place(m: &Model, workers: usize, threads: usize, numerics: NumericsArg, gpu_memory_mb: Option<u64>) -> Result<Vec<Part>> {
+    let (g, n_layers) = (m.g, m.n_layers);
     let flags = numerics.worker_flags()?.to_vec();
     let balanced = || balanced_split(g, n_layers, workers);
     let Device::Gpu(index) = numerics.device() else { return Ok(vec![Part { ranges: balanced(), flags, on: "CPU" }]) };
-    let free = dgr_bench::listed_devices().get(index).and_then(|d| d["memory_free"].as_u64());
     // Where the GPU does not say, every layer goes there: its workers refuse at start what does not fit.
-    let Some(room) = free.into_iter().chain(gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20))).min() else {
+    let Some(room) = dgr_bench::gpu_room(index, gpu_memory_mb) else {
         return Ok(vec![Part { ranges: balanced(), flags, on: "GPU" }]);
     };
     let (bytes, head) = g.per_layer(n_layers, |t| t.n_bytes);
@@ -190,7 +199,8 @@ fn place(g: &dgr_gguf::Gguf, n_layers: usize, workers: usize, numerics: Numerics
     if fit == n_layers {
         return Ok(on_gpu(&balanced()));
     }
-    let cpu = NumericsArg { device: Device::Cpu, ..numerics }.worker_flags()?.to_vec();
+    let cpu_numerics = NumericsArg { device: Device::Cpu, ..numerics };
+    let cpu = cpu_numerics.worker_flags()?.to_vec();
     let mib = |b: u64| b >> 20;
     let needed = weights(&(0..n_layers));
     if fit == 0 || workers < 2 {
@@ -202,16 +212,54 @@ fn place(g: &dgr_gguf::Gguf, n_layers: usize, workers: usize, numerics: Numerics
         );
         return Ok(vec![Part { ranges: balanced(), flags: cpu, on: "CPU" }]);
     }
-    let cut = n_layers - fit;
+    let (cost, head_cost) = g.per_layer(n_layers, dgr_gguf::TensorInfo::n_elements);
+    let head_layers = head_cost as f64 * n_layers as f64 / cost.iter().sum::<u64>().max(1) as f64;
+    let measured = dgr_bench::probe::step_us_per_layer(g, n_layers, cpu_numerics.spec(threads))
+        .and_then(|c| Ok((c, dgr_bench::probe::gpu_step_us_per_layer(m.path, index)?)));
+    let on = match measured {
+        Ok((c, gpu)) => {
+            let k = gpu_share(Share { n_layers, fit, cpu_workers: workers - 1, head_layers, cpu_us: c, gpu_us: gpu });
+            eprintln!("dgr up: a decode step takes {c:.0} µs a layer on the CPU ({threads} thread(s)) and {gpu:.0} µs on the GPU");
+            k
+        }
+        Err(e) => {
+            eprintln!("dgr up: could not time the devices ({e}); the GPU takes every layer that fits");
+            fit
+        }
+    };
+    let cut = n_layers - on;
     eprintln!(
-        "dgr up: the model's weights take {} MiB and the GPU has {} MiB: layers {cut}..{n_layers} on the GPU, the rest on the CPU",
+        "dgr up: the model's weights take {} MiB and the GPU has {} MiB (room for {fit} layers): layers {cut}..{n_layers} on the GPU, the rest on the CPU",
         mib(needed),
         mib(room)
     );
-    let (cost, _) = g.per_layer(cut, dgr_gguf::TensorInfo::n_elements);
-    let mut parts = vec![Part { ranges: dgr_bench::swarm::balance(&cost, 0, (workers - 1).min(cut)), flags: cpu, on: "CPU" }];
+    let mut parts = vec![Part { ranges: dgr_bench::swarm::balance(&cost[..cut], 0, (workers - 1).min(cut)), flags: cpu, on: "CPU" }];
     parts.extend(on_gpu(std::slice::from_ref(&(cut..n_layers))));
     Ok(parts)
+}
+
+/// A split between the CPU and one GPU: how many layers the GPU has room for, the CPU workers
+/// that share the rest, the head's compute in layers, and each device's measured decode step
+/// per layer.
+struct Share {
+    n_layers: usize,
+    fit: usize,
+    cpu_workers: usize,
+    head_layers: f64,
+    cpu_us: f64,
+    gpu_us: f64,
+}
+
+/// How many of the last layers (1 to `fit`, with the head) the GPU takes: where the slowest
+/// stage's step (the GPU's, or a CPU worker's even share of the rest) is shortest, the most
+/// layers of those, as the GPU frees the CPU.
+fn gpu_share(s: Share) -> usize {
+    let slowest = |k: usize| {
+        let rest = s.n_layers - k;
+        let cpu = if rest == 0 { 0.0 } else { s.cpu_us * rest as f64 / s.cpu_workers.clamp(1, rest) as f64 };
+        cpu.max(s.gpu_us * (k as f64 + s.head_layers))
+    };
+    (1..=s.fit.min(s.n_layers)).rev().min_by(|&a, &b| slowest(a).total_cmp(&slowest(b))).unwrap_or(1)
 }
 
 /// How many of the last layers fit, with the head, in `room` bytes of GPU memory, their weights
@@ -252,7 +300,7 @@ fn add_worker_command(tracker: &LocalTracker, model: &std::path::Path) -> String
 
 #[cfg(test)]
 mod tests {
-    use super::gpu_layers;
+    use super::{gpu_layers, gpu_share, Share};
 
     #[test]
     fn the_gpu_takes_the_last_layers_that_fit_with_the_head() {
@@ -261,5 +309,19 @@ mod tests {
         assert_eq!(gpu_layers(&[15; 6], 30, 1000), 6);
         assert_eq!(gpu_layers(&[15; 6], 80, 100), 0, "no room for the head");
         assert_eq!(gpu_layers(&[40, 10, 10], 0, 40), 2, "from the last layer back, stopping at the first that does not fit");
+    }
+
+    #[test]
+    fn the_gpu_takes_as_many_layers_as_keep_the_slowest_stage_fastest() {
+        let share = |fit, cpu_us, gpu_us| gpu_share(Share { n_layers: 30, fit, cpu_workers: 1, head_layers: 2.0, cpu_us, gpu_us });
+        assert_eq!(share(20, 100.0, 10.0), 20, "a fast GPU takes all it has room for");
+        // Equal speeds: 16 layers on the CPU against 14 and the head on the GPU.
+        assert_eq!(share(20, 100.0, 100.0), 14);
+        // A GPU three times slower: 6 layers and the head (2400 µs) against 24 on the CPU (2400).
+        assert_eq!(share(20, 100.0, 300.0), 6);
+        assert_eq!(share(20, 100.0, 1000.0), 1, "at least one layer, as the GPU was asked for");
+        // Two CPU workers share the rest: the GPU's stage matches one CPU worker's half.
+        let two = gpu_share(Share { n_layers: 30, fit: 29, cpu_workers: 2, head_layers: 0.0, cpu_us: 100.0, gpu_us: 100.0 });
+        assert_eq!(two, 10);
     }
 }

@@ -273,10 +273,7 @@ fn placed_layers(a: &Args) -> Result<std::ops::Range<usize>> {
         _ => dgr_worker::ModelSizes::of_file(&a.model.path()?)?,
     };
     let room = match a.numerics.device() {
-        dgr_engine::Device::Gpu(i) => {
-            let free = dgr_bench::listed_devices().get(i).and_then(|d| d["memory_free"].as_u64());
-            free.into_iter().chain(a.gpu_memory_mb.map(|mb| mb.saturating_mul(1 << 20))).min()
-        }
+        dgr_engine::Device::Gpu(i) => dgr_bench::gpu_room(i, a.gpu_memory_mb),
         _ => dgr_worker::available_memory(),
     };
     let fit = sizes.fit(room)?;

@@ -186,8 +186,9 @@ fn a_tracker_plans_a_mixed_route_and_its_replay_keeps_each_layers_engine() {
 }
 
 /// `dgr up` with `--device` as given, its workers' engines and layers as the tracker lists
-/// them, in layer order, and the tokens of a request through it (any engine, as the gateway asks).
-fn up(device: &[&str]) -> (Vec<(String, u64, u64)>, serde_json::Value) {
+/// them, in layer order, the tokens of a request through it (any engine, as the gateway asks),
+/// and what it logged.
+fn up(device: &[&str]) -> (Vec<(String, u64, u64)>, serde_json::Value, String) {
     let state = std::env::temp_dir().join(format!("dgr-gpu-up-{}-{}", std::process::id(), device.join("-")));
     let _ = std::fs::remove_dir_all(&state);
     let mut cmd = dgr();
@@ -204,7 +205,8 @@ fn up(device: &[&str]) -> (Vec<(String, u64, u64)>, serde_json::Value) {
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
     let status = child.wait().unwrap();
     let _ = std::fs::remove_dir_all(&state);
-    assert!(status.success(), "dgr up exited {status}: {}", String::from_utf8_lossy(&log.lock().unwrap()));
+    let log = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
+    assert!(status.success(), "dgr up exited {status}: {log}");
     let swarm: serde_json::Value = serde_json::from_slice(&swarm.stdout).unwrap();
     let mut workers: Vec<(String, u64, u64)> = swarm["models"][0]["workers"]
         .as_array()
@@ -215,30 +217,39 @@ fn up(device: &[&str]) -> (Vec<(String, u64, u64)>, serde_json::Value) {
     workers.sort_by_key(|w| w.1);
     let out = serde_json::from_slice(&generated.stdout)
         .unwrap_or_else(|e| panic!("generate through dgr up {device:?}: {e}: {}", String::from_utf8_lossy(&generated.stderr)));
-    (workers, out)
+    (workers, out, log)
 }
 
 /// `dgr up` on a machine whose only GPU is a software one runs on the CPU by default and on that
-/// GPU when asked; a GPU whose memory cannot hold the model takes the last layers that fit, the
-/// CPU the others, and requests run over the mixed route.
+/// GPU when asked; a GPU whose memory cannot hold the model takes some of the last layers that
+/// fit (as many as the devices' measured steps say), the CPU the others, and requests run over
+/// the mixed route.
 #[test]
 fn dgr_up_runs_on_the_gpu_asked_for_and_puts_what_does_not_fit_there_on_the_cpu() {
     if !have_gpu() {
         return;
     }
     let engines = |w: &[(String, u64, u64)]| w.iter().map(|w| w.0.clone()).collect::<Vec<_>>();
-    let (by_default, _) = up(&[]);
+    let (by_default, ..) = up(&[]);
     assert_eq!(engines(&by_default), ["gguf-cpu-fast", "gguf-cpu-fast"], "{by_default:?}");
-    let (asked, all_gpu) = up(&["--device", "gpu"]);
+    let (asked, all_gpu, _) = up(&["--device", "gpu"]);
     assert!(asked.iter().all(|w| w.0.starts_with("gguf-gpu.")) && asked.len() == 2, "{asked:?}");
     // SmolLM2's weights are 92 MiB; in 60 MiB three quarters hold the head and a few layers.
-    let (mixed, out) = up(&["--device", "gpu", "--gpu-memory-mb", "60"]);
+    let (mixed, out, log) = up(&["--device", "gpu", "--gpu-memory-mb", "60"]);
     let cut = mixed[1].1;
     assert!(mixed.len() == 2 && mixed[0] == ("gguf-cpu-fast".into(), 0, cut) && mixed[1].2 == 30 && (1..30).contains(&cut), "{mixed:?}");
     assert_eq!(mixed[1].0, asked[1].0, "the GPU's engine: {mixed:?}");
     assert_eq!(out["engine"], format!("gguf-cpu-fast@0..{cut}+{}@{cut}..30", asked[1].0).as_str(), "{out}");
     assert_eq!(out["tokens"].as_array().map(Vec::len), Some(8), "{out}");
-    println!("dgr up with 60 MiB of GPU memory: layers 0..{cut} on the CPU, {cut}..30 on the GPU: {}", out["text"]);
+    // The GPU takes no more layers than it has room for, as many as the measured steps say.
+    let timed = log.lines().find(|l| l.contains("a decode step takes")).unwrap_or_else(|| panic!("no measured step in: {log}"));
+    let room: u64 = log.split("(room for ").nth(1).and_then(|r| r.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{log}"));
+    assert!(30 - cut <= room, "{room} layers fit; the GPU took {}: {log}", 30 - cut);
+    println!(
+        "dgr up with 60 MiB of GPU memory (room for {room} layers): layers 0..{cut} on the CPU, {cut}..30 on the GPU: {}",
+        out["text"]
+    );
+    println!("  {timed}");
     assert!(all_gpu["engine"].as_str().is_some_and(|e| e.starts_with("gguf-gpu.")), "{all_gpu}");
 }
 
