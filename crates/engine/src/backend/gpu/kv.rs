@@ -1,8 +1,9 @@
 //! A sequence's KV cache in device memory: per layer one buffer of keys and one of values, a
 //! row of `width` values per position (f32; f16, two a word; or q8_0: int8 codes, four a word,
-//! then an f16 scale a block, two a word; each row padded to whole words), grown (copied on the
-//! device) as positions arrive. Every position is kept, also on sliding-window layers (the
-//! kernel attends only the window), so blocks can always be copied out and in.
+//! then an f16 scale a block, two a word; each row padded to whole words), made for the
+//! sequence's whole capacity when its first positions arrive. Every position is kept, also on
+//! sliding-window layers (the kernel attends only the window), so blocks can always be copied out
+//! and in.
 
 use super::device::Ctx;
 use crate::backend::{KvShape, KvStore};
@@ -58,25 +59,20 @@ impl GpuKv {
         &self.store[li]
     }
 
-    /// Makes room for `rows` more positions: at least double, never past the capacity.
+    /// Makes room for `rows` more positions: on the first call, for the whole capacity the
+    /// sequence reserved, so the device holds what the worker's KV budget counted for it at open.
+    /// Growing instead (a copy into bigger buffers) would hold old and new buffers at once, past
+    /// that budget, and could meet an out-of-memory failure mid-session.
     pub(super) fn reserve(&mut self, rows: usize) {
         let needed = self.len + rows;
         if needed <= self.room {
             return;
         }
-        let room = needed.max(2 * self.room).max(16).min(self.shape.capacity.max(needed));
+        // `check` keeps every sequence within its capacity, so this is the first call.
+        assert_eq!(self.room, 0, "a sequence past its capacity");
+        let room = needed.max(self.shape.capacity);
         let bytes = room as u64 * self.row_bytes();
-        let held = self.len as u64 * self.row_bytes();
-        let grown: Vec<_> = (0..self.shape.layers.len()).map(|_| (self.ctx.buffer(bytes), self.ctx.buffer(bytes))).collect();
-        if held > 0 {
-            self.ctx.record(|enc| {
-                for ((k, v), (nk, nv)) in self.store.iter().zip(&grown) {
-                    enc.copy_buffer_to_buffer(k, 0, nk, 0, held);
-                    enc.copy_buffer_to_buffer(v, 0, nv, 0, held);
-                }
-            });
-        }
-        self.store = grown;
+        self.store = (0..self.shape.layers.len()).map(|_| (self.ctx.buffer(bytes), self.ctx.buffer(bytes))).collect();
         self.room = room;
     }
 

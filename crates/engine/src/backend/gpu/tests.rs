@@ -197,3 +197,33 @@ fn heads_longer_than_the_attention_kernel_takes_are_refused() {
     let e = opened.err().map(|e| e.to_string());
     assert!(e.as_deref().is_some_and(|e| e.contains("heads of 512 values on the GPU")), "{e:?}");
 }
+
+/// A sequence's cache takes its whole capacity on the device at its first step and keeps those
+/// buffers to the last position: growing (a copy into bigger buffers) would hold both at once,
+/// past what the worker's KV budget counted for it.
+#[test]
+fn a_cache_takes_its_capacity_at_its_first_step_and_never_grows() {
+    if !have_gpu() {
+        return;
+    }
+    let g = one_matrix(GgmlType::F32, 64, 1, 1);
+    let gpu = Gpu::open(&g, &EngineSpec::threads(1)).unwrap();
+    let (width, capacity) = (64, 40);
+    let shape = KvShape { capacity, layers: 0..2, windowed: vec![false; 2], window: None, width, dtype: KvDtype::F32, block: 32, owner: 0 };
+    let mut kv = gpu.new_kv(shape);
+    let rows = gpu.upload(vec![1.0; capacity * width]);
+    let mut made = None;
+    for n in [1, 3, 36] {
+        gpu.kv_reserve(&mut kv, n);
+        for li in 0..2 {
+            gpu.kv_append(&mut kv, li, &rows, &rows, 0..n);
+        }
+        gpu.kv_advance(&mut kv, n);
+        let (k, v) = kv.layer(1);
+        assert_eq!((k.size(), v.size()), (capacity as u64 * 4 * width as u64, capacity as u64 * 4 * width as u64));
+        let first = made.get_or_insert_with(|| (k.clone(), v.clone()));
+        assert!(first.0 == *k && first.1 == *v, "the buffers were replaced after {} positions", crate::SeqState::positions(&kv));
+    }
+    gpu.ctx.check().unwrap();
+    assert_eq!(crate::SeqState::positions(&kv), capacity);
+}
