@@ -167,6 +167,10 @@ pub trait Backend: Send + Sized + 'static {
 
     /// A fresh, empty KV cache.
     fn new_kv(&self, shape: KvShape) -> Self::Kv;
+    /// Bytes one position's keys (or values) of `width` floats take in this backend's caches.
+    fn kv_row_bytes(&self, dtype: KvDtype, width: usize, block: usize) -> usize {
+        dtype.row_bytes(width, block)
+    }
     /// Makes room for `rows` new positions (before a forward's first append).
     fn kv_reserve(&self, kv: &mut Self::Kv, rows: usize);
     /// Stores layer `li`'s (an index into the cache's layers) keys and values of the sequence's

@@ -88,7 +88,7 @@ impl<B: Backend> Model<B> {
     /// in its KV dtype (what `KvCache::bytes` counts per position).
     pub fn kv_position_bytes(&self) -> usize {
         let (kvd, block) = (self.cfg.kv_dim(), KvDtype::q8_block(self.cfg.head_dim));
-        2 * self.range.len() * self.kv.row_bytes(kvd, block)
+        2 * self.range.len() * self.backend.kv_row_bytes(self.kv, kvd, block)
     }
 
     /// A fresh, empty KV cache for one sequence over all of this stage's layers, holding at most

@@ -40,15 +40,8 @@ impl GpuKv {
         self.shape.block
     }
 
-    /// Words a position's row takes: each row starts a word (padded where its values do not
-    /// fill the last one). q8_0: the codes, four a word, then the blocks' scales, two a word.
     pub(super) fn row_words(&self) -> usize {
-        let width = self.shape.width;
-        match self.shape.dtype {
-            KvDtype::F32 => width,
-            KvDtype::F16 => width.div_ceil(2),
-            KvDtype::Q8_0 => width.div_ceil(4) + (width / self.shape.block).div_ceil(2),
-        }
+        row_words(self.shape.dtype, self.shape.width, self.shape.block)
     }
 
     pub(super) fn dtype(&self) -> KvDtype {
@@ -90,6 +83,17 @@ impl GpuKv {
 
     pub(super) fn advance(&mut self, rows: usize) {
         self.len += rows;
+    }
+}
+
+/// Words a position's row of `width` values takes: each row starts a word (padded where its
+/// values do not fill the last one). q8_0: the codes, four a word, then the blocks' scales (of
+/// `block` values each), two a word.
+pub(super) fn row_words(dtype: KvDtype, width: usize, block: usize) -> usize {
+    match dtype {
+        KvDtype::F32 => width,
+        KvDtype::F16 => width.div_ceil(2),
+        KvDtype::Q8_0 => width.div_ceil(4) + (width / block).div_ceil(2),
     }
 }
 

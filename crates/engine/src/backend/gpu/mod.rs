@@ -255,6 +255,10 @@ impl Backend for Gpu {
         GpuKv::new(self.ctx.clone(), shape)
     }
 
+    fn kv_row_bytes(&self, dtype: KvDtype, width: usize, block: usize) -> usize {
+        4 * kv::row_words(dtype, width, block)
+    }
+
     fn kv_reserve(&self, kv: &mut GpuKv, rows: usize) {
         kv.reserve(rows)
     }

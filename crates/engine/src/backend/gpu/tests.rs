@@ -227,3 +227,25 @@ fn a_cache_takes_its_capacity_at_its_first_step_and_never_grows() {
     gpu.ctx.check().unwrap();
     assert_eq!(crate::SeqState::positions(&kv), capacity);
 }
+
+/// What a stage says a position takes (what a worker's KV budget counts) is what its caches take
+/// on the device, padding included: one q8_0 scale of a 48-wide head fills a word there, where
+/// the CPU stores its two bytes.
+#[test]
+fn a_position_takes_on_the_device_what_the_stage_says() {
+    if !have_gpu() {
+        return;
+    }
+    let spec = crate::synth::SynthSpec { hidden: 96, heads: 2, kv_heads: 1, layers: 2, ..crate::synth::SynthSpec::default() };
+    let g = Arc::new(Gguf::from_bytes(spec.to_gguf().unwrap()).unwrap());
+    for &kv in KvDtype::ALL {
+        let spec = EngineSpec { backend: BackendKind::Gpu, numerics: Numerics::Exact, kv, ..EngineSpec::threads(1) };
+        let stage = crate::open_engine(g.clone(), 0..2, spec).unwrap();
+        let mut state = stage.new_kv(8);
+        let input = crate::Input::Tokens(&[1]);
+        stage.forward(&mut [crate::SeqInput { kv: &mut state, input, logits: crate::LogitRows::Last }]).unwrap();
+        let crate::KvCache::Gpu(cache) = &state else { panic!("a GPU stage made a CPU cache") };
+        let held: u64 = (0..2).map(|li| cache.layer(li).0.size() + cache.layer(li).1.size()).sum();
+        assert_eq!(held, 8 * stage.kv_position_bytes() as u64, "{kv:?}");
+    }
+}
