@@ -10,11 +10,11 @@ pub mod tap;
 use dgr_driver::Completion;
 use serde_json::Value;
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The default model. Missing is a failure, never a skip: fetch it with scripts/fetch-model.sh.
@@ -242,28 +242,8 @@ impl Workers {
                 .stderr(Stdio::piped())
                 .spawn()
                 .expect("spawning dgr worker");
-            let stdout = child.stdout.take().unwrap();
-            let mut stderr = child.stderr.take().unwrap();
+            let (rx, log) = swarm::watch(&mut child);
             w.children.push(child);
-            let (tx, rx) = mpsc::channel();
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(stdout);
-                let mut line = String::new();
-                let _ = r.read_line(&mut line);
-                let _ = tx.send(line);
-                let _ = std::io::copy(&mut r, &mut std::io::sink());
-            });
-            let log = Arc::new(Mutex::new(Vec::new()));
-            let l = log.clone();
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = stderr.read(&mut buf) {
-                    if n == 0 {
-                        break;
-                    }
-                    l.lock().unwrap().extend_from_slice(&buf[..n]);
-                }
-            });
             w.logs.push(log);
             ready.push(rx);
         }

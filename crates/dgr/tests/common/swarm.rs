@@ -11,6 +11,16 @@ use std::time::{Duration, Instant};
 /// Spawns `cmd`, returns the child, its first stdout line as JSON, and its stderr as it grows.
 pub fn spawn_ready(mut cmd: std::process::Command, what: &str) -> (Child, Value, Arc<Mutex<Vec<u8>>>) {
     let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning dgr");
+    let (rx, log) = watch(&mut child);
+    let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} not ready within 60 s"));
+    let v: Value = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("{what}: no ready line ({e}): {line:?}; stderr: {}", String::from_utf8_lossy(&log.lock().unwrap())));
+    (child, v, log)
+}
+
+/// Reads a child spawned with piped stdout and stderr: its first stdout line (sent when read; the
+/// rest is drained), and its stderr as it grows.
+pub fn watch(child: &mut Child) -> (mpsc::Receiver<String>, Arc<Mutex<Vec<u8>>>) {
     let stdout = child.stdout.take().unwrap();
     let mut stderr = child.stderr.take().unwrap();
     let (tx, rx) = mpsc::channel();
@@ -32,10 +42,7 @@ pub fn spawn_ready(mut cmd: std::process::Command, what: &str) -> (Child, Value,
             l.lock().unwrap().extend_from_slice(&buf[..n]);
         }
     });
-    let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} not ready within 60 s"));
-    let v: Value = serde_json::from_str(&line)
-        .unwrap_or_else(|e| panic!("{what}: no ready line ({e}): {line:?}; stderr: {}", String::from_utf8_lossy(&log.lock().unwrap())));
-    (child, v, log)
+    (rx, log)
 }
 
 pub struct Tracker {
