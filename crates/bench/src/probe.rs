@@ -39,6 +39,7 @@ pub fn gpu_step_us_per_layer(model: &Path, index: usize) -> Result<f64> {
     let out = std::process::Command::new(exe)
         .args(["devices", "--time-model"])
         .arg(model)
+        .args(["--only", &index.to_string()])
         .output()
         .map_err(|e| BenchError::Local(format!("running dgr devices: {e}")))?;
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();

@@ -11,6 +11,9 @@ pub struct Args {
     /// `step_us_per_layer` (what `dgr up` weighs a GPU against the CPU with)
     #[arg(long)]
     time_model: Option<PathBuf>,
+    /// With --time-model: time only adapter N (a step on a software adapter takes seconds)
+    #[arg(long, value_name = "N", requires = "time_model")]
+    only: Option<usize>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -19,6 +22,9 @@ pub fn run(a: Args) -> Result<()> {
         let g = Arc::new(dgr_hf::open_any(path).with_context(|| format!("opening {}", path.display()))?);
         let n_layers = dgr_engine::ModelConfig::from_gguf(&g)?.n_layers;
         for (i, d) in listed.as_array_mut().into_iter().flatten().enumerate() {
+            if a.only.is_some_and(|n| n != i) {
+                continue;
+            }
             let spec = EngineSpec::threads(1).on(Device::Gpu(i), None);
             d["step_us_per_layer"] = match dgr_bench::probe::step_us_per_layer(&g, n_layers, spec) {
                 Ok(us) => us.into(),

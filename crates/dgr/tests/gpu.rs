@@ -269,6 +269,29 @@ fn an_adapter_that_is_not_there_is_refused_at_start() {
     refused(&["--device", "gpu", "--numerics", "fast"], "numerics fast is not available on this engine; available: exact");
 }
 
+/// `dgr devices --time-model` times a decode step on each adapter listed, or with `--only N` on
+/// adapter N alone (what `dgr up` asks for: a step on a software adapter takes seconds).
+#[test]
+fn dgr_devices_times_the_adapters_asked_for() {
+    if !have_gpu() {
+        return;
+    }
+    let listed = |only: &[&str]| -> Vec<serde_json::Value> {
+        let out = dgr().args(["devices", "--time-model"]).arg(model()).args(only).output().unwrap();
+        assert!(out.status.success(), "dgr devices {only:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap().as_array().unwrap().clone()
+    };
+    let timed = |d: &serde_json::Value| d["step_us_per_layer"].as_f64().is_some_and(|us| us > 0.0);
+    let all = listed(&[]);
+    assert!(!all.is_empty() && all.iter().all(timed), "{all:?}");
+    let last = (all.len() - 1).to_string();
+    let one = listed(&["--only", &last]);
+    assert_eq!(one.len(), all.len());
+    assert!(one.iter().enumerate().all(|(i, d)| timed(d) == (i == all.len() - 1)), "{one:?}");
+    let none = listed(&["--only", "99"]);
+    assert!(none.iter().all(|d| d.get("step_us_per_layer").is_none()), "{none:?}");
+}
+
 /// A GPU stage's KV budget fits in the device memory its weights leave, so no session meets an
 /// out-of-memory failure mid-way: a budget asked for that does not fit is refused at start,
 /// naming the bytes, as are weights over `--gpu-memory-mb`; the default shrinks to what fits.
