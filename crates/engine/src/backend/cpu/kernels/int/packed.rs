@@ -2,11 +2,16 @@
 //! weights. A matrix's rows are taken 16 at a time (a tile, one row per 32-bit lane) and each
 //! block of the 16 rows is stored as one record: the rows' factors side by side (f16 as in the
 //! file, Q4_K's 6-bit scales and mins as bytes), then the codes laid out so that one widening
-//! load gives `vpdpwssd` a pair of neighbouring codes of each row. A product then needs neither
-//! the tiles' panel nor the one-column kernel's staging and 16-way reduction: per 32 codes of 16
-//! rows, 8 (nibbles) or 16 (bytes) loads and one `vpdpwssd` per pair and column.
+//! load gives `vpdpwssd` a pair of neighbouring codes of each row, or, for the unsigned nibbles
+//! of Q4_1 and Q4_K (and Q6_K's six bits, a nibble and two bits apart, taken as unsigned), so
+//! that one masking gives `vpdpbusd` four codes of each row as bytes. A
+//! product then needs neither the tiles' panel nor the one-column kernel's staging and 16-way
+//! reduction: per 32 codes of 16 rows, 8 (nibbles) or 16 (bytes) loads and one `vpdpwssd` per
+//! pair and column, or 4 loads and two `vpdpbusd` per four codes and column (an activation code
+//! is `256 * hi + lo`, two signed bytes: twice the dots a byte activation would take, but a
+//! quarter of the unpacking, which is what a one-column product waits on).
 //!
-//! The records are the file's size (Q4_K's 2.8% more; Q6_K's 30% more, its codes a byte each),
+//! The records are the file's size (Q4_K's 2.8% more),
 //! and fast numerics never reads a packed matrix's whole tiles from the file again, so
 //! `Matrix::pack` releases their mapped pages: resident memory stays about the file's. The
 //! integer sums are the same integers and the float steps the canonical ones (see `super`), so
@@ -37,9 +42,15 @@ pub(super) fn packable(ty: FastType) -> bool {
     matches!(ty, FastType::Q4_0 | FastType::Q4_1 | FastType::Q5_0 | FastType::Q4_K | FastType::Q8_0 | FastType::Q6_K)
 }
 
-/// Whether the codes are stored a byte each (Q8_0's, and Q6_K's six bits), else as nibbles.
+/// Whether the codes are unsigned nibbles laid out four to a row's 32-bit lane, for `vpdpbusd`
+/// (Q6_K's with its two high bits apart, its codes stored plus 32).
+const fn quads(ty: FastType) -> bool {
+    matches!(ty, FastType::Q4_1 | FastType::Q4_K | FastType::Q6_K)
+}
+
+/// Whether the codes are stored a byte each (Q8_0's), else as nibbles.
 const fn bytes(ty: FastType) -> bool {
-    matches!(ty, FastType::Q8_0 | FastType::Q6_K)
+    matches!(ty, FastType::Q8_0)
 }
 
 /// What the kernel takes off a stored code: Q4_0's and Q5_0's codes are stored unsigned.
@@ -63,11 +74,12 @@ const fn head_bytes(ty: FastType) -> usize {
     }
 }
 
-/// Bytes of 32 codes of 16 rows: bytes, or nibbles (and Q5_0's fifth bits).
+/// Bytes of 32 codes of 16 rows: bytes, or nibbles (and Q5_0's fifth bits, Q6_K's two high bits).
 const fn chunk_bytes(ty: FastType) -> usize {
     match ty {
-        FastType::Q8_0 | FastType::Q6_K => 512,
+        FastType::Q8_0 => 512,
         FastType::Q5_0 => 256 + 64,
+        FastType::Q6_K => 256 + 128,
         _ => 256,
     }
 }
@@ -161,7 +173,24 @@ fn pack_row(ty: FastType, src: &[u8], r: usize, dst: &mut [u8], q: &mut [i16; 25
     for j in 0..elems(ty) / 32 {
         let chunk = &mut dst[head + j * cb..][..cb];
         let q = &q[32 * j..32 * j + 32];
-        if bytes(ty) {
+        if quads(ty) {
+            // Byte `64i + 4r + b`: code `4i + b` in the low nibble, `16 + 4i + b` in the high.
+            // Q6_K's codes plus 32 (six bits), their two high bits after: byte `256 + 64p + 4r
+            // + b` holds at bits `2f..2f + 2` those of the code whose nibble is in half `f % 2`
+            // of byte `64(2p + f / 2) + 4r + b`.
+            let u = |e: usize| (q[e] + if ty == FastType::Q6_K { 32 } else { 0 }) as u8;
+            for i in 0..4 {
+                for b in 0..4 {
+                    chunk[64 * i + 4 * r + b] = u(4 * i + b) & 0xF | (u(16 + 4 * i + b) & 0xF) << 4;
+                    if ty == FastType::Q6_K {
+                        for half in 0..2 {
+                            let f = 2 * (i % 2) + half;
+                            chunk[256 + 64 * (i / 2) + 4 * r + b] |= (u(16 * half + 4 * i + b) >> 4) << (2 * f);
+                        }
+                    }
+                }
+            }
+        } else if bytes(ty) {
             // Pair `p`: bytes `32p + 2r` and `32p + 2r + 1`, codes `2p` and `2p + 1`.
             for p in 0..16 {
                 chunk[32 * p + 2 * r] = q[2 * p] as i8 as u8;
@@ -214,6 +243,11 @@ pub(crate) unsafe fn gemv(p: &Packed, tiles: Range<usize>, acts: &Activations, o
 #[cfg(target_arch = "x86_64")]
 struct Cols {
     pair: [*const u32; GROUP],
+    /// The group's byte quads (`Activations::quads`), its `width` columns side by side.
+    quads: *const u32,
+    /// The group's integer sums of 16 codes (`Activations::isums16`).
+    isums: *const i32,
+    width: usize,
     scale: [*const f32; GROUP],
     sum: [*const f32; GROUP],
     step: usize,
@@ -225,6 +259,9 @@ impl Cols {
     fn lone(acts: &Activations) -> Cols {
         Cols {
             pair: [acts.codes.as_ptr() as *const u32; GROUP],
+            quads: acts.quads.as_ptr(),
+            isums: acts.isums16.as_ptr(),
+            width: 1,
             scale: [acts.scales.as_ptr(); GROUP],
             sum: [acts.sums32.as_ptr(); GROUP],
             step: 1,
@@ -236,6 +273,9 @@ impl Cols {
         let (half, chunks) = (acts.k / 2, acts.k / 32);
         Cols {
             pair: std::array::from_fn(|c| acts.pairs[c0 * half + c..].as_ptr()),
+            quads: acts.quads[c0 * half..].as_ptr(),
+            isums: acts.isums16[c0 * acts.k / 16..].as_ptr(),
+            width: (acts.n - c0).min(GROUP),
             scale: std::array::from_fn(|c| acts.scales_t[c0 * chunks + c..].as_ptr()),
             sum: std::array::from_fn(|c| acts.sums32_t[c0 * chunks + c..].as_ptr()),
             step: GROUP,
@@ -296,7 +336,7 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
     use std::arch::x86_64::*;
     let ty = FastType::ALL[T as usize];
     let (rec, head, cb, per_block) = (record_bytes(ty), head_bytes(ty), chunk_bytes(ty), elems(ty) / 32);
-    let (off, sixteens) = (offset(ty), ty == FastType::Q6_K);
+    let off = offset(ty);
     let base = p.record(t);
     // SAFETY: every load is inside tile `t`'s records (`n_blocks` of `rec` bytes) or the
     // columns' arrays (pair `16 * chunk + i`, chunk `chunk` of `k / 32`, each `step` apart);
@@ -321,19 +361,58 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
                 let q = r.add(head + j * cb);
                 // Two chains of dots a column, joined at each group's end (see `dpwssd`).
                 let (mut s0, mut s1) = ([_mm512_setzero_si512(); C], [_mm512_setzero_si512(); C]);
-                if bytes(ty) {
+                if ty == FastType::Q6_K {
+                    // A group a nibble half: codes `4i..` (low nibbles, the first 16), then
+                    // `16 + 4i..`, each with its two high bits (see `pack_row`) at bits 4 and 5.
+                    let (low, top) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+                    for half in 0..2 {
+                        // The codes were stored plus 32: the `lo` sums start at 32 times the
+                        // activations' sum taken off.
+                        let mut sh = [_mm512_setzero_si512(); C];
+                        let mut sl: [__m512i; C] =
+                            std::array::from_fn(|c| _mm512_set1_epi32(-32 * *cols.isums.add((2 * chunk + half) * cols.width + c)));
+                        for i in 0..4 {
+                            let w = _mm512_loadu_si512(q.add(64 * i) as *const __m512i);
+                            let bits = _mm512_loadu_si512(q.add(256 + 64 * (i / 2)) as *const __m512i);
+                            let (nibble, bits) = match (half, i % 2) {
+                                (0, 0) => (w, _mm512_slli_epi16::<4>(bits)),
+                                (0, _) => (w, bits),
+                                (_, 0) => (_mm512_srli_epi16::<4>(w), _mm512_slli_epi16::<2>(bits)),
+                                _ => (_mm512_srli_epi16::<4>(w), _mm512_srli_epi16::<2>(bits)),
+                            };
+                            // (bits & 0x30) | (nibble & 0x0F)
+                            let u = _mm512_ternarylogic_epi32::<0xEA>(bits, top, _mm512_and_si512(nibble, low));
+                            let quad = cols.quads.add((8 * chunk + 4 * half + i) * 2 * cols.width);
+                            quad_dots::<VNNI, C>(&mut sh, &mut sl, u, quad, cols.width);
+                        }
+                        let m = if half == 0 { m } else { _mm512_mul_ps(widen(r.add(32 + 32 * j + 16), true), d) };
+                        for c in 0..C {
+                            sh[c] = _mm512_slli_epi32::<8>(sh[c]);
+                        }
+                        steps::<C>(&mut acc, &joined(&sh, &sl), m, o, cols, chunk, off);
+                    }
+                } else if quads(ty) {
+                    let low = _mm512_set1_epi8(0x0F);
+                    for i in 0..4 {
+                        let w = _mm512_loadu_si512(q.add(64 * i) as *const __m512i);
+                        let (lo, hi) = (_mm512_and_si512(w, low), _mm512_and_si512(_mm512_srli_epi16::<4>(w), low));
+                        // Codes `4i..` (low nibbles), then `16 + 4i..` (high).
+                        let quad = |q: usize| cols.quads.add(q * 2 * cols.width);
+                        quad_dots::<VNNI, C>(&mut s0, &mut s1, lo, quad(8 * chunk + i), cols.width);
+                        quad_dots::<VNNI, C>(&mut s0, &mut s1, hi, quad(8 * chunk + 4 + i), cols.width);
+                    }
+                    // `s0` holds the sums of the `hi` bytes, which weigh 256, `s1` of the `lo`.
+                    for c in 0..C {
+                        s0[c] = _mm512_slli_epi32::<8>(s0[c]);
+                    }
+                    steps::<C>(&mut acc, &joined(&s0, &s1), m, o, cols, chunk, off);
+                } else if bytes(ty) {
                     for i in (0..16).step_by(2) {
                         let w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q.add(32 * i) as *const __m256i));
                         let w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q.add(32 * i + 32) as *const __m256i));
                         dots::<VNNI, C>(&mut s0, w0, cols, 16 * chunk + i);
                         dots::<VNNI, C>(&mut s1, w1, cols, 16 * chunk + i + 1);
-                        if sixteens && i == 6 {
-                            // Q6_K's first group of 16 ends here.
-                            steps::<C>(&mut acc, &joined(&s0, &s1), m, o, cols, chunk, off);
-                            (s0, s1) = ([_mm512_setzero_si512(); C], [_mm512_setzero_si512(); C]);
-                        }
                     }
-                    let m = if sixteens { _mm512_mul_ps(widen(r.add(32 + 32 * j + 16), true), d) } else { m };
                     steps::<C>(&mut acc, &joined(&s0, &s1), m, o, cols, chunk, off);
                 } else {
                     for i in 0..8 {
@@ -414,6 +493,75 @@ unsafe fn dpwssd<const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std
             unsafe {
                 std::arch::asm!(
                     $(concat!("vpdpwssd {", $c, "}, {w}, dword ptr [{a} + ", $at, "]{{1to16}}"),)+
+                    $(inout(zmm_reg) s[$c],)+
+                    w = in(zmm_reg) w,
+                    a = in(reg) a,
+                    options(pure, readonly, nostack, preserves_flags)
+                )
+            }
+        };
+    }
+    match C {
+        1 => dots!(0 0),
+        2 => dots!(0 0, 1 4),
+        3 => dots!(0 0, 1 4, 2 8),
+        4 => dots!(0 0, 1 4, 2 8, 3 12),
+        5 => dots!(0 0, 1 4, 2 8, 3 12, 4 16),
+        6 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20),
+        7 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24),
+        _ => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24, 7 28),
+    }
+}
+
+/// Each column's sums of the products of `w`'s bytes (four unsigned codes a row) with its quad
+/// at `a`: those of the `hi` bytes into `sh`, of the `lo` bytes (`width` quads on) into `sl`
+/// (`Activations::quads`).
+///
+/// # Safety
+/// As for `dots`: the quads are inside the columns' arrays.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn quad_dots<const VNNI: bool, const C: usize>(
+    sh: &mut [std::arch::x86_64::__m512i; C],
+    sl: &mut [std::arch::x86_64::__m512i; C],
+    w: std::arch::x86_64::__m512i,
+    a: *const u32,
+    width: usize,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: as the caller vouches.
+    unsafe {
+        if VNNI {
+            dpbusd(sh, w, a);
+            dpbusd(sl, w, a.add(width));
+        } else {
+            // Byte pairs summed in 16 bits (at most 2 * 63 * 128), then in 32.
+            let ones = _mm512_set1_epi16(1);
+            for c in 0..C {
+                let (h, l) = (_mm512_set1_epi32(a.add(c).read() as i32), _mm512_set1_epi32(a.add(width + c).read() as i32));
+                sh[c] = _mm512_add_epi32(sh[c], _mm512_madd_epi16(_mm512_maddubs_epi16(w, h), ones));
+                sl[c] = _mm512_add_epi32(sl[c], _mm512_madd_epi16(_mm512_maddubs_epi16(w, l), ones));
+            }
+        }
+    }
+}
+
+/// `vpdpbusd` of `w`'s unsigned bytes and each of the `C` columns' four signed bytes at `a`,
+/// `a + 4` … broadcast from memory, written out as `dpwssd` is.
+///
+/// # Safety
+/// The `4 * C` bytes at `a` are readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn dpbusd<const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std::arch::x86_64::__m512i, a: *const u32) {
+    macro_rules! dots {
+        ($($c:literal $at:literal),+) => {
+            // SAFETY: reads the `4 * C` bytes at `a`, as the caller vouches; the features are
+            // this function's.
+            unsafe {
+                std::arch::asm!(
+                    $(concat!("vpdpbusd {", $c, "}, {w}, dword ptr [{a} + ", $at, "]{{1to16}}"),)+
                     $(inout(zmm_reg) s[$c],)+
                     w = in(zmm_reg) w,
                     a = in(reg) a,

@@ -1,5 +1,5 @@
-//! The activations of a fast product: each column quantized to 16-bit integers per 32 values,
-//! once per product, by portable code every instruction set shares (so the integers, scales and
+//! The activations of a fast product: each column quantized to 16-bit integers per 32 values
+//! (each also as two signed bytes, `256 * hi + lo`, for `vpdpbusd`), once per product, by portable code every instruction set shares (so the integers, scales and
 //! sums are the same bits on every path).
 
 use crate::backend::cpu::kernels::Isa;
@@ -8,8 +8,10 @@ use crate::backend::cpu::kernels::Level;
 use crate::backend::cpu::pool::ThreadPool;
 use std::sync::Mutex;
 
-/// The largest code: a 32-value chunk's largest magnitude maps to it.
-const QMAX: f32 = 32767.0;
+/// The largest code: a 32-value chunk's largest magnitude maps to it. 127 * 257 rather than
+/// 32767 (0.4% coarser), so every code is `256 * hi + lo` with `hi` and `lo` signed bytes, the
+/// operands of a byte dot product (`vpdpbusd`) whose integer sums are the 16-bit products'.
+const QMAX: f32 = 32639.0;
 
 /// `n` columns of `k` values (`k` a multiple of 32): value `e` of column `c` is about
 /// `scale(c, e / 32) * code`, with each chunk's exact sums kept for the weights' offsets.
@@ -29,6 +31,14 @@ pub(crate) struct Activations {
     /// by pair (pair `p` of its column `c` at `p * GROUP + c`, two codes in one word), and its
     /// scales and sums chunk by chunk (or half-chunk by half-chunk) likewise.
     pub(super) pairs: Vec<u32>,
+    /// Each group's codes four at a time as bytes (a code is `256 * hi + lo`, see `QMAX`): in a
+    /// group of `w` columns (`GROUP`, or fewer in the last), quad `q` (codes `4q..4q + 4`) of its
+    /// column `c` as `hi` bytes at `2 * q * w + c` and `lo` bytes at `(2 * q + 1) * w + c`, so a
+    /// lone column's are compact.
+    pub(super) quads: Vec<u32>,
+    /// Each group's exact integer sums of each 16 codes, laid out as `quads` (sum `j` of column
+    /// `c` at `j * w + c`): what a type whose codes `quads` meets unsigned takes off for its bias.
+    pub(super) isums16: Vec<i32>,
     pub(super) scales_t: Vec<f32>,
     pub(super) sums16_t: Vec<f32>,
     pub(super) sums32_t: Vec<f32>,
@@ -52,6 +62,8 @@ impl Activations {
         self.sums16.resize(n * k / 16, 0.0);
         self.sums32.resize(n * k / 32, 0.0);
         self.pairs.resize(groups * GROUP * k / 2, 0);
+        self.quads.resize(groups * GROUP * k / 2, 0);
+        self.isums16.resize(groups * GROUP * k / 16, 0);
         self.scales_t.resize(groups * GROUP * k / 32, 0.0);
         self.sums16_t.resize(groups * GROUP * k / 16, 0.0);
         self.sums32_t.resize(groups * GROUP * k / 32, 0.0);
@@ -61,6 +73,8 @@ impl Activations {
         let (mut scales, mut sums16, mut sums32) =
             (self.scales.chunks_mut(per32), self.sums16.chunks_mut(per16), self.sums32.chunks_mut(per32));
         let mut pairs = self.pairs.chunks_mut(GROUP * k / 2);
+        let mut quads = self.quads.chunks_mut(GROUP * k / 2);
+        let mut isums16 = self.isums16.chunks_mut(per16);
         let mut scales_t = self.scales_t.chunks_mut(per32);
         let (mut sums16_t, mut sums32_t) = (self.sums16_t.chunks_mut(per16), self.sums32_t.chunks_mut(per32));
         for xs in xs.chunks(GROUP) {
@@ -72,6 +86,8 @@ impl Activations {
                     sums16: sums16.next()?,
                     sums32: sums32.next()?,
                     pairs: pairs.next()?,
+                    quads: quads.next()?,
+                    isums16: isums16.next()?,
                     scales_t: scales_t.next()?,
                     sums16_t: sums16_t.next()?,
                     sums32_t: sums32_t.next()?,
@@ -105,6 +121,8 @@ struct Group<'a, 'x> {
     sums16: &'a mut [f32],
     sums32: &'a mut [f32],
     pairs: &'a mut [u32],
+    quads: &'a mut [u32],
+    isums16: &'a mut [i32],
     scales_t: &'a mut [f32],
     sums16_t: &'a mut [f32],
     sums32_t: &'a mut [f32],
@@ -149,10 +167,21 @@ fn group_body<const AVX512: bool>(g: &mut Group, k: usize) {
             g.sums32[at] = (lo + hi) as f32;
         }
     }
-    for c in 0..g.xs.len() {
+    let w = g.xs.len();
+    for c in 0..w {
         let codes = &g.codes[c * k..][..k];
         for p in 0..k / 2 {
             g.pairs[p * GROUP + c] = codes[2 * p] as u16 as u32 | (codes[2 * p + 1] as u16 as u32) << 16;
+        }
+        for (q, four) in codes.chunks_exact(4).enumerate() {
+            let lo: [i8; 4] = std::array::from_fn(|i| four[i] as i8);
+            let hi: [i8; 4] = std::array::from_fn(|i| ((four[i] - lo[i] as i16) >> 8) as i8);
+            let (hi, lo) = (hi.map(|b| b as u8), lo.map(|b| b as u8));
+            g.quads[2 * q * w + c] = u32::from_le_bytes(hi);
+            g.quads[(2 * q + 1) * w + c] = u32::from_le_bytes(lo);
+        }
+        for (j, sixteen) in codes.chunks_exact(16).enumerate() {
+            g.isums16[j * w + c] = sixteen.iter().map(|&q| q as i32).sum();
         }
         for j in 0..k / 32 {
             g.scales_t[j * GROUP + c] = g.scales[c * k / 32 + j];
