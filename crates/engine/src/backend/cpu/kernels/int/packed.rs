@@ -359,7 +359,7 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
                     _ => (d, second),
                 };
                 let q = r.add(head + j * cb);
-                // Two chains of dots a column, joined at each group's end (see `dpwssd`).
+                // Two chains of dots a column, joined at each group's end (see `broadcast_dots`).
                 let (mut s0, mut s1) = ([_mm512_setzero_si512(); C], [_mm512_setzero_si512(); C]);
                 if ty == FastType::Q6_K {
                     // A group a nibble half: codes `4i..` (low nibbles, the first 16), then
@@ -463,7 +463,7 @@ unsafe fn dots<const VNNI: bool, const C: usize>(
     unsafe {
         if VNNI {
             // A group's columns lie side by side, 4 bytes apart (`Cols::group`).
-            dpwssd(s, w, cols.pair[0].add(p * cols.step));
+            broadcast_dots::<false, C>(s, w, cols.pair[0].add(p * cols.step));
         } else {
             for c in 0..C {
                 let a = _mm512_set1_epi32(cols.pair[c].add(p * cols.step).read_unaligned() as i32);
@@ -474,25 +474,29 @@ unsafe fn dots<const VNNI: bool, const C: usize>(
 }
 
 /// `vpdpwssd` of `w` and the pair of each of the `C` columns at `a`, `a + 4` … broadcast from
-/// memory, written out: LLVM otherwise turns dots into `vpmaddwd` + `vpaddd` to shorten a chain
-/// on CPUs it does not know to be fast at them (its `fast-dpwssd` tuning, which
-/// `target_feature` cannot name), and that pair takes 1.4 times a dot's time on Zen 4. The
-/// kernels keep two chains a column instead. One block for all the columns, so that one address
-/// serves them.
+/// memory, or with `BYTES` `vpdpbusd` of `w`'s unsigned bytes and the columns' four signed bytes,
+/// written out: LLVM otherwise turns dots into `vpmaddwd` + `vpaddd` to shorten a chain on CPUs
+/// it does not know to be fast at them (its `fast-dpwssd` tuning, which `target_feature` cannot
+/// name), and that pair takes 1.4 times a dot's time on Zen 4. The kernels keep two chains a
+/// column instead. One block for all the columns, so that one address serves them.
 ///
 /// # Safety
 /// The `4 * C` bytes at `a` are readable.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vnni")]
 #[inline]
-unsafe fn dpwssd<const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std::arch::x86_64::__m512i, a: *const u32) {
+unsafe fn broadcast_dots<const BYTES: bool, const C: usize>(
+    s: &mut [std::arch::x86_64::__m512i; C],
+    w: std::arch::x86_64::__m512i,
+    a: *const u32,
+) {
     macro_rules! dots {
-        ($($c:literal $at:literal),+) => {
+        ($insn:literal: $($c:literal $at:literal),+) => {
             // SAFETY: reads the `4 * C` bytes at `a`, as the caller vouches; the features are
             // this function's.
             unsafe {
                 std::arch::asm!(
-                    $(concat!("vpdpwssd {", $c, "}, {w}, dword ptr [{a} + ", $at, "]{{1to16}}"),)+
+                    $(concat!($insn, " {", $c, "}, {w}, dword ptr [{a} + ", $at, "]{{1to16}}"),)+
                     $(inout(zmm_reg) s[$c],)+
                     w = in(zmm_reg) w,
                     a = in(reg) a,
@@ -501,15 +505,24 @@ unsafe fn dpwssd<const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std
             }
         };
     }
+    macro_rules! columns {
+        ($($c:literal $at:literal),+) => {
+            if BYTES {
+                dots!("vpdpbusd": $($c $at),+)
+            } else {
+                dots!("vpdpwssd": $($c $at),+)
+            }
+        };
+    }
     match C {
-        1 => dots!(0 0),
-        2 => dots!(0 0, 1 4),
-        3 => dots!(0 0, 1 4, 2 8),
-        4 => dots!(0 0, 1 4, 2 8, 3 12),
-        5 => dots!(0 0, 1 4, 2 8, 3 12, 4 16),
-        6 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20),
-        7 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24),
-        _ => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24, 7 28),
+        1 => columns!(0 0),
+        2 => columns!(0 0, 1 4),
+        3 => columns!(0 0, 1 4, 2 8),
+        4 => columns!(0 0, 1 4, 2 8, 3 12),
+        5 => columns!(0 0, 1 4, 2 8, 3 12, 4 16),
+        6 => columns!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20),
+        7 => columns!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24),
+        _ => columns!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24, 7 28),
     }
 }
 
@@ -532,8 +545,8 @@ unsafe fn quad_dots<const VNNI: bool, const C: usize>(
     // SAFETY: as the caller vouches.
     unsafe {
         if VNNI {
-            dpbusd(sh, w, a);
-            dpbusd(sl, w, a.add(width));
+            broadcast_dots::<true, C>(sh, w, a);
+            broadcast_dots::<true, C>(sl, w, a.add(width));
         } else {
             // Byte pairs summed in 16 bits (at most 2 * 63 * 128), then in 32.
             let ones = _mm512_set1_epi16(1);
@@ -543,42 +556,6 @@ unsafe fn quad_dots<const VNNI: bool, const C: usize>(
                 sl[c] = _mm512_add_epi32(sl[c], _mm512_madd_epi16(_mm512_maddubs_epi16(w, l), ones));
             }
         }
-    }
-}
-
-/// `vpdpbusd` of `w`'s unsigned bytes and each of the `C` columns' four signed bytes at `a`,
-/// `a + 4` … broadcast from memory, written out as `dpwssd` is.
-///
-/// # Safety
-/// The `4 * C` bytes at `a` are readable.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vnni")]
-#[inline]
-unsafe fn dpbusd<const C: usize>(s: &mut [std::arch::x86_64::__m512i; C], w: std::arch::x86_64::__m512i, a: *const u32) {
-    macro_rules! dots {
-        ($($c:literal $at:literal),+) => {
-            // SAFETY: reads the `4 * C` bytes at `a`, as the caller vouches; the features are
-            // this function's.
-            unsafe {
-                std::arch::asm!(
-                    $(concat!("vpdpbusd {", $c, "}, {w}, dword ptr [{a} + ", $at, "]{{1to16}}"),)+
-                    $(inout(zmm_reg) s[$c],)+
-                    w = in(zmm_reg) w,
-                    a = in(reg) a,
-                    options(pure, readonly, nostack, preserves_flags)
-                )
-            }
-        };
-    }
-    match C {
-        1 => dots!(0 0),
-        2 => dots!(0 0, 1 4),
-        3 => dots!(0 0, 1 4, 2 8),
-        4 => dots!(0 0, 1 4, 2 8, 3 12),
-        5 => dots!(0 0, 1 4, 2 8, 3 12, 4 16),
-        6 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20),
-        7 => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24),
-        _ => dots!(0 0, 1 4, 2 8, 3 12, 4 16, 5 20, 6 24, 7 28),
     }
 }
 
