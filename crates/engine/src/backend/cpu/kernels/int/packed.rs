@@ -4,15 +4,14 @@
 //! file, Q4_K's 6-bit scales and mins as bytes), then the codes laid out so that one widening
 //! load gives `vpdpwssd` a pair of neighbouring codes of each row, or, for the unsigned nibbles
 //! of Q4_1 and Q4_K (and Q6_K's six bits, a nibble and two bits apart, taken as unsigned), so
-//! that one masking gives `vpdpbusd` four codes of each row as bytes. A
-//! product then needs neither the tiles' panel nor the one-column kernel's staging and 16-way
-//! reduction: per 32 codes of 16 rows, 8 (nibbles) or 16 (bytes) loads and one `vpdpwssd` per
-//! pair and column, or 4 loads and two `vpdpbusd` per four codes and column (an activation code
-//! is `256 * hi + lo`, two signed bytes: twice the dots a byte activation would take, but a
-//! quarter of the unpacking, which is what a one-column product waits on).
+//! that one masking gives `vpdpbusd` four codes of each row as bytes. A product then needs
+//! neither the tiles' panel nor the one-column kernel's staging and 16-way reduction: per 32
+//! codes of 16 rows, 8 (nibbles) or 16 (bytes) loads and one `vpdpwssd` per pair and column, or
+//! 4 loads and two `vpdpbusd` per four codes and column (an activation code is `256 * hi + lo`,
+//! two signed bytes: twice the dots a byte activation would take, but a quarter of the
+//! unpacking, which is what a one-column product waits on).
 //!
-//! The records are the file's size (Q4_K's 2.8% more),
-//! and fast numerics never reads a packed matrix's whole tiles from the file again, so
+//! The records are the file's size (Q4_K's 2.8% more), and fast numerics never reads a packed matrix's whole tiles from the file again, so
 //! `Matrix::pack` releases their mapped pages: resident memory stays about the file's. The
 //! integer sums are the same integers and the float steps the canonical ones (see `super`), so
 //! the results are the scalar path's bits.

@@ -1,6 +1,7 @@
 //! The activations of a fast product: each column quantized to 16-bit integers per 32 values
-//! (each also as two signed bytes, `256 * hi + lo`, for `vpdpbusd`), once per product, by portable code every instruction set shares (so the integers, scales and
-//! sums are the same bits on every path).
+//! (each also as two signed bytes, `256 * hi + lo`, for `vpdpbusd`), once per product, by
+//! portable code every instruction set shares (so the integers, scales and sums are the same
+//! bits on every path).
 
 use crate::backend::cpu::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
@@ -37,7 +38,8 @@ pub(crate) struct Activations {
     /// lone column's are compact.
     pub(super) quads: Vec<u32>,
     /// Each group's exact integer sums of each 16 codes, laid out as `quads` (sum `j` of column
-    /// `c` at `j * w + c`): what a type whose codes `quads` meets unsigned takes off for its bias.
+    /// `c` at `j * w + c`): what the packed Q6_K kernel, its codes stored plus 32, takes off 32
+    /// times of.
     pub(super) isums16: Vec<i32>,
     pub(super) scales_t: Vec<f32>,
     pub(super) sums16_t: Vec<f32>,

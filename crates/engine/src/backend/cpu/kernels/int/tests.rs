@@ -75,7 +75,11 @@ fn quantized_values_are_within_half_a_step() {
         for threads in [1, 3] {
             let mut b = Activations::default();
             b.quantize(&ThreadPool::new(threads), isa, &xs, 512);
-            assert_eq!((&a.codes, &a.pairs, &a.quads), (&b.codes, &b.pairs, &b.quads), "{isa:?}, {threads} threads");
+            assert_eq!(
+                (&a.codes, &a.pairs, &a.quads, &a.isums16),
+                (&b.codes, &b.pairs, &b.quads, &b.isums16),
+                "{isa:?}, {threads} threads"
+            );
             let floats = |a: &Activations| [&a.scales, &a.sums16, &a.sums32, &a.scales_t, &a.sums16_t, &a.sums32_t].map(|v| bits(v));
             assert_eq!(floats(&a), floats(&b), "{isa:?}, {threads} threads");
         }
@@ -88,12 +92,17 @@ fn quantized_values_are_within_half_a_step() {
             assert!((back - v).abs() <= 0.5 * s + 2e-7 * v.abs() + 1e-30, "column {c} element {i}: {v} read back as {back}");
         }
     }
-    // Each code is its two bytes' `256 * hi + lo` (a group of 3 columns: quads 3 apart).
+    // Each code is its two bytes' `256 * hi + lo`, and each 16 codes sum to their integer sum
+    // (a group of 3 columns: quads and sums 3 apart).
     for c in 0..3 {
-        for (i, &code) in a.codes[c * 512..][..512].iter().enumerate() {
+        let codes = &a.codes[c * 512..][..512];
+        for (i, &code) in codes.iter().enumerate() {
             let q = i / 4;
             let byte = |at: usize| (a.quads[at] >> (8 * (i % 4))) as u8 as i8 as i32;
             assert_eq!(256 * byte(2 * q * 3 + c) + byte((2 * q + 1) * 3 + c), code as i32, "column {c} code {i}");
+        }
+        for (j, sixteen) in codes.chunks_exact(16).enumerate() {
+            assert_eq!(a.isums16[j * 3 + c], sixteen.iter().map(|&q| q as i32).sum::<i32>(), "column {c} sum {j}");
         }
     }
     // A NaN or an infinity makes its chunk's scale NaN, so every product it meets is NaN.
