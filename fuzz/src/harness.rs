@@ -21,7 +21,7 @@ use dgr_proto::{
     Heartbeat, Hello, Hop, Join, Joined, Load, OpenSession, Ping, PlaceRequest, Placed, Pooling, PrefixHeld, PrefixProbe, RefusalKind,
     Refused, Registration, Role, RouteReply, RouteRequest, RouteStage, Sampled, Sampling, SeamDtype, SessionRef, SignedTicket, SigningKey,
     StageInfo, Ticket, TicketError, TokenOut, TopEntry, TrackerBody, TrackerFrame, TrackerHello, TrackerKey, Usage, VerifyingKey,
-    MAX_CHUNK, MAX_HELD_DIGESTS, PROTOCOL_VERSION,
+    MAX_CHUNK, MAX_HELD_DIGESTS, MAX_OPENED_TAGS, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, Signer};
 use prost::Message;
@@ -364,9 +364,11 @@ pub fn tracker_frame(data: &[u8]) -> bool {
             let Some(signed) = &r.ticket else { return false };
             verify_ticket(signed, key_of, NOW_MS).is_ok()
         }
-        // What the tracker checks of a route request's probes and of a heartbeat's held blocks.
+        // What the tracker checks of a route request's probes and of a heartbeat's lists.
         Some(TrackerBody::RouteRequest(r)) => check_prefix_probes(&r.prefix).is_ok(),
-        Some(TrackerBody::Heartbeat(h)) => h.prefix.as_ref().is_none_or(|p| p.digests.len() <= MAX_HELD_DIGESTS),
+        Some(TrackerBody::Heartbeat(h)) => {
+            h.prefix.as_ref().is_none_or(|p| p.digests.len() <= MAX_HELD_DIGESTS) && h.opened.len() <= MAX_OPENED_TAGS
+        }
         Some(TrackerBody::Refused(r)) => {
             black_box((r.refusal_kind().name(), &r.message));
             true
@@ -761,6 +763,7 @@ fn tracker_seeds() -> Vec<(&'static str, TrackerFrame)> {
             kv_reserved_tokens: 4096,
         }),
         prefix: Some(PrefixHeld { digests: (0..300).map(|i| 0x5851_f42d_4c95_7f2du64.wrapping_mul(i + 1)).collect() }),
+        opened: (0..20).map(|i| 0x2545_f491_4f6c_dd1du64.wrapping_mul(i + 1)).collect(),
     };
     vec![
         ("hello", TrackerFrame::new(TrackerHello::body())),

@@ -114,7 +114,7 @@ async fn join_worker(addr: &str, token: &str, reg: Registration, sessions: u32) 
         let mut tick = tokio::time::interval(Duration::from_millis(HEARTBEAT_MS));
         loop {
             tick.tick().await;
-            let beat = Heartbeat { load: Some(Load { sessions: sessions % 4, ..Default::default() }), prefix: None };
+            let beat = Heartbeat { load: Some(Load { sessions: sessions % 4, ..Default::default() }), prefix: None, opened: Vec::new() };
             if c.send(TrackerBody::Heartbeat(beat)).await.is_err() {
                 return;
             }

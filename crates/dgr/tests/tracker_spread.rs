@@ -6,7 +6,7 @@
 
 use dgr_proto::{
     tenant_mask, Heartbeat, Load, PrefixHeld, PrefixProbe, RefusalKind, Registration, RouteRequest, SigningKey, SwarmQuery, SwarmReply,
-    TrackerBody, TrackerCallError, TrackerClient, TrackerFrame, MAX_HELD_DIGESTS,
+    TrackerBody, TrackerCallError, TrackerClient, TrackerFrame, MAX_HELD_DIGESTS, MAX_OPENED_TAGS,
 };
 use futures::{SinkExt, StreamExt};
 use prost::bytes::Bytes;
@@ -183,7 +183,7 @@ impl FakeWorker {
                             continue;
                         }
                         let load = Load { sessions: o.load(Relaxed), ..Default::default() };
-                        let frame = TrackerFrame::new(TrackerBody::Heartbeat(Heartbeat { load: Some(load), prefix: None }));
+                        let frame = TrackerFrame::new(TrackerBody::Heartbeat(Heartbeat { load: Some(load), prefix: None, opened: Vec::new() }));
                         if conn.send(Bytes::from(frame.encode_to_vec())).await.is_err() {
                             return;
                         }
@@ -502,8 +502,8 @@ async fn full_workers_and_uncovered_models_are_refused_apart() {
 // Prefix reports and probes
 
 /// Requests for one prompt go to the replica that reported holding it (counted at /metrics);
-/// a heartbeat naming more prefix blocks than the protocol allows, and a route request with
-/// too many or disordered probes, are typed refusals.
+/// a heartbeat naming more prefix blocks or opened sessions than the protocol allows, and a
+/// route request with too many or disordered probes, are typed refusals.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_holders_are_preferred_and_oversized_reports_are_refused() {
     let _serial = serial().await;
@@ -519,7 +519,10 @@ async fn prefix_holders_are_preferred_and_oversized_reports_are_refused() {
     let other = FakeWorker::join(&tracker.addr, &new_key(), registration(4, 100.0), Duration::from_secs(1)).await;
     let beat = |digests: Vec<u64>| {
         let prefix = Some(PrefixHeld { digests });
-        Bytes::from(TrackerFrame::new(TrackerBody::Heartbeat(Heartbeat { load: Some(Load::default()), prefix })).encode_to_vec())
+        Bytes::from(
+            TrackerFrame::new(TrackerBody::Heartbeat(Heartbeat { load: Some(Load::default()), prefix, opened: Vec::new() }))
+                .encode_to_vec(),
+        )
     };
     let mut conn = holder.into_framed();
     conn.send(beat(held.clone())).await.unwrap();
@@ -562,19 +565,28 @@ async fn prefix_holders_are_preferred_and_oversized_reports_are_refused() {
         }
     }
 
-    // 1,025 digests: refused, and the connection ends (the worker is out of the registry).
-    conn.send(beat((0..MAX_HELD_DIGESTS as u64 + 1).collect())).await.unwrap();
-    let answer = tokio::time::timeout(CALL, conn.next()).await.expect("an answer in time");
-    let frame = TrackerFrame::decode(answer.expect("a refusal before the close").unwrap()).unwrap();
-    match frame.body {
-        Some(TrackerBody::Refused(r)) => assert_eq!(r.refusal_kind(), RefusalKind::BadRequest, "{r:?}"),
-        other => panic!("an oversized heartbeat answered with {other:?}"),
-    }
-    assert!(tokio::time::timeout(CALL, conn.next()).await.expect("closed in time").is_none());
-    let deadline = Instant::now() + CALL;
-    while swarm(&mut c).await.contains(&holder_id) {
-        assert!(Instant::now() < deadline, "the worker that sent an oversized report is still listed");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    // 1,025 digests, or 1,025 opened sessions: refused, and the connection ends (the worker is
+    // out of the registry).
+    let (third, third_id) = try_join(&tracker.addr, &new_key(), TOKEN, registration(4, 100.0), false).await.unwrap();
+    let opened = Heartbeat { load: Some(Load::default()), prefix: None, opened: (0..MAX_OPENED_TAGS as u64 + 1).collect() };
+    let oversized = [
+        ("prefix blocks", conn, holder_id, beat((0..MAX_HELD_DIGESTS as u64 + 1).collect())),
+        ("opened sessions", third.into_framed(), third_id, Bytes::from(TrackerFrame::new(TrackerBody::Heartbeat(opened)).encode_to_vec())),
+    ];
+    for (what, mut conn, id, frame) in oversized {
+        conn.send(frame).await.unwrap();
+        let answer = tokio::time::timeout(CALL, conn.next()).await.expect("an answer in time");
+        let frame = TrackerFrame::decode(answer.expect("a refusal before the close").unwrap()).unwrap();
+        match frame.body {
+            Some(TrackerBody::Refused(r)) => assert_eq!(r.refusal_kind(), RefusalKind::BadRequest, "{what}: {r:?}"),
+            other => panic!("a heartbeat naming too many {what} answered with {other:?}"),
+        }
+        assert!(tokio::time::timeout(CALL, conn.next()).await.expect("closed in time").is_none());
+        let deadline = Instant::now() + CALL;
+        while swarm(&mut c).await.contains(&id) {
+            assert!(Instant::now() < deadline, "the worker that named too many {what} is still listed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
     drop(other);
 }

@@ -252,6 +252,23 @@ pub struct Heartbeat {
     /// (absent: unchanged). At most `MAX_HELD_DIGESTS`.
     #[prost(message, optional, tag = "2")]
     pub prefix: Option<PrefixHeld>,
+    /// The tags (`session_tag`) of the sessions it opened in the last `OPENED_WINDOW`, newest
+    /// first, at most `MAX_OPENED_TAGS`: the tracker counts a route it issued just before as in
+    /// `load` once its session is named here, and not twice.
+    #[prost(fixed64, repeated, tag = "3")]
+    pub opened: Vec<u64>,
+}
+
+/// How long a worker names a session it opened in its heartbeats: longer than a route takes from
+/// being issued to opening its session (the tracker's grace for that is 250 ms).
+pub const OPENED_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
+/// Most session tags one heartbeat may name.
+pub const MAX_OPENED_TAGS: usize = 1024;
+
+/// A session's tag in heartbeats: the first 8 bytes of its id, little-endian (0 for a shorter
+/// id).
+pub fn session_tag(id: &[u8]) -> u64 {
+    id.get(..8).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
 }
 
 /// The route digests (`prefix::route_digest`) of the prefix-cache blocks a worker holds, most

@@ -84,10 +84,10 @@ fn bench_registry(c: &mut Criterion) {
     let mut group = c.benchmark_group("registry");
     for n in [1_000, 10_000] {
         let mut r = registry(n, 0);
-        assert!(r.plan_route("m", &Want::Any, &[], &[], 64).is_some(), "the instance must be routable");
+        assert!(r.plan_route("m", &Want::Any, &[], &[], 64, 0).is_some(), "the instance must be routable");
         // Each route counts in its workers' load, so successive routes spread as under real load.
         group.bench_function(BenchmarkId::new("plan_route", n), |b| {
-            b.iter(|| r.plan_route("m", &Want::Any, &[], &[], 64).map(|p| p.stages.len()))
+            b.iter(|| r.plan_route("m", &Want::Any, &[], &[], 64, 0).map(|p| p.stages.len()))
         });
         let mut rng = SplitMix64(n as u64);
         for i in 0..n {
@@ -95,15 +95,18 @@ fn bench_registry(c: &mut Criterion) {
                 let p = rng.below(PROMPTS as u32) as u64;
                 (0..PROMPT_BLOCKS).map(move |b| digest(p, b))
             });
-            r.heartbeat(&format!("w{i}"), Default::default(), Some(held.collect()));
+            r.heartbeat(&format!("w{i}"), Default::default(), &[], Some(held.collect()));
         }
         let asks: Vec<_> = (0..INSTANCES).map(|_| probes(rng.below(PROMPTS as u32) as u64)).collect();
-        assert!(asks.iter().any(|a| r.plan_route("m", &Want::Any, &[], a, 64).is_some_and(|p| p.prefix_stages > 0)), "holders are found");
+        assert!(
+            asks.iter().any(|a| r.plan_route("m", &Want::Any, &[], a, 64, 0).is_some_and(|p| p.prefix_stages > 0)),
+            "holders are found"
+        );
         let mut i = 0;
         group.bench_function(BenchmarkId::new("plan_route_prefix", n), |b| {
             b.iter(|| {
                 i = (i + 1) % asks.len();
-                r.plan_route("m", &Want::Any, &[], black_box(&asks[i]), 64).map(|p| p.stages.len())
+                r.plan_route("m", &Want::Any, &[], black_box(&asks[i]), 64, 0).map(|p| p.stages.len())
             })
         });
     }
@@ -144,10 +147,10 @@ fn bench_swarm(c: &mut Criterion) {
             let (model, _) = MODELS[usize::from(rng.unit() >= 0.6)];
             for _ in 0..2 {
                 let load = dgr_proto::Load { sessions: (beat % 4) as u32, ..Default::default() };
-                r.heartbeat(&ids[beat % n], load, None);
+                r.heartbeat(&ids[beat % n], load, &[], None);
                 beat += 1;
             }
-            r.plan_route(model, &Want::Any, &[], &[], 64).map(|p| p.stages.len())
+            r.plan_route(model, &Want::Any, &[], &[], 64, 0).map(|p| p.stages.len())
         })
     });
 }

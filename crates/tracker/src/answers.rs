@@ -5,9 +5,9 @@ use crate::registry::{Probe, Want};
 use crate::server::{lock, random, refused, send, unix_ms, Shared};
 use crate::store::{key_hash, Grant, Reservation, StoreError};
 use dgr_proto::{
-    check_prefix_probes, codec, tenant_mask, Ack, KeyAdd, KeyAdded, PlaceRequest, Placed, RefusalKind, Refused, Registration, RequestUsage,
-    RouteReply, RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply, WorkerStatus,
-    MAX_ROUTE_ENGINE, TRACKER_MAX_FRAME,
+    check_prefix_probes, codec, session_tag, tenant_mask, Ack, KeyAdd, KeyAdded, PlaceRequest, Placed, RefusalKind, Refused, Registration,
+    RequestUsage, RouteReply, RouteRequest, SecureStream, Suspect, SwarmReply, Ticket, TrackerBody, TrackerFrame, UsageQuery, UsageReply,
+    WorkerStatus, MAX_ROUTE_ENGINE, TRACKER_MAX_FRAME,
 };
 use futures::StreamExt;
 use prost::Message;
@@ -105,13 +105,15 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
     // The workers cached the prompt's blocks under the tenant the ticket will name.
     let mask = tenant_mask(&key_name);
     let probes: Vec<Probe> = r.prefix.iter().map(|p| (p.blocks, p.chain ^ mask)).collect();
+    let session_id = random::<16>();
+    let tag = session_tag(&session_id);
     let planned = {
         let mut reg = lock(&sh.registry);
         if r.fixed.is_empty() {
-            reg.plan_route(&r.model_id, &want, &r.exclude, &probes, budget)
+            reg.plan_route(&r.model_id, &want, &r.exclude, &probes, budget, tag)
                 .ok_or_else(|| reg.covered_but_full(&r.model_id, &want, &r.exclude, budget))
         } else {
-            reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude, budget).ok_or(false)
+            reg.plan_fixed(&r.model_id, &r.fixed, &r.exclude, budget, tag).ok_or(false)
         }
     };
     sh.metrics.planned(started.elapsed().as_micros() as u64);
@@ -131,7 +133,7 @@ async fn route(r: RouteRequest, sh: &Arc<Shared>) -> Result<TrackerBody, Refused
         }
     };
     let ticket = Ticket {
-        session_id: random::<16>().to_vec(),
+        session_id: session_id.to_vec(),
         request_id: r.request_id,
         model_id: r.model_id,
         engine: p.engine,

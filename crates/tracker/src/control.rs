@@ -1,7 +1,7 @@
 //! A worker's control connection: its join (join token, identity, registration), then its
 //! heartbeats and usage reports up and relay dial requests down, until it leaves or the
-//! connection drops. A heartbeat naming more prefix blocks than the protocol allows is refused
-//! and ends the connection (no worker of ours sends one).
+//! connection drops. A heartbeat naming more prefix blocks or opened sessions than the protocol
+//! allows is refused and ends the connection (no worker of ours sends one).
 
 use crate::answers::{store_err, token_ok};
 use crate::registry::Joining;
@@ -10,7 +10,7 @@ use crate::server::{lock, refused, send, unix_ms, Conn, Shared};
 use bytes::Bytes;
 use dgr_proto::{
     codec, relay_addr, verifying_key, worker_id, write_frame, Ack, Join, Joined, RefusalKind, Registration, SecureStream, TrackerBody,
-    TrackerFrame, MAX_HELD_DIGESTS, TRACKER_MAX_FRAME,
+    TrackerFrame, MAX_HELD_DIGESTS, MAX_OPENED_TAGS, TRACKER_MAX_FRAME,
 };
 use ed25519_dalek::Signature;
 use futures::{SinkExt, StreamExt};
@@ -86,7 +86,13 @@ async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>
                             let _ = send(conn, refused(RefusalKind::BadRequest, msg)).await;
                             return;
                         }
-                        lock(&sh.registry).heartbeat(id, h.load.unwrap_or_default(), held);
+                        if h.opened.len() > MAX_OPENED_TAGS {
+                            let msg = format!("a heartbeat may name at most {MAX_OPENED_TAGS} opened sessions");
+                            sh.metrics.refused(RefusalKind::BadRequest.name());
+                            let _ = send(conn, refused(RefusalKind::BadRequest, msg)).await;
+                            return;
+                        }
+                        lock(&sh.registry).heartbeat(id, h.load.unwrap_or_default(), &h.opened, held);
                     }
                     TrackerBody::WorkerUsage(u) => {
                         let (wid, engine, model) = (id.to_string(), reg.engine.clone(), reg.model_id.clone());

@@ -25,7 +25,8 @@
 //!
 //! A worker is offered only with room for the request's session: a session slot, and KV room
 //! for its budget of positions (what its heartbeat says its sessions reserved, plus the budgets
-//! of routes issued since, off its registered KV budget). A worker started without a layer
+//! of routes issued since whose sessions it has not named as opened, off its registered KV
+//! budget). A worker started without a layer
 //! range is given one (`placement`, then `hold`), counted as held until it joins with it.
 
 use crate::place::{rate, Held, Placement};
@@ -70,9 +71,8 @@ pub struct LiveWorker {
     pub conn: u64,
     pub last_heartbeat: Instant,
     pub load: Load,
-    /// When routes naming it were issued, and their sessions' KV budgets, newest last, kept for
-    /// four heartbeat intervals.
-    issued: VecDeque<(Instant, u64)>,
+    /// Routes naming it, newest last, kept for four heartbeat intervals.
+    issued: VecDeque<Issued>,
     /// How many of `issued` its last heartbeat may not show yet, and their KV budgets summed.
     unseen: usize,
     unseen_kv: u64,
@@ -85,6 +85,16 @@ pub struct LiveWorker {
     group: usize,
     cell: usize,
     rank: Rank,
+}
+
+/// A route issued to a worker: when, its session's KV budget, and the session's tag
+/// (`dgr_proto::session_tag`), which the worker's heartbeat names once the session is open there
+/// (so counted in its reservations).
+struct Issued {
+    at: Instant,
+    kv: u64,
+    tag: u64,
+    opened: bool,
 }
 
 /// A worker's place in its cell's order: cost per layer (a non-negative finite f64's bits order
@@ -239,7 +249,7 @@ impl LiveWorker {
     }
 
     /// Routes issued to it that its last heartbeat may not show yet: those issued since, and
-    /// those issued just before it whose sessions may not have opened in time to be counted.
+    /// those issued just before it whose sessions it did not name as opened.
     pub fn unseen_routes(&self) -> usize {
         self.unseen
     }
@@ -270,13 +280,13 @@ impl LiveWorker {
 
     /// Drops issue times older than the window they can matter in.
     fn forget_old(&mut self, heartbeat: Duration, now: Instant) {
-        while self.issued.front().is_some_and(|(t, _)| now.duration_since(*t) > 4 * heartbeat) {
+        while self.issued.front().is_some_and(|i| now.duration_since(i.at) > 4 * heartbeat) {
             self.issued.pop_front();
         }
         let since = self.last_heartbeat.checked_sub(OPEN_GRACE).unwrap_or(self.last_heartbeat);
-        let first = self.issued.partition_point(|(t, _)| *t < since);
-        self.unseen = self.issued.len() - first;
-        self.unseen_kv = self.issued.range(first..).fold(0u64, |sum, (_, kv)| sum.saturating_add(*kv));
+        let first = self.issued.partition_point(|i| i.at < since);
+        let unseen = self.issued.range(first..).filter(|i| !i.opened);
+        (self.unseen, self.unseen_kv) = unseen.fold((0, 0u64), |(n, kv), i| (n + 1, kv.saturating_add(i.kv)));
     }
 }
 
@@ -448,15 +458,19 @@ impl Registry {
         }
     }
 
-    /// A heartbeat: the worker is live, with this load, and the routes issued before it (less
-    /// those that may not have opened yet) are counted in it. `held`, when given, replaces the
-    /// prefix blocks it holds (the caller bounds its length).
-    pub fn heartbeat(&mut self, id: &str, load: Load, held: Option<Vec<u64>>) {
+    /// A heartbeat: the worker is live, with this load, and the routes issued before it are
+    /// counted in it, less those issued just before it (`OPEN_GRACE`) whose sessions are not
+    /// among the tags of sessions it has `opened` lately. `held`, when given, replaces the prefix
+    /// blocks it holds (the caller bounds both lists' lengths).
+    pub fn heartbeat(&mut self, id: &str, load: Load, opened: &[u64], held: Option<Vec<u64>>) {
         let Some(&slot) = self.by_id.get(id) else { return };
         let (hb, now) = (self.heartbeat, Instant::now());
         if let Some(w) = self.slots[slot as usize].as_mut() {
             w.last_heartbeat = now;
             w.load = load;
+            for i in w.issued.iter_mut().filter(|i| !i.opened) {
+                i.opened = opened.contains(&i.tag);
+            }
             w.forget_old(hb, now);
         }
         if let Some(mut held) = held {
@@ -579,8 +593,17 @@ impl Registry {
     /// exactly once, avoiding `exclude`. A stage's expected time is its measured time per layer ×
     /// layers served × (1 + its load: sessions it reported plus routes issued to it since), plus
     /// a per-hop latency; a stage holding the prompt's `prefix` counts cheaper (see
-    /// `PREFIX_FAVOUR`). Records the issue on each chosen worker.
-    pub fn plan_route(&mut self, model_id: &str, want: &Want, exclude: &[String], prefix: &[Probe], kv: u64) -> Option<Planned> {
+    /// `PREFIX_FAVOUR`). Records the issue of a session of `kv` positions tagged `session`
+    /// (`dgr_proto::session_tag`) on each chosen worker.
+    pub fn plan_route(
+        &mut self,
+        model_id: &str,
+        want: &Want,
+        exclude: &[String],
+        prefix: &[Probe],
+        kv: u64,
+        session: u64,
+    ) -> Option<Planned> {
         let now = Instant::now();
         let excluded: HashSet<u32> = exclude.iter().filter_map(|id| self.by_id.get(id).copied()).collect();
         let ask = Ask { excluded: &excluded, now, kv };
@@ -598,7 +621,7 @@ impl Registry {
         let mut prefix_stages = 0;
         for (slot, layer_start, layer_end) in hops {
             prefix_stages += usize::from(held.binary_search_by_key(&slot, |h| h.0).is_ok());
-            let w = self.issue(slot, now, kv);
+            let w = self.issue(slot, now, kv, session);
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
         let key = &self.groups[group].key;
@@ -776,11 +799,12 @@ impl Registry {
         (candidates, slots)
     }
 
-    /// Counts a route issued to the worker in `slot`, its session of `kv` positions, in its load.
-    fn issue(&mut self, slot: u32, now: Instant, kv: u64) -> &LiveWorker {
+    /// Counts a route issued to the worker in `slot`, its session of `kv` positions tagged
+    /// `session`, in its load.
+    fn issue(&mut self, slot: u32, now: Instant, kv: u64, session: u64) -> &LiveWorker {
         let hb = self.heartbeat;
         if let Some(w) = self.slots[slot as usize].as_mut() {
-            w.issued.push_back((now, kv));
+            w.issued.push_back(Issued { at: now, kv, tag: session, opened: false });
             w.routes_total += 1;
             w.forget_old(hb, now);
         }
@@ -795,7 +819,7 @@ impl Registry {
     /// have been checked). Every stage runs one engine (numerics and KV dtype included), the
     /// named workers': another engine computes other bits. None when a segment cannot be served or
     /// the segments do not cover the model.
-    pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String], kv: u64) -> Option<Planned> {
+    pub fn plan_fixed(&mut self, model_id: &str, fixed: &[RouteStage], exclude: &[String], kv: u64, session: u64) -> Option<Planned> {
         let now = Instant::now();
         let hb = self.heartbeat;
         let exclude: HashSet<&str> = exclude.iter().map(String::as_str).collect();
@@ -837,7 +861,7 @@ impl Registry {
         }
         let mut stages = Vec::with_capacity(fixed.len());
         for (&slot, s) in slots.iter().zip(fixed) {
-            let w = self.issue(slot, now, kv);
+            let w = self.issue(slot, now, kv, session);
             let (layer_start, layer_end) = (s.layer_start, s.layer_end);
             stages.push(RouteStage { worker_id: w.id.clone(), addr: w.addr.clone(), layer_start, layer_end, engine: w.reg.engine.clone() });
         }
@@ -869,7 +893,7 @@ mod tests {
     }
 
     fn route(r: &mut Registry) -> Vec<(String, u32, u32)> {
-        let p = r.plan_route("m", &Want::Any, &[], &[], 1).expect("a route");
+        let p = r.plan_route("m", &Want::Any, &[], &[], 1, 0).expect("a route");
         p.stages.into_iter().map(|s| (s.worker_id, s.layer_start, s.layer_end)).collect()
     }
 
@@ -886,17 +910,19 @@ mod tests {
         }
         let mut swapped_in = Vec::new();
         for _ in 0..4 {
-            assert_eq!(r.plan_route("m", &Want::Any, &[], &[], 1).unwrap().stages[0].worker_id, "fast");
+            assert_eq!(r.plan_route("m", &Want::Any, &[], &[], 1, 0).unwrap().stages[0].worker_id, "fast");
             let fixed = [stage("", 0, 2), stage("tail", 2, 4)];
-            let p = r.plan_fixed("m", &fixed, &["fast".to_string()], 1).unwrap();
+            let p = r.plan_fixed("m", &fixed, &["fast".to_string()], 1, 0).unwrap();
             assert_eq!(p.stages[1].worker_id, "tail");
             swapped_in.push(p.stages[0].worker_id.clone());
         }
         assert_eq!(swapped_in, ["slow1", "slow2", "slow1", "slow2"]);
         // A named stage must hold the range; an excluded or uncovered segment has no route.
-        assert!(r.plan_fixed("m", &[stage("tail", 0, 2), stage("tail", 2, 4)], &[], 1).is_none());
-        assert!(r.plan_fixed("m", &[stage("", 0, 2), stage("tail", 2, 4)], &["fast".into(), "slow1".into(), "slow2".into()], 1).is_none());
-        assert!(r.plan_fixed("m", &[stage("", 0, 2)], &[], 1).is_none());
+        assert!(r.plan_fixed("m", &[stage("tail", 0, 2), stage("tail", 2, 4)], &[], 1, 0).is_none());
+        assert!(r
+            .plan_fixed("m", &[stage("", 0, 2), stage("tail", 2, 4)], &["fast".into(), "slow1".into(), "slow2".into()], 1, 0)
+            .is_none());
+        assert!(r.plan_fixed("m", &[stage("", 0, 2)], &[], 1, 0).is_none());
     }
 
     #[test]
@@ -906,21 +932,21 @@ mod tests {
         join(&mut r, "head", of("cpu", (0, 2), 10.0));
         join(&mut r, "tail-gpu", of("gpu", (2, 4), 10.0));
         // Only a mix covers the model: asked for one engine, none; asked for any, the mix.
-        assert!(r.plan_route("m", &Want::One("cpu".into()), &[], &[], 1).is_none());
+        assert!(r.plan_route("m", &Want::One("cpu".into()), &[], &[], 1, 0).is_none());
         assert!(!r.covered_but_full("m", &Want::One("cpu".into()), &[], 1) && r.covered_but_full("m", &Want::Any, &[], 1));
-        let p = r.plan_route("m", &Want::Any, &[], &[], 1).unwrap();
+        let p = r.plan_route("m", &Want::Any, &[], &[], 1, 0).unwrap();
         assert_eq!(p.engine, "cpu@0..2+gpu@2..4");
         let engines: Vec<&str> = p.stages.iter().map(|s| s.engine.as_str()).collect();
         assert_eq!(engines, ["cpu", "gpu"]);
         // A swap keeps each stage's engine: the one asked for, else the named workers'.
-        assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[], 1).is_none(), "no cpu worker holds 2..4");
+        assert!(r.plan_fixed("m", &[stage("head", 0, 2), stage("", 2, 4)], &[], 1, 0).is_none(), "no cpu worker holds 2..4");
         let gpu = RouteStage { engine: "gpu".into(), ..stage("", 2, 4) };
-        assert_eq!(r.plan_fixed("m", &[stage("head", 0, 2), gpu], &[], 1).unwrap().engine, "cpu@0..2+gpu@2..4");
+        assert_eq!(r.plan_fixed("m", &[stage("head", 0, 2), gpu], &[], 1, 0).unwrap().engine, "cpu@0..2+gpu@2..4");
         // Once one engine covers the model, asking for it gives that engine's route alone.
         join(&mut r, "whole-cpu", of("cpu", (0, 4), 50.0));
-        let p = r.plan_route("m", &Want::One("cpu".into()), &[], &[], 1).unwrap();
+        let p = r.plan_route("m", &Want::One("cpu".into()), &[], &[], 1, 0).unwrap();
         assert_eq!((p.engine.as_str(), p.stages[0].worker_id.as_str()), ("cpu", "whole-cpu"));
-        assert!(r.plan_route("m", &Want::One("gpu".into()), &[], &[], 1).is_none());
+        assert!(r.plan_route("m", &Want::One("gpu".into()), &[], &[], 1, 0).is_none());
     }
 
     #[test]
@@ -936,19 +962,19 @@ mod tests {
         for (id, engine, range, us) in workers {
             join(&mut r, id, Registration { engine: engine.into(), n_layers: 6, ..reg(range, us) });
         }
-        let p = r.plan_route("m", &Want::Any, &[], &[], 1).unwrap();
+        let p = r.plan_route("m", &Want::Any, &[], &[], 1, 0).unwrap();
         let hops: Vec<(&str, u32, u32)> = p.stages.iter().map(|s| (s.worker_id.as_str(), s.layer_start, s.layer_end)).collect();
         assert_eq!((p.engine.as_str(), hops.as_slice()), ("gpu@0..3+cpu@3..6", &[("gpu-head", 0, 3), ("cpu-tail", 3, 6)][..]));
         // The CPU stage is lost: its replacement computes 3..6 on the CPU again, though a GPU
         // worker would be cheaper there.
         let want = Want::parse(&p.engine).unwrap();
-        let again = r.plan_route("m", &want, &["cpu-tail".into()], &[], 1).unwrap();
+        let again = r.plan_route("m", &want, &["cpu-tail".into()], &[], 1, 0).unwrap();
         let hops: Vec<(&str, u32, u32)> = again.stages.iter().map(|s| (s.worker_id.as_str(), s.layer_start, s.layer_end)).collect();
         assert_eq!((again.engine.as_str(), hops.as_slice()), ("gpu@0..3+cpu@3..6", &[("gpu-head", 0, 3), ("cpu-all", 3, 6)][..]));
-        assert_eq!(r.plan_route("m", &Want::Any, &["cpu-tail".into()], &[], 1).unwrap().engine, "gpu");
+        assert_eq!(r.plan_route("m", &Want::Any, &["cpu-tail".into()], &[], 1, 0).unwrap().engine, "gpu");
         // With no CPU worker for 3..6 the recovery has no route, and says it is not for room.
         let lost = ["cpu-tail".to_string(), "cpu-all".to_string()];
-        assert!(r.plan_route("m", &want, &lost, &[], 1).is_none() && !r.covered_but_full("m", &want, &lost, 1));
+        assert!(r.plan_route("m", &want, &lost, &[], 1, 0).is_none() && !r.covered_but_full("m", &want, &lost, 1));
         assert!(matches!(Want::parse("gpu@0..3+cpu@4..6"), Err(dgr_proto::ProtoError::BadInput(_))));
     }
 
@@ -957,18 +983,23 @@ mod tests {
         let mut r = Registry::new(Duration::from_secs(1));
         join(&mut r, "big", Registration { kv_tokens: 1000, ..reg((0, 4), 200.0) });
         join(&mut r, "small", Registration { kv_tokens: 300, ..reg((0, 4), 100.0) });
-        let to = |r: &mut Registry, kv: u64| r.plan_route("m", &Want::Any, &[], &[], kv).map(|p| p.stages[0].worker_id.clone());
+        let to =
+            |r: &mut Registry, kv: u64, tag: u64| r.plan_route("m", &Want::Any, &[], &[], kv, tag).map(|p| p.stages[0].worker_id.clone());
         // The faster worker has room for 200 positions; once it is routed that session, not again.
-        assert_eq!(to(&mut r, 200).as_deref(), Some("small"));
-        assert_eq!(to(&mut r, 200).as_deref(), Some("big"));
-        // A heartbeat says what the sessions reserved; a route issued just before it may not be
-        // in it yet, and still counts: 1000 - 250 - 200 leave 550.
-        r.heartbeat("big", Load { kv_reserved_tokens: 250, ..Default::default() }, None);
-        assert_eq!(to(&mut r, 600), None);
+        assert_eq!(to(&mut r, 200, 1).as_deref(), Some("small"));
+        assert_eq!(to(&mut r, 200, 2).as_deref(), Some("big"));
+        // A heartbeat says what the sessions reserved; a route issued just before it whose
+        // session it does not name as opened may not be in it yet, and still counts: 1000 - 250 -
+        // 200 leave 550.
+        r.heartbeat("big", Load { kv_reserved_tokens: 250, ..Default::default() }, &[], None);
+        assert_eq!(to(&mut r, 600, 3), None);
         assert!(r.covered_but_full("m", &Want::Any, &[], 600), "room frees as sessions end");
-        assert_eq!(to(&mut r, 500).as_deref(), Some("big"));
+        // Once a heartbeat names the session as opened, its 200 are in the 250, counted once.
+        r.heartbeat("big", Load { kv_reserved_tokens: 250, ..Default::default() }, &[9, 2], None);
+        assert_eq!(to(&mut r, 700, 3).as_deref(), Some("big"));
+        assert_eq!(to(&mut r, 200, 4), None, "1000 - 250 - 700 leave 50; the small one 100");
         // A session larger than any worker's whole budget never fits: not a matter of waiting.
-        assert_eq!(to(&mut r, 2000), None);
+        assert_eq!(to(&mut r, 2000, 5), None);
         assert!(!r.covered_but_full("m", &Want::Any, &[], 2000));
     }
 
@@ -1015,7 +1046,7 @@ mod tests {
             assert!(n.values().max().unwrap() - n.values().min().unwrap() <= 1 || i < 2, "{n:?}");
         }
         assert_eq!(n.values().copied().collect::<Vec<_>>(), [8, 8, 8]);
-        assert!(r.plan_route("m", &Want::Any, &[], &[], 1).is_none());
+        assert!(r.plan_route("m", &Want::Any, &[], &[], 1, 0).is_none());
         // Equal replicas are chosen in no fixed order.
         let mut seen = std::collections::HashSet::new();
         for _ in 0..64 {
@@ -1046,24 +1077,25 @@ mod tests {
         join(&mut r, "tail", reg((2, 4), 10.0));
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(route(&mut r).len(), 2);
-        let without_tail = r.plan_route("m", &Want::Any, &["tail".into()], &[], 1).unwrap().stages;
+        let without_tail = r.plan_route("m", &Want::Any, &["tail".into()], &[], 1, 0).unwrap().stages;
         assert_eq!((without_tail[1].worker_id.as_str(), without_tail[1].layer_start), ("whole", 2));
         r.quarantine("whole".into(), "caught".into());
-        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[], 1).is_none());
+        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[], 1, 0).is_none());
         // A re-join under a quarantined identity is listed, never routed.
         join(&mut r, "whole", reg((0, 4), 1000.0));
         assert_eq!(r.workers().count(), 3);
-        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[], 1).is_none());
+        assert!(r.plan_route("m", &Want::Any, &["tail".into()], &[], 1, 0).is_none());
         // A late close of an older connection leaves the record; the current one removes it.
         r.leave("tail", 7);
         assert!(r.worker("tail").is_some());
         r.leave("tail", 0);
-        assert!(r.worker("tail").is_none() && r.plan_route("m", &Want::Any, &[], &[], 1).is_none());
+        assert!(r.worker("tail").is_none() && r.plan_route("m", &Want::Any, &[], &[], 1, 0).is_none());
         join(&mut r, "tail2", reg((2, 4), 10.0));
         assert_eq!(route(&mut r), [("head".to_string(), 0, 2), ("tail2".to_string(), 2, 4)]);
         // Another model, or another engine asked for, has no route.
         assert!(
-            r.plan_route("other", &Want::Any, &[], &[], 1).is_none() && r.plan_route("m", &Want::One("gguf".into()), &[], &[], 1).is_none()
+            r.plan_route("other", &Want::Any, &[], &[], 1, 0).is_none()
+                && r.plan_route("m", &Want::One("gguf".into()), &[], &[], 1, 0).is_none()
         );
         for id in ["head", "tail2", "whole"] {
             r.leave(id, 0);
@@ -1078,7 +1110,7 @@ mod tests {
 
     fn holds(r: &mut Registry, id: &str, sessions: u32, held: &[Probe]) {
         let load = Load { sessions, ..Default::default() };
-        r.heartbeat(id, load, Some(held.iter().map(|p| p.1).collect()));
+        r.heartbeat(id, load, &[], Some(held.iter().map(|p| p.1).collect()));
     }
 
     fn whole(max_sessions: u32) -> Registration {
@@ -1095,7 +1127,7 @@ mod tests {
                 join(&mut r, "other", whole(64));
                 holds(&mut r, "holder", holder_sessions, &p);
                 holds(&mut r, "other", other_sessions, &probes(8, 6));
-                let got = r.plan_route("m", &Want::Any, &[], &p, 1).unwrap();
+                let got = r.plan_route("m", &Want::Any, &[], &p, 1, 0).unwrap();
                 // The rule: load is 1 + sessions (the planner's load factor); the holder loses
                 // at twice the other's.
                 let want = if 1 + holder_sessions < 2 * (1 + other_sessions) { "holder" } else { "other" };
@@ -1111,20 +1143,20 @@ mod tests {
         holds(&mut r, "holder", 5, &p);
         holds(&mut r, "other", 0, &[]);
         for ask in [vec![], probes(9, 6)] {
-            let got = r.plan_route("m", &Want::Any, &[], &ask, 1).unwrap();
+            let got = r.plan_route("m", &Want::Any, &[], &ask, 1, 0).unwrap();
             assert_eq!((got.stages[0].worker_id.as_str(), got.prefix_stages), ("other", 0));
             holds(&mut r, "other", 0, &[]);
         }
         // Excluded, quarantined or full, a holder is not favoured.
-        assert_eq!(r.plan_route("m", &Want::Any, &["other".into()], &p, 1).unwrap().stages[0].worker_id, "holder");
+        assert_eq!(r.plan_route("m", &Want::Any, &["other".into()], &p, 1, 0).unwrap().stages[0].worker_id, "holder");
         holds(&mut r, "holder", 0, &p);
-        assert_eq!(r.plan_route("m", &Want::Any, &["holder".into()], &p, 1).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &["holder".into()], &p, 1, 0).unwrap().stages[0].worker_id, "other");
         holds(&mut r, "holder", 64, &p);
         holds(&mut r, "other", 0, &[]);
-        assert_eq!(r.plan_route("m", &Want::Any, &[], &p, 1).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &[], &p, 1, 0).unwrap().stages[0].worker_id, "other");
         holds(&mut r, "holder", 0, &p);
         r.quarantine("holder".into(), "caught".into());
-        assert_eq!(r.plan_route("m", &Want::Any, &[], &p, 1).unwrap().stages[0].worker_id, "other");
+        assert_eq!(r.plan_route("m", &Want::Any, &[], &p, 1, 0).unwrap().stages[0].worker_id, "other");
     }
 
     #[test]
@@ -1160,7 +1192,7 @@ mod tests {
     }
 
     fn route_with(r: &mut Registry, p: &[Probe]) -> Vec<String> {
-        r.plan_route("m", &Want::Any, &[], p, 1).unwrap().stages.into_iter().map(|s| s.worker_id).collect()
+        r.plan_route("m", &Want::Any, &[], p, 1, 0).unwrap().stages.into_iter().map(|s| s.worker_id).collect()
     }
 
     #[test]
@@ -1194,13 +1226,13 @@ mod tests {
         assert!(r.holders.values().all(|l| !l.contains(&r.by_id["w0"])), "the longest listed made room");
         // A report replaces the last: a dropped digest leaves the index, a repeat is listed once.
         let last = format!("w{}", HOLDERS_PER_DIGEST + 7);
-        r.heartbeat(&last, Load::default(), Some(vec![p[0].1, p[0].1, 99]));
+        r.heartbeat(&last, Load::default(), &[], Some(vec![p[0].1, p[0].1, 99]));
         let slot = r.by_id[&last];
         assert_eq!(r.holders[&p[0].1].iter().filter(|&&s| s == slot).count(), 1);
         assert!(!r.holders[&p[1].1].contains(&slot) && r.holders[&99] == [slot]);
         assert_eq!(r.worker(&last).unwrap().prefix_blocks(), 2);
         // No report (None) keeps what it had; leaving takes it out.
-        r.heartbeat(&last, Load::default(), None);
+        r.heartbeat(&last, Load::default(), &[], None);
         assert_eq!(r.holders[&99], [slot]);
         for i in 0..HOLDERS_PER_DIGEST + 8 {
             r.leave(&format!("w{i}"), 0);

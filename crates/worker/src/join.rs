@@ -259,7 +259,8 @@ impl Joiner {
                     let (version, held) = self.metrics.held();
                     let prefix = (version != held_sent).then(|| PrefixHeld { digests: held.to_vec() });
                     held_sent = version;
-                    if conn.send(send(TrackerBody::Heartbeat(Heartbeat { load: Some(load), prefix }))).await.is_err() {
+                    let opened = self.metrics.opened_lately(std::time::Instant::now());
+                    if conn.send(send(TrackerBody::Heartbeat(Heartbeat { load: Some(load), prefix, opened }))).await.is_err() {
                         return Ended::Retry("connection lost".into());
                     }
                 }

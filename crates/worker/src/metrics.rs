@@ -1,10 +1,12 @@
 //! What a worker reports at /metrics, as Prometheus text.
 
 use crate::compat::Phase;
-use dgr_proto::{ErrorKind, SeamDtype, TicketError};
+use dgr_proto::{session_tag, ErrorKind, SeamDtype, SessionId, TicketError, MAX_OPENED_TAGS, OPENED_WINDOW};
 use dgr_telemetry::prom::{Kind::*, Text};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 #[derive(Default)]
 pub struct Metrics {
@@ -63,6 +65,9 @@ pub struct Metrics {
     /// The route digests of the prefix blocks held, most recently used first, and a count that
     /// moves with each new list: what the heartbeats report (a tracker hears a list once).
     held: Mutex<(u64, Arc<Vec<u64>>)>,
+    /// When sessions opened lately, and their tags (`session_tag`), newest last: what the
+    /// heartbeats name, so a tracker counts each new session's reservation once.
+    opened: Mutex<VecDeque<(Instant, u64)>>,
     failures: Mutex<Vec<(ErrorKind, u64)>>,
     tickets_refused: Mutex<Vec<(TicketError, u64)>>,
     batches: Mutex<Vec<BatchCount>>,
@@ -80,6 +85,28 @@ impl Metrics {
     /// The current list of held digests and its version (0: none published yet).
     pub fn held(&self) -> (u64, Arc<Vec<u64>>) {
         self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn opened(&self, id: &SessionId, now: Instant) {
+        let mut o = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        Self::forget_opened(&mut o, now);
+        if o.len() == MAX_OPENED_TAGS {
+            o.pop_front();
+        }
+        o.push_back((now, session_tag(id)));
+    }
+
+    /// The tags of the sessions opened in the last `OPENED_WINDOW`, newest first.
+    pub fn opened_lately(&self, now: Instant) -> Vec<u64> {
+        let mut o = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        Self::forget_opened(&mut o, now);
+        o.iter().rev().map(|&(_, tag)| tag).collect()
+    }
+
+    fn forget_opened(o: &mut VecDeque<(Instant, u64)>, now: Instant) {
+        while o.front().is_some_and(|&(at, _)| now.saturating_duration_since(at) > OPENED_WINDOW) {
+            o.pop_front();
+        }
     }
 
     pub fn failure(&self, kind: ErrorKind) {
@@ -235,4 +262,25 @@ pub fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let pages: u64 = statm.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     pages * 4096
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn heartbeats_name_the_sessions_opened_in_the_last_window_newest_first() {
+        let (m, t0) = (Metrics::default(), Instant::now());
+        let id = |i: u64| -> SessionId { [i.to_le_bytes(), [7; 8]].concat().try_into().unwrap() };
+        m.opened(&id(1), t0);
+        m.opened(&id(2), t0 + Duration::from_millis(600));
+        assert_eq!(m.opened_lately(t0 + Duration::from_millis(900)), [2, 1]);
+        assert_eq!(m.opened_lately(t0 + OPENED_WINDOW + Duration::from_millis(1)), [2]);
+        // However many open within the window, a heartbeat names only the newest it may.
+        let t1 = t0 + Duration::from_secs(5);
+        (0..MAX_OPENED_TAGS as u64 + 10).for_each(|i| m.opened(&id(i), t1));
+        let named = m.opened_lately(t1);
+        assert_eq!((named.len(), named[0], *named.last().unwrap()), (MAX_OPENED_TAGS, MAX_OPENED_TAGS as u64 + 9, 10));
+    }
 }

@@ -541,6 +541,7 @@ impl<E: Engine> Scheduler<E> {
         self.reserved += cost;
         self.sessions.insert(id, session);
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        self.metrics.opened(&id, Instant::now());
         // Published before the reply, so whoever reads /metrics after Opened counts this session.
         self.metrics.sessions_open.store(self.sessions.len() as u64, Relaxed);
         send(&reply, Body::Opened(SessionRef { session_id: id.to_vec(), cached_blocks: pinned as u32, ..Default::default() }));
