@@ -108,7 +108,10 @@ fn client_config(roots: &[&CertificateDer<'static>]) -> Arc<rustls::ClientConfig
     for r in roots {
         store.add((*r).clone()).unwrap();
     }
-    let mut c = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+    // The server's provider (see `dgr_gateway::tls`).
+    #[allow(deprecated)]
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut c = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_root_certificates(store)

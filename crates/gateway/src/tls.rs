@@ -44,6 +44,9 @@ impl Tls {
         let chain = read_chain(cert)?;
         let key_der = read_key(key)?;
         // Named, not the process default: nothing else in the process picks the API's crypto.
+        // rustls 0.23.48 deprecates ring's provider for lacking post-quantum key exchange; the
+        // one that has it (aws-lc-rs) needs cmake to build, which a fresh machine may not have.
+        #[allow(deprecated)]
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let signing = provider.key_provider.load_private_key(key_der).map_err(|source| TlsError::Key { path: key.into(), source })?;
         let pair = CertifiedKey::new(chain, signing);
