@@ -25,6 +25,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 /// Frames waiting to be written on one connection.
 const OUTBOX: usize = 1024;
@@ -35,6 +37,9 @@ const HANDSHAKE: Duration = Duration::from_secs(10);
 /// Longest one frame may take to write: a peer that stops reading for this long is cut off,
 /// so a writer never waits on it forever.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest a stopping worker waits for the frames already queued (its sessions' last errors)
+/// to be written before it exits.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -91,6 +96,20 @@ struct Shared {
     gate: Option<Arc<TicketGate>>,
     /// In a swarm: the tensors this worker holds, served to workers fetching their slice.
     holdings: Option<Arc<Holdings>>,
+    /// Every connection's writer, and the signal to write what is queued and stop: so a worker
+    /// that stops delivers its sessions' last frames (`device_lost`, `shutting_down`) before it
+    /// exits, rather than leaving its drivers a dropped connection.
+    writers: TaskTracker,
+    closing: CancellationToken,
+}
+
+impl Shared {
+    /// Has every writer send what is queued and stop, waiting up to `FLUSH_TIMEOUT`.
+    async fn flush(&self) {
+        self.closing.cancel();
+        self.writers.close();
+        let _ = tokio::time::timeout(FLUSH_TIMEOUT, self.writers.wait()).await;
+    }
 }
 
 /// A next-stage connection being dialled and greeted: every open to that address awaits the
@@ -258,6 +277,8 @@ impl Worker {
             peers: tokio::sync::Mutex::new(HashMap::new()),
             gate: self.gate.clone(),
             holdings: self.holdings.clone(),
+            writers: TaskTracker::new(),
+            closing: CancellationToken::new(),
         });
         let (leave, leave_rx) = tokio::sync::watch::channel(false);
         let (joined, joined_rx) = tokio::sync::watch::channel(false);
@@ -298,6 +319,7 @@ impl Worker {
                     let _ = self.cmds.send(Cmd::Drain { deadline: Instant::now() + self.cfg.drain_timeout });
                 }
                 ended = &mut stopped => {
+                    shared.flush().await;
                     if let Ok(Ok(Some(why))) = ended {
                         let _ = leave.send(true);
                         return Err(WorkerError::DeviceLost(why));
@@ -422,13 +444,22 @@ fn measure_step(stage: &impl Engine) -> Result<f64, WorkerError> {
 }
 
 /// The writer half of a connection: a bounded outbox drained onto the socket.
-fn spawn_writer<S>(mut sink: S) -> Outbox
+/// A connection's writer: frames from the returned outbox to `sink`, until every sender is
+/// gone, a write fails or times out, or the worker is closing and nothing is left queued.
+fn spawn_writer<S>(mut sink: S, shared: &Shared) -> Outbox
 where
     S: futures::Sink<Bytes> + Unpin + Send + 'static,
 {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Frame>(OUTBOX);
-    tokio::spawn(async move {
-        while let Some(f) = rx.recv().await {
+    let closing = shared.closing.clone();
+    shared.writers.spawn(async move {
+        loop {
+            let f = tokio::select! {
+                biased;
+                f = rx.recv() => f,
+                _ = closing.cancelled() => rx.try_recv().ok(),
+            };
+            let Some(f) = f else { break };
             if !matches!(tokio::time::timeout(WRITE_TIMEOUT, sink.send(encode(&f))).await, Ok(Ok(()))) {
                 break;
             }
@@ -485,7 +516,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>) {
     let conn: ConnId = shared.next_conn.fetch_add(1, Relaxed);
     let uses = ConnUse::default();
     let (sink, mut frames) = Framed::new(stream, dgr_proto::codec(shared.cfg.max_frame)).split();
-    let out = spawn_writer(sink);
+    let out = spawn_writer(sink, &shared);
     let refuse = |out: &Outbox, id: &[u8], kind, msg: String| send_refusal(&shared.metrics, out, id, kind, msg);
     let opening = Arc::new(Mutex::new(Opening::default()));
     // The handshake: the peer's Hello first, with our protocol version.
@@ -816,7 +847,7 @@ async fn greet_peer(shared: &Shared, addr: &str) -> Result<(Outbox, PeerFrames, 
         },
         _ => return Err("no Hello from the next stage".into()),
     }
-    Ok((spawn_writer(sink), frames, proved))
+    Ok((spawn_writer(sink, shared), frames, proved))
 }
 
 /// GET /metrics; anything else is 404.
