@@ -80,16 +80,14 @@ async fn worker_loop(conn: &mut Conn, control: &mut mpsc::Receiver<TrackerFrame>
                 match body {
                     TrackerBody::Heartbeat(h) => {
                         let held = h.prefix.map(|p| p.digests);
-                        if held.as_ref().is_some_and(|d| d.len() > MAX_HELD_DIGESTS) {
-                            let msg = format!("a heartbeat may name at most {MAX_HELD_DIGESTS} prefix blocks");
+                        let oversized = if held.as_ref().is_some_and(|d| d.len() > MAX_HELD_DIGESTS) {
+                            Some(format!("{MAX_HELD_DIGESTS} prefix blocks"))
+                        } else {
+                            (h.opened.len() > MAX_OPENED_TAGS).then(|| format!("{MAX_OPENED_TAGS} opened sessions"))
+                        };
+                        if let Some(most) = oversized {
                             sh.metrics.refused(RefusalKind::BadRequest.name());
-                            let _ = send(conn, refused(RefusalKind::BadRequest, msg)).await;
-                            return;
-                        }
-                        if h.opened.len() > MAX_OPENED_TAGS {
-                            let msg = format!("a heartbeat may name at most {MAX_OPENED_TAGS} opened sessions");
-                            sh.metrics.refused(RefusalKind::BadRequest.name());
-                            let _ = send(conn, refused(RefusalKind::BadRequest, msg)).await;
+                            let _ = send(conn, refused(RefusalKind::BadRequest, format!("a heartbeat may name at most {most}"))).await;
                             return;
                         }
                         lock(&sh.registry).heartbeat(id, h.load.unwrap_or_default(), &h.opened, held);

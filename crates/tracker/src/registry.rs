@@ -26,8 +26,8 @@
 //! A worker is offered only with room for the request's session: a session slot, and KV room
 //! for its budget of positions (what its heartbeat says its sessions reserved, plus the budgets
 //! of routes issued since whose sessions it has not named as opened, off its registered KV
-//! budget). A worker started without a layer
-//! range is given one (`placement`, then `hold`), counted as held until it joins with it.
+//! budget). A worker started without a layer range is given one (`placement`, then `hold`),
+//! counted as held until it joins with it.
 
 use crate::place::{rate, Held, Placement};
 use crate::plan::{plan, shortest, Candidate, Hop, Shortest};
@@ -278,13 +278,32 @@ impl LiveWorker {
         self.reg.kv_tokens.saturating_sub(self.load.kv_reserved_tokens.saturating_add(self.unseen_kv))
     }
 
+    /// Where in `issued` the routes its last heartbeat may not show begin: those issued less
+    /// than `OPEN_GRACE` before it, or since.
+    fn unseen_from(&self) -> usize {
+        let since = self.last_heartbeat.checked_sub(OPEN_GRACE).unwrap_or(self.last_heartbeat);
+        self.issued.partition_point(|i| i.at < since)
+    }
+
+    /// Marks the routes that may be unseen whose sessions are among `opened` (tags).
+    fn mark_opened(&mut self, opened: &[u64]) {
+        let first = self.unseen_from();
+        if opened.is_empty() || self.issued.range(first..).all(|i| i.opened) {
+            return;
+        }
+        let mut tags = opened.to_vec();
+        tags.sort_unstable();
+        for i in self.issued.range_mut(first..) {
+            i.opened |= tags.binary_search(&i.tag).is_ok();
+        }
+    }
+
     /// Drops issue times older than the window they can matter in.
     fn forget_old(&mut self, heartbeat: Duration, now: Instant) {
         while self.issued.front().is_some_and(|i| now.duration_since(i.at) > 4 * heartbeat) {
             self.issued.pop_front();
         }
-        let since = self.last_heartbeat.checked_sub(OPEN_GRACE).unwrap_or(self.last_heartbeat);
-        let first = self.issued.partition_point(|i| i.at < since);
+        let first = self.unseen_from();
         let unseen = self.issued.range(first..).filter(|i| !i.opened);
         (self.unseen, self.unseen_kv) = unseen.fold((0, 0u64), |(n, kv), i| (n + 1, kv.saturating_add(i.kv)));
     }
@@ -468,9 +487,7 @@ impl Registry {
         if let Some(w) = self.slots[slot as usize].as_mut() {
             w.last_heartbeat = now;
             w.load = load;
-            for i in w.issued.iter_mut().filter(|i| !i.opened) {
-                i.opened = opened.contains(&i.tag);
-            }
+            w.mark_opened(opened);
             w.forget_old(hb, now);
         }
         if let Some(mut held) = held {

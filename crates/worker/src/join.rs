@@ -255,11 +255,12 @@ impl Joiner {
                     if unacked.front().is_some_and(|(sent, _)| sent.elapsed() > ACK_HEARTBEATS * *heartbeat) {
                         return Ended::Retry(format!("no Ack for a usage report within {ACK_HEARTBEATS} heartbeats"));
                     }
+                    // The sessions named before the load is read: each one's reservation is in it.
+                    let opened = self.metrics.opened_lately(std::time::Instant::now());
                     let load = self.load(&mut last);
                     let (version, held) = self.metrics.held();
                     let prefix = (version != held_sent).then(|| PrefixHeld { digests: held.to_vec() });
                     held_sent = version;
-                    let opened = self.metrics.opened_lately(std::time::Instant::now());
                     if conn.send(send(TrackerBody::Heartbeat(Heartbeat { load: Some(load), prefix, opened }))).await.is_err() {
                         return Ended::Retry("connection lost".into());
                     }

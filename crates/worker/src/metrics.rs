@@ -87,6 +87,8 @@ impl Metrics {
         self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// Names a session as opened, once its reservation is published: the lock orders those
+    /// stores before any heartbeat's `opened_lately` that names it.
     pub fn opened(&self, id: &SessionId, now: Instant) {
         let mut o = self.opened.lock().unwrap_or_else(|p| p.into_inner());
         Self::forget_opened(&mut o, now);

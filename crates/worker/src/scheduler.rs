@@ -541,9 +541,11 @@ impl<E: Engine> Scheduler<E> {
         self.reserved += cost;
         self.sessions.insert(id, session);
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        // Published before the reply, so whoever reads /metrics after Opened counts this session,
+        // and before the session is named to the trackers as opened: a heartbeat that names it
+        // holds its reservation (`Metrics::opened` orders the stores before the naming).
+        self.publish_reserved();
         self.metrics.opened(&id, Instant::now());
-        // Published before the reply, so whoever reads /metrics after Opened counts this session.
-        self.metrics.sessions_open.store(self.sessions.len() as u64, Relaxed);
         send(&reply, Body::Opened(SessionRef { session_id: id.to_vec(), cached_blocks: pinned as u32, ..Default::default() }));
     }
 
@@ -1036,12 +1038,18 @@ impl<E: Engine> Scheduler<E> {
         }
     }
 
-    fn publish(&mut self) {
+    /// The open sessions and what they reserved.
+    fn publish_reserved(&self) {
         let m = &self.metrics;
         m.sessions_open.store(self.sessions.len() as u64, Relaxed);
-        m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.positions() as u64).sum(), Relaxed);
         // `reserved` counts positions × layers; a session over fewer layers reserves less.
         m.kv_tokens_reserved.store(self.reserved.div_ceil(self.stage.layers().len().max(1)) as u64, Relaxed);
+    }
+
+    fn publish(&mut self) {
+        self.publish_reserved();
+        let m = &self.metrics;
+        m.kv_tokens_used.store(self.sessions.values().map(|s| s.kv.positions() as u64).sum(), Relaxed);
         m.kv_bytes_used.store(self.sessions.values().map(|s| s.kv.bytes() as u64).sum(), Relaxed);
         m.queue_depth.store(self.sessions.values().map(|s| s.pending.len() as u64).sum(), Relaxed);
         m.prefix_blocks.store(self.prefix.blocks() as u64, Relaxed);
