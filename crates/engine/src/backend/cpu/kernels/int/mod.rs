@@ -10,9 +10,9 @@
 //! for that chunk of 32 (the product `m * s` rounded once), then, for types with an offset `o`,
 //! `sum = fma(o, X, sum)` with `X` the sum of the group's activation values. That sum is the
 //! result. An integer sum has one value however its terms are grouped, so the scalar code, AVX2
-//! (`vpmaddwd`), AVX-512 and AVX-512 VNNI (`vpdpwssd`, or `vpdpbusd` on codes split into bytes)
-//! give bitwise identical results, for any number of columns, any cut of the rows among threads
-//! and any split of the model.
+//! (`vpmaddwd`), AVX-512 (`vpmaddwd`, or `vpmaddubsw` on codes split into bytes) and AVX-512
+//! VNNI (`vpdpwssd`, or `vpdpbusd` on those bytes) give bitwise identical results, for any
+//! number of columns, any cut of the rows among threads and any split of the model.
 //!
 //! Plain float weights (F32, F16, BF16) have no integer kernel: their products stay exact in
 //! fast mode too ("fast" means integer kernels where the weights are integer codes).

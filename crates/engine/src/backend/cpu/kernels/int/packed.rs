@@ -7,12 +7,13 @@
 //! that one masking gives `vpdpbusd` four codes of each row as bytes. A product then needs
 //! neither the tiles' panel nor the one-column kernel's staging and 16-way reduction: per 32
 //! codes of 16 rows, 8 (nibbles) or 16 (bytes) loads and one `vpdpwssd` per pair and column, or
-//! 4 loads and two `vpdpbusd` per four codes and column (an activation code is `256 * hi + lo`,
-//! two signed bytes: twice the dots a byte activation would take, but a quarter of the
-//! unpacking, which is what a one-column product waits on).
+//! 4 loads (Q6_K: 6) and two `vpdpbusd` per four codes and column (an activation code is
+//! `256 * hi + lo`, two signed bytes: twice the dots a byte activation would take, but a
+//! quarter of the unpacking, which is what a one-column product waits on).
 //!
-//! The records are the file's size (Q4_K's 2.8% more), and fast numerics never reads a packed matrix's whole tiles from the file again, so
-//! `Matrix::pack` releases their mapped pages: resident memory stays about the file's. The
+//! The records are the file's size (Q4_K's 2.8% more), and fast numerics never reads a packed
+//! matrix's whole tiles from the file again, so `Matrix::pack` releases their mapped pages:
+//! resident memory stays about the file's. The
 //! integer sums are the same integers and the float steps the canonical ones (see `super`), so
 //! the results are the scalar path's bits.
 
@@ -338,8 +339,10 @@ unsafe fn tile<const T: u8, const VNNI: bool, const C: usize>(p: &Packed, t: usi
     let off = offset(ty);
     let base = p.record(t);
     // SAFETY: every load is inside tile `t`'s records (`n_blocks` of `rec` bytes) or the
-    // columns' arrays (pair `16 * chunk + i`, chunk `chunk` of `k / 32`, each `step` apart);
-    // the CPU has the features, as the caller vouches.
+    // columns' arrays (pair `16 * chunk + i`, chunk `chunk` of `k / 32`, each `step` apart;
+    // quad `q < k / 4` of column `c < width` at `2q * width + c` and `(2q + 1) * width + c`;
+    // integer sum `j < k / 16` at `j * width + c`); the CPU has the features, as the caller
+    // vouches.
     unsafe {
         let (low, sub, fifth) = (_mm512_set1_epi16(0x0F), _mm512_set1_epi16(bias(ty)), _mm512_set1_epi16(0x10));
         let mut acc = [_mm512_setzero_ps(); C];
