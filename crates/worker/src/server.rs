@@ -443,9 +443,8 @@ fn measure_step(stage: &impl Engine) -> Result<f64, WorkerError> {
     Ok(best / stage.layers().len() as f64)
 }
 
-/// The writer half of a connection: a bounded outbox drained onto the socket.
-/// A connection's writer: frames from the returned outbox to `sink`, until every sender is
-/// gone, a write fails or times out, or the worker is closing and nothing is left queued.
+/// The writer half of a connection: a bounded outbox drained onto `sink`, until every sender
+/// is gone, a write fails or times out, or the worker is closing and nothing is left queued.
 fn spawn_writer<S>(mut sink: S, shared: &Shared) -> Outbox
 where
     S: futures::Sink<Bytes> + Unpin + Send + 'static,
