@@ -6,6 +6,7 @@ pub(crate) mod kernels;
 pub(crate) mod kv;
 pub(crate) mod matrix;
 pub(crate) mod ops;
+pub(crate) mod pages;
 pub(crate) mod pool;
 
 use crate::backend::{Backend, Heads, KvShape, KvStore, Product};

@@ -161,11 +161,6 @@ impl Line {
         unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, 64 * lines.len()) }
     }
 
-    fn bytes_mut(lines: &mut [Line]) -> &mut [u8] {
-        // SAFETY: as for `floats_mut`: any bytes are valid f32 bits.
-        unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, 64 * lines.len()) }
-    }
-
     pub(crate) fn floats_mut(lines: &mut [Line]) -> &mut [f32] {
         // SAFETY: as for `floats`, and the slice holds the lines' unique borrow.
         unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut f32, 16 * lines.len()) }

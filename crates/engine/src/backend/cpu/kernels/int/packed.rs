@@ -11,16 +11,17 @@
 //! `256 * hi + lo`, two signed bytes: twice the dots a byte activation would take, but a
 //! quarter of the unpacking, which is what a one-column product waits on).
 //!
-//! The records are the file's size (Q4_K's 2.8% more), and fast numerics never reads a packed
-//! matrix's whole tiles from the file again, so `Matrix::pack` releases their mapped pages:
-//! resident memory stays about the file's. The
-//! integer sums are the same integers and the float steps the canonical ones (see `super`), so
+//! The records are the file's size (Q4_K's 2.8% more), on huge pages where the kernel gives them
+//! (`cpu::pages`), and fast numerics never reads a packed matrix's whole tiles from the file
+//! again, so `Matrix::pack` releases their mapped pages: resident memory stays about the file's.
+//! The integer sums are the same integers and the float steps the canonical ones (see `super`), so
 //! the results are the scalar path's bits.
 
 use super::codes::{codes, elems, offset};
 use super::quant::GROUP;
 use super::{Activations, FastType, Flavor, Rows};
-use crate::backend::cpu::kernels::{layout as at, Isa, Line};
+use crate::backend::cpu::kernels::{layout as at, Isa};
+use crate::backend::cpu::pages::Pages;
 use std::ops::Range;
 
 /// Rows a tile holds: one per lane.
@@ -33,7 +34,7 @@ pub(crate) struct Packed {
     ty: FastType,
     n_blocks: usize,
     tiles: usize,
-    lines: Vec<Line>,
+    records: Pages,
 }
 
 /// Whether `ty` has a packed form: the types whose codes are nibbles (with a fifth bit) or
@@ -113,8 +114,8 @@ impl Packed {
         }
         let rec = record_bytes(ty);
         let tile_bytes = n_blocks * rec;
-        let mut lines = vec![Line([0.0; 16]); (tiles * tile_bytes).div_ceil(64)];
-        let out = &mut Line::bytes_mut(&mut lines)[..tiles * tile_bytes];
+        let mut records = Pages::zeroed(tiles * tile_bytes);
+        let out = records.bytes_mut();
         let bb = ty.block_bytes();
         // Load time: the threads take a share of the tiles each.
         let per_thread = tiles.div_ceil(threads.max(1));
@@ -134,7 +135,7 @@ impl Packed {
                 });
             }
         });
-        Some(Packed { flavor, ty, n_blocks, tiles, lines })
+        Some(Packed { flavor, ty, n_blocks, tiles, records })
     }
 
     /// Whole tiles packed: rows `0..16 * tiles`.
@@ -144,7 +145,7 @@ impl Packed {
 
     #[cfg(target_arch = "x86_64")]
     fn record(&self, tile: usize) -> *const u8 {
-        Line::bytes(&self.lines)[tile * self.n_blocks * record_bytes(self.ty)..].as_ptr()
+        self.records.bytes()[tile * self.n_blocks * record_bytes(self.ty)..].as_ptr()
     }
 }
 
