@@ -11,7 +11,7 @@
 //! request), mapped untouched so that the first write faults huge pages in. Where the kernel
 //! gives none, the pages are ordinary ones and nothing else changes.
 
-use memmap2::{Advice, MmapMut};
+use memmap2::MmapMut;
 
 /// The huge page size of x86-64 and most ARM64 kernels; a mapping aligned to it is also aligned
 /// to any smaller page.
@@ -36,8 +36,9 @@ impl Pages {
         });
         let start = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
         // Only a request: a kernel without transparent huge pages refuses it, and the bytes are
-        // the same either way.
-        let _ = map.advise_range(Advice::HugePage, start, len);
+        // the same either way. (Other systems have no such advice.)
+        #[cfg(target_os = "linux")]
+        let _ = map.advise_range(memmap2::Advice::HugePage, start, len);
         Pages { map, start, len }
     }
 
