@@ -217,19 +217,13 @@ impl Backend for Cpu {
         let per_row = n_head / together;
         let jobs = seq_of.len() * per_row;
         let out = Disjoint::new(att);
-        // Per sequence: the layer's keys and values, slots per key row, and the position in slot 0.
-        let caches: Vec<(&Store, usize, usize)> = kvs
-            .iter()
-            .map(|kv| {
-                let (start, slots) = kv.span(li);
-                (&kv.store[li], slots, start)
-            })
-            .collect();
+        // Per sequence: the layer's keys and values, and the position in slot 0.
+        let caches: Vec<(&Store, usize)> = kvs.iter().map(|kv| (&kv.store[li], kv.span(li).0)).collect();
         self.pool.run(jobs, 1, &|chunk| {
             SCRATCH.with_borrow_mut(|scratch| {
                 for job in chunk {
                     let (t, head) = (job / per_row, job % per_row * together);
-                    let (store, slots, start) = caches[seq_of[t]];
+                    let (store, start) = caches[seq_of[t]];
                     let first = window.map_or(0, |w| (pos_of[t] + 1).saturating_sub(w));
                     let at = t * qd + head * hd;
                     // SAFETY: job (t, head) alone touches att[at..][..together * hd] (the heads
@@ -238,7 +232,7 @@ impl Backend for Cpu {
                     let dst = unsafe { out.slice(at, together * hd) };
                     let qh = &q[at..at + together * hd];
                     let ctx = first - start..pos_of[t] + 1 - start;
-                    ops::attend(self.isa, qh, hd, store, slots, ctx, (head / group) * hd, scale, scratch, dst);
+                    ops::attend(self.isa, qh, hd, store, ctx, (head / group) * hd, scale, scratch, dst);
                 }
             })
         });

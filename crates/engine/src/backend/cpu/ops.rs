@@ -4,7 +4,7 @@
 use crate::backend::cpu::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::backend::cpu::kernels::Level;
-use crate::backend::cpu::kv::{f16_value, hadamard, Store};
+use crate::backend::cpu::kv::{f16_value, hadamard, Plane, Store};
 use crate::config::{Activation, RopeStyle};
 use std::ops::Range;
 
@@ -76,7 +76,8 @@ pub fn rope(x: &mut [f32], head_dim: usize, angles: &[(f64, f64)], style: RopeSt
 pub fn activate(isa: Isa, act: Activation, g: &mut [f32], u: &[f32]) {
     match isa.level() {
         // SAFETY: an `Isa` at the AVX-512 level exists only where detection found AVX-512F/BW,
-        // FMA and F16C on this CPU (its field is private); the body itself is safe code.
+        // FMA and F16C on this CPU (its field is private); the kernels the body calls need the
+        // bounds checked above.
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => unsafe { activate_avx512(act, g, u) },
         // SAFETY: likewise, detection found AVX2, FMA and F16C.
@@ -153,9 +154,9 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 /// Causal attention of the query heads in `q` that share one KV head, over the cached positions
-/// in slots `ctx` of that head, whose slice starts at `offset` of each key and value row of `kv`
-/// (a layer of `cap` slots per key row). `q` and `out` hold `q.len() / hd` heads of `hd` side by
-/// side. Scores are scaled by `scale`; `scratch` holds the scores (and q8_0 key scales).
+/// in slots `ctx` of that head, whose slice starts at `offset` of each key and value row of `kv`.
+/// `q` and `out` hold `q.len() / hd` heads of `hd` side by side. Scores are scaled by `scale`;
+/// `scratch` holds the scores (and q8_0 key scales).
 ///
 /// Compiled once per instruction set for the wider vectors. Every reduction runs element by
 /// element in a fixed order (scores over the head's dimensions in turn, values over positions in
@@ -163,43 +164,48 @@ fn sigmoid(x: f32) -> f32 {
 /// do not depend on the heads beside it: up to `HEADS` heads go together only so that each key
 /// and value read serves them all. A stored f16 or q8_0 value is read as the f32 it stands for
 /// (exactly: an f16 widened, an int8 times its f16 scale), so such a cache attends bitwise as an
-/// f32 cache holding those values would.
+/// f32 cache holding those values would. On AVX-512 an f32 cache, the default, runs its two
+/// sums in kernels of their own (`scores_f32_avx512`, `values_f32_avx512`) with the same
+/// operations in the same order.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     isa: Isa,
     q: &[f32],
     hd: usize,
     kv: &Store,
-    cap: usize,
     ctx: Range<usize>,
     offset: usize,
     scale: f32,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    let fits = |width: usize, k: usize, v: usize, cols: Range<usize>| cols.end <= width && k >= width * cap && v >= ctx.end * width;
-    let ok = match kv {
-        Store::F32(p) => fits(p.width, p.k.len(), p.v.len(), offset..offset + hd),
-        Store::F16(p) => fits(p.width, p.k.len(), p.v.len(), offset..offset + hd),
+    let fits = |width: usize, stride: usize, k: usize, v: usize, cols: Range<usize>| {
+        cols.end <= width && ctx.end <= stride && k >= width * stride && v >= ctx.end * width
+    };
+    let (ok, stride) = match kv {
+        Store::F32(p) => (fits(p.width, p.stride, p.k.len(), p.v.len(), offset..offset + hd), p.stride),
+        Store::F16(p) => (fits(p.width, p.stride, p.k.len(), p.v.len(), offset..offset + hd), p.stride),
         Store::Q8_0 { q: p, scale: s, block } => {
             // A block is a head or whole runs of `BLOCK` of its columns (see `KvDtype::q8_block`).
-            offset.is_multiple_of(*block)
+            let ok = offset.is_multiple_of(*block)
                 && (block.is_multiple_of(BLOCK) || *block == hd)
-                && fits(p.width, p.k.len(), p.v.len(), offset..offset + hd)
-                && fits(s.width, s.k.len(), s.v.len(), offset / block..(offset + hd).div_ceil(*block))
+                && fits(p.width, p.stride, p.k.len(), p.v.len(), offset..offset + hd)
+                && fits(s.width, s.stride, s.k.len(), s.v.len(), offset / block..(offset + hd).div_ceil(*block));
+            (ok, p.stride)
         }
     };
-    assert!(hd > 0 && q.len().is_multiple_of(hd) && q.len() == out.len() && ctx.start < ctx.end && ctx.end <= cap && ok);
-    let at = Head { cap, start: ctx.start, offset, hd, n: ctx.len() };
+    assert!(hd > 0 && q.len().is_multiple_of(hd) && q.len() == out.len() && ctx.start < ctx.end && ok);
+    let at = Head { stride, start: ctx.start, offset, hd, n: ctx.len() };
     match isa.level() {
         // SAFETY: an `Isa` at the AVX-512 level exists only where detection found AVX-512F/BW,
-        // FMA and F16C on this CPU (its field is private); the body itself is safe code.
+        // FMA and F16C on this CPU (its field is private); the kernels the body calls need the
+        // bounds checked above.
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => unsafe { attend_avx512(q, kv, at, scale, scratch, out) },
         // SAFETY: likewise, detection found AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { attend_avx2(q, kv, at, scale, scratch, out) },
-        _ => attend_body(q, kv, at, scale, scratch, out),
+        _ => attend_body::<false>(q, kv, at, scale, scratch, out),
     }
 }
 
@@ -212,11 +218,11 @@ pub struct Scratch {
     query: Vec<f32>,
 }
 
-/// Where a job's KV head lies in its layer: `cap` slots per key row, the first visible slot and
+/// Where a job's KV head lies in its layer: elements per key row, the first visible slot and
 /// how many are visible, the head's first column of each key and value row, and its size.
 #[derive(Clone, Copy)]
 struct Head {
-    cap: usize,
+    stride: usize,
     start: usize,
     offset: usize,
     hd: usize,
@@ -234,7 +240,7 @@ const HEADS: usize = 4;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 unsafe fn attend_avx512(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
-    attend_body(q, kv, at, scale, scratch, out)
+    attend_body::<true>(q, kv, at, scale, scratch, out)
 }
 
 /// `attend_body` compiled for AVX2.
@@ -244,12 +250,12 @@ unsafe fn attend_avx512(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &m
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
-    attend_body(q, kv, at, scale, scratch, out)
+    attend_body::<false>(q, kv, at, scale, scratch, out)
 }
 
 #[inline(always)]
-fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
-    let Head { cap, start, offset, hd, n } = at;
+fn attend_body<const WIDE: bool>(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratch, out: &mut [f32]) {
+    let Head { start, offset, hd, n, .. } = at;
     let Scratch { scores, key_scales, query } = scratch;
     // q8_0 keys are rotated (`kv::rotated`): the queries are rotated alike and scaled by 1/block
     // (exact, a power of two), so that q'·k' = q·H·H·k / block = q·k.
@@ -271,7 +277,7 @@ fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratc
         let padded = n.div_ceil(BLOCK) * BLOCK;
         key_scales.clear();
         for r in offset / block..(offset + hd).div_ceil(*block) {
-            let from = r * cap + start;
+            let from = r * sc.stride + start;
             key_scales.extend(sc.k[from..from + n].iter().map(|&h| f16_value(h)));
             key_scales.resize(key_scales.len() + padded - n, 0.0);
         }
@@ -284,10 +290,10 @@ fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratc
         let g = (heads - h0).min(HEADS);
         let (q, out, s) = (&q[h0 * hd..(h0 + g) * hd], &mut out[h0 * hd..(h0 + g) * hd], &mut scores[..g * n]);
         match g {
-            1 => heads_body::<1>(q, kv, at, scale, key_scales, s, out),
-            2 => heads_body::<2>(q, kv, at, scale, key_scales, s, out),
-            3 => heads_body::<3>(q, kv, at, scale, key_scales, s, out),
-            _ => heads_body::<HEADS>(q, kv, at, scale, key_scales, s, out),
+            1 => heads_body::<1, WIDE>(q, kv, at, scale, key_scales, s, out),
+            2 => heads_body::<2, WIDE>(q, kv, at, scale, key_scales, s, out),
+            3 => heads_body::<3, WIDE>(q, kv, at, scale, key_scales, s, out),
+            _ => heads_body::<HEADS, WIDE>(q, kv, at, scale, key_scales, s, out),
         }
         h0 += g;
     }
@@ -305,25 +311,40 @@ fn attend_body(q: &[f32], kv: &Store, at: Head, scale: f32, scratch: &mut Scratc
 /// `G` query heads (`q`, `out`) over one KV head: each head's scores, then weights, in its `n`
 /// of `s`.
 #[inline(always)]
-fn heads_body<const G: usize>(q: &[f32], kv: &Store, at: Head, scale: f32, key_scales: &[f32], s: &mut [f32], out: &mut [f32]) {
-    let Head { cap, start, offset, hd, n } = at;
+fn heads_body<const G: usize, const WIDE: bool>(
+    q: &[f32],
+    kv: &Store,
+    at: Head,
+    scale: f32,
+    key_scales: &[f32],
+    s: &mut [f32],
+    out: &mut [f32],
+) {
+    let Head { stride, start, offset, hd, n } = at;
     // Term t's coefficient of each head: value t of each head's `len` in `x`.
     let c = |t: usize, x: &[f32], len: usize| -> [f32; G] { std::array::from_fn(|i| x[i * len + t]) };
-    // Key row r's slot j (j from the first visible slot) is k[r * cap + start + j].
-    let key = |d: usize, j0: usize, len: usize| (offset + d) * cap + start + j0..(offset + d) * cap + start + j0 + len;
+    // Key row r's slot j (j from the first visible slot) is k[r * stride + start + j].
+    let key = |d: usize, j0: usize, len: usize| (offset + d) * stride + start + j0..(offset + d) * stride + start + j0 + len;
     let padded = n.div_ceil(BLOCK) * BLOCK;
-    for j0 in (0..n).step_by(BLOCK) {
-        let len = BLOCK.min(n - j0);
-        match kv {
-            Store::F32(p) => sums(s, n, j0, len, hd, |d| (c(d, q, hd), &p.k[key(d, j0, len)], ()), |x, _, _| x),
-            Store::F16(p) => sums(s, n, j0, len, hd, |d| (c(d, q, hd), &p.k[key(d, j0, len)], ()), |x, _, _| f16_value(x)),
-            Store::Q8_0 { q: p, block, .. } => {
-                let lanes = |d: usize| -> &[f32; BLOCK] {
-                    let from = d / block * padded + j0;
-                    key_scales[from..from + BLOCK].try_into().unwrap_or(&[0.0; BLOCK])
-                };
-                let term = |d: usize| (c(d, q, hd), &p.k[key(d, j0, len)], lanes(d));
-                sums(s, n, j0, len, hd, term, |x: i8, l: &[f32; BLOCK], i| x as f32 * l[i])
+    match kv {
+        // SAFETY: `WIDE` is set only by `attend_avx512`, which runs where AVX-512F exists.
+        #[cfg(target_arch = "x86_64")]
+        Store::F32(p) if WIDE => unsafe { scores_f32_avx512::<G>(q, p, at, s) },
+        _ => {
+            for j0 in (0..n).step_by(BLOCK) {
+                let len = BLOCK.min(n - j0);
+                match kv {
+                    Store::F32(p) => sums(s, n, j0, len, hd, |d| (c(d, q, hd), &p.k[key(d, j0, len)], ()), |x, _, _| x),
+                    Store::F16(p) => sums(s, n, j0, len, hd, |d| (c(d, q, hd), &p.k[key(d, j0, len)], ()), |x, _, _| f16_value(x)),
+                    Store::Q8_0 { q: p, block, .. } => {
+                        let lanes = |d: usize| -> &[f32; BLOCK] {
+                            let from = d / block * padded + j0;
+                            key_scales[from..from + BLOCK].try_into().unwrap_or(&[0.0; BLOCK])
+                        };
+                        let term = |d: usize| (c(d, q, hd), &p.k[key(d, j0, len)], lanes(d));
+                        sums(s, n, j0, len, hd, term, |x: i8, l: &[f32; BLOCK], i| x as f32 * l[i])
+                    }
+                }
             }
         }
     }
@@ -343,19 +364,114 @@ fn heads_body<const G: usize>(q: &[f32], kv: &Store, at: Head, scale: f32, key_s
         }
     }
     let s = &*s;
-    for o0 in (0..hd).step_by(BLOCK) {
-        let len = BLOCK.min(hd - o0);
-        let value = |width: usize, j: usize| (start + j) * width + offset + o0..(start + j) * width + offset + o0 + len;
-        match kv {
-            Store::F32(p) => sums(out, hd, o0, len, n, |j| (c(j, s, n), &p.v[value(p.width, j)], ()), |x, _, _| x),
-            Store::F16(p) => sums(out, hd, o0, len, n, |j| (c(j, s, n), &p.v[value(p.width, j)], ()), |x, _, _| f16_value(x)),
-            Store::Q8_0 { q: p, scale: sc, block } => {
-                // A run of at most `BLOCK` of a head's columns lies in one q8_0 block.
-                let b = (offset + o0) / block;
-                let term = |j: usize| (c(j, s, n), &p.v[value(p.width, j)], f16_value(sc.v[(start + j) * sc.width + b]));
-                sums(out, hd, o0, len, n, term, |x: i8, d: f32, _| x as f32 * d)
+    match kv {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Store::F32(p) if WIDE => unsafe { values_f32_avx512::<G>(s, p, at, out) },
+        _ => {
+            for o0 in (0..hd).step_by(BLOCK) {
+                let len = BLOCK.min(hd - o0);
+                let value = |width: usize, j: usize| (start + j) * width + offset + o0..(start + j) * width + offset + o0 + len;
+                match kv {
+                    Store::F32(p) => sums(out, hd, o0, len, n, |j| (c(j, s, n), &p.v[value(p.width, j)], ()), |x, _, _| x),
+                    Store::F16(p) => sums(out, hd, o0, len, n, |j| (c(j, s, n), &p.v[value(p.width, j)], ()), |x, _, _| f16_value(x)),
+                    Store::Q8_0 { q: p, scale: sc, block } => {
+                        // A run of at most `BLOCK` of a head's columns lies in one q8_0 block.
+                        let b = (offset + o0) / block;
+                        let term = |j: usize| (c(j, s, n), &p.v[value(p.width, j)], f16_value(sc.v[(start + j) * sc.width + b]));
+                        sums(out, hd, o0, len, n, term, |x: i8, d: f32, _| x as f32 * d)
+                    }
+                }
             }
         }
+    }
+}
+
+/// `sums`' scores for an f32 cache on AVX-512: `RUN` registers of sixteen positions per head,
+/// the heads sharing each key load, and a last run of fewer positions masked rather than summed
+/// in memory. The multiplies and adds are `sums`' in the same order, so the bits are the same.
+///
+/// # Safety
+/// The CPU has AVX-512F; `at` lies inside `p` as `attend` checks, `q` holds `G` heads and `s`
+/// `G` rows of `at.n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_f32_avx512<const G: usize>(q: &[f32], p: &Plane<f32>, at: Head, s: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let Head { stride, start, offset, hd, n } = at;
+    debug_assert!(q.len() >= G * hd && s.len() >= G * n && (offset + hd) * stride <= p.k.len());
+    for j0 in (0..n).step_by(16 * RUN) {
+        let m: [u16; RUN] = std::array::from_fn(|r| lanes((n - j0).saturating_sub(16 * r)));
+        let mut acc = [[_mm512_setzero_ps(); RUN]; G];
+        // SAFETY: the CPU has AVX-512F; every lane read or written lies inside the slices, as
+        // the caller promises, and the masked lanes are neither read nor written.
+        unsafe {
+            for d in 0..hd {
+                let row = p.k.as_ptr().add((offset + d) * stride + start + j0);
+                let k: [__m512; RUN] = std::array::from_fn(|r| _mm512_maskz_loadu_ps(m[r], row.wrapping_add(16 * r)));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let c = _mm512_set1_ps(*q.get_unchecked(i * hd + d));
+                    for r in 0..RUN {
+                        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(c, k[r]));
+                    }
+                }
+            }
+            for (i, a) in acc.into_iter().enumerate() {
+                for r in 0..RUN {
+                    _mm512_mask_storeu_ps(s.as_mut_ptr().wrapping_add(i * n + j0 + 16 * r), m[r], a[r]);
+                }
+            }
+        }
+    }
+}
+
+/// `sums`' outputs for an f32 cache on AVX-512, `RUN` registers of sixteen columns at a time,
+/// as `scores_f32_avx512`.
+///
+/// # Safety
+/// As `scores_f32_avx512`'s, with `s` the `G` heads' weights and `out` `G` heads.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn values_f32_avx512<const G: usize>(s: &[f32], p: &Plane<f32>, at: Head, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let Head { start, offset, hd, n, .. } = at;
+    debug_assert!(s.len() >= G * n && out.len() >= G * hd && (start + n) * p.width <= p.v.len() && offset + hd <= p.width);
+    for o0 in (0..hd).step_by(16 * RUN) {
+        let m: [u16; RUN] = std::array::from_fn(|r| lanes((hd - o0).saturating_sub(16 * r)));
+        let mut acc = [[_mm512_setzero_ps(); RUN]; G];
+        // SAFETY: as in `scores_f32_avx512`.
+        unsafe {
+            for j in 0..n {
+                let row = p.v.as_ptr().add((start + j) * p.width + offset + o0);
+                let v: [__m512; RUN] = std::array::from_fn(|r| _mm512_maskz_loadu_ps(m[r], row.wrapping_add(16 * r)));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let c = _mm512_set1_ps(*s.get_unchecked(i * n + j));
+                    for r in 0..RUN {
+                        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(c, v[r]));
+                    }
+                }
+            }
+            for (i, a) in acc.into_iter().enumerate() {
+                for r in 0..RUN {
+                    _mm512_mask_storeu_ps(out.as_mut_ptr().wrapping_add(i * hd + o0 + 16 * r), m[r], a[r]);
+                }
+            }
+        }
+    }
+}
+
+/// Registers of sixteen lanes each head sums at once in the AVX-512 f32 kernels: four lines of
+/// a key or value row for each coefficient loaded. Over a 512-position prefill's attention
+/// (4 heads of 256), measured on Zen 4: ~25 G multiply-adds a second with one, ~31 with four.
+const RUN: usize = 4;
+
+/// The first `min(left, 16)` of sixteen lanes.
+#[cfg(target_arch = "x86_64")]
+fn lanes(left: usize) -> u16 {
+    if left >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << left) - 1
     }
 }
 
@@ -471,9 +587,10 @@ mod tests {
     fn attention_over_one_position_returns_its_value() {
         // One position, kv_dim 4 (two heads of 2); keys transposed with capacity 1.
         let q = [1.0f32, 2.0];
-        let kv = Store::F32(crate::backend::cpu::kv::Plane { k: vec![0.5, 0.5, 9.0, 9.0], v: vec![7.0, -1.0, 3.0, 4.0], width: 4 });
+        let kv =
+            Store::F32(crate::backend::cpu::kv::Plane { k: vec![0.5, 0.5, 9.0, 9.0], v: vec![7.0, -1.0, 3.0, 4.0], width: 4, stride: 1 });
         let mut out = [0f32; 2];
-        attend(Isa::SCALAR, &q, 2, &kv, 1, 0..1, 2, 0.5, &mut Scratch::default(), &mut out);
+        attend(Isa::SCALAR, &q, 2, &kv, 0..1, 2, 0.5, &mut Scratch::default(), &mut out);
         assert_eq!(out, [3.0, 4.0]);
     }
 
@@ -500,7 +617,7 @@ mod tests {
         let keys: Vec<f32> = (0..width * n).map(f).collect();
         let values: Vec<f32> = (0..width * n).map(|i| f(i + 11)).collect();
         let mut kv = Store::new(dtype, width, cap, KvDtype::q8_block(hd));
-        kv.append(cap, 0, &keys, &values);
+        kv.append(0, &keys, &values);
         // The values the cache stands for, which it must attend over as an f32 cache would.
         let exactly = kv.dequantized();
         let Store::F32(stood) = &exactly else { unreachable!() };
@@ -509,14 +626,14 @@ mod tests {
         let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for lo in [0, 5, n - 1] {
             let (mut want, mut first) = (vec![0f32; heads * hd], None::<Vec<f32>>);
-            attend(Isa::SCALAR, &q, hd, &exactly, cap, lo..n, off, scale, &mut Scratch::default(), &mut want);
+            attend(Isa::SCALAR, &q, hd, &exactly, lo..n, off, scale, &mut Scratch::default(), &mut want);
             for isa in Isa::available() {
                 let mut out = vec![0f32; heads * hd];
-                attend(isa, &q, hd, &kv, cap, lo..n, off, scale, &mut Scratch::default(), &mut out);
+                attend(isa, &q, hd, &kv, lo..n, off, scale, &mut Scratch::default(), &mut out);
                 for h in 0..heads {
                     let (q, out) = (&q[h * hd..(h + 1) * hd], &out[h * hd..(h + 1) * hd]);
                     let scores: Vec<f64> = (lo..n)
-                        .map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * cap + p] as f64).sum::<f64>() * scale as f64)
+                        .map(|p| (0..hd).map(|d| q[d] as f64 * kt[(off + d) * stood.stride + p] as f64).sum::<f64>() * scale as f64)
                         .collect();
                     let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                     let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -527,7 +644,7 @@ mod tests {
                         assert!((*o as f64 - e).abs() < 1e-5, "{dtype} hd {hd} {isa:?} head {h} from {lo}: {o} vs {e}");
                     }
                     let mut alone = vec![0f32; hd];
-                    attend(isa, q, hd, &kv, cap, lo..n, off, scale, &mut Scratch::default(), &mut alone);
+                    attend(isa, q, hd, &kv, lo..n, off, scale, &mut Scratch::default(), &mut alone);
                     assert_eq!(bits(&alone), bits(out), "{dtype} hd {hd} {isa:?} head {h} of {heads} from {lo}");
                 }
                 // f16 attends bitwise as f32 over the values it stands for; q8_0 through its
