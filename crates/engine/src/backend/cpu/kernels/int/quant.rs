@@ -170,17 +170,21 @@ fn group_body<const AVX512: bool>(g: &mut Group, k: usize) {
         }
     }
     let w = g.xs.len();
+    // A whole group's pairs and the quads of its whole runs of 64 codes, in vectors.
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: only `group_avx512` asks for it, where the CPU has AVX-512F/BW.
+    let (pairs_done, quads_done) = if AVX512 && w == GROUP { unsafe { layout_avx512(g, k) } } else { (0, 0) };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (pairs_done, quads_done) = (0, 0);
     for c in 0..w {
         let codes = &g.codes[c * k..][..k];
-        for p in 0..k / 2 {
+        for p in pairs_done..k / 2 {
             g.pairs[p * GROUP + c] = codes[2 * p] as u16 as u32 | (codes[2 * p + 1] as u16 as u32) << 16;
         }
-        for (q, four) in codes.chunks_exact(4).enumerate() {
-            let lo: [i8; 4] = std::array::from_fn(|i| four[i] as i8);
-            let hi: [i8; 4] = std::array::from_fn(|i| ((four[i] - lo[i] as i16) >> 8) as i8);
-            let (hi, lo) = (hi.map(|b| b as u8), lo.map(|b| b as u8));
-            g.quads[2 * q * w + c] = u32::from_le_bytes(hi);
-            g.quads[(2 * q + 1) * w + c] = u32::from_le_bytes(lo);
+        for (q, four) in codes.chunks_exact(4).enumerate().skip(quads_done) {
+            let (hi, lo) = bytes(four);
+            g.quads[2 * q * w + c] = hi;
+            g.quads[(2 * q + 1) * w + c] = lo;
         }
         for (j, sixteen) in codes.chunks_exact(16).enumerate() {
             g.isums16[j * w + c] = sixteen.iter().map(|&q| q as i32).sum();
@@ -191,6 +195,107 @@ fn group_body<const AVX512: bool>(g: &mut Group, k: usize) {
         }
         for j in 0..k / 16 {
             g.sums16_t[j * GROUP + c] = g.sums16[c * k / 16 + j];
+        }
+    }
+}
+
+/// Four codes as `vpdpbusd` takes them: their `hi` bytes and their `lo` bytes (a code is
+/// `256 * hi + lo`, both signed), each four as one little-endian word.
+#[inline(always)]
+fn bytes(four: &[i16]) -> (u32, u32) {
+    let lo: [i8; 4] = std::array::from_fn(|i| four[i] as i8);
+    let hi: [i8; 4] = std::array::from_fn(|i| ((four[i] - lo[i] as i16) >> 8) as i8);
+    (u32::from_le_bytes(hi.map(|b| b as u8)), u32::from_le_bytes(lo.map(|b| b as u8)))
+}
+
+/// A whole group's (`GROUP` columns) `pairs`, and its `quads` for each whole run of 64 codes,
+/// laid out in vectors: a pair is two codes' 32-bit word as memory holds them, and a quad's
+/// bytes are what `bytes` makes, so each array is an 8-column transpose of words. Returns how
+/// many pairs and quads of each column it wrote (the first ones); the portable loops write the
+/// rest. The scalar loops' stores, 32 bytes apart, took most of a product's quantization.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW; `g` holds `GROUP` columns of `k` codes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn layout_avx512(g: &mut Group, k: usize) -> (usize, usize) {
+    use std::arch::x86_64::*;
+    debug_assert!(g.codes.len() >= GROUP * k && g.pairs.len() >= GROUP * k / 2 && g.quads.len() >= GROUP * k / 2);
+    let codes = g.codes.as_ptr();
+    // SAFETY: each load reads codes of one column inside `g.codes` (a column's `k` codes hold
+    // its `k / 2` pairs and the runs of 64 counted below); each transpose writes inside `pairs`
+    // or `quads`, at the places the portable loops would.
+    unsafe {
+        for p0 in (0..k / 2).step_by(16) {
+            let rows: [__m512i; GROUP] = std::array::from_fn(|c| _mm512_loadu_si512(codes.add(c * k + 2 * p0) as *const _));
+            transpose_8x16(rows, g.pairs.as_mut_ptr().add(p0 * GROUP), GROUP);
+        }
+        let runs = k / 64;
+        for r in 0..runs {
+            let (mut his, mut los) = ([_mm512_setzero_si512(); GROUP], [_mm512_setzero_si512(); GROUP]);
+            for c in 0..GROUP {
+                let half = |h: usize| {
+                    let x = _mm512_loadu_si512(codes.add(c * k + 64 * r + 32 * h) as *const _);
+                    let lo = _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(x));
+                    (_mm512_cvtepi16_epi8(_mm512_srai_epi16::<8>(_mm512_sub_epi16(x, lo))), _mm512_cvtepi16_epi8(x))
+                };
+                let ((hi0, lo0), (hi1, lo1)) = (half(0), half(1));
+                his[c] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(hi0), hi1);
+                los[c] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo0), lo1);
+            }
+            // Quads 16r..16r + 16: the hi words of quad q at 2q * GROUP, the lo words after them.
+            let at = g.quads.as_mut_ptr().add(2 * 16 * r * GROUP);
+            transpose_8x16(his, at, 2 * GROUP);
+            transpose_8x16(los, at.add(GROUP), 2 * GROUP);
+        }
+        (k / 2, 16 * runs)
+    }
+}
+
+/// Writes word `i` of `rows[c]` to `dst[i * stride + c]`, for 16 words of 8 rows: words paired,
+/// then pairs of pairs, within each 128-bit lane, then the lanes moved into place.
+///
+/// # Safety
+/// The CPU has AVX-512F; `dst` may be written at those 128 places.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn transpose_8x16(rows: [std::arch::x86_64::__m512i; GROUP], dst: *mut u32, stride: usize) {
+    use std::arch::x86_64::*;
+    let r = rows;
+    // Lane l of t[2j] holds words 4l, 4l + 1 of rows 2j, 2j + 1 interleaved; t[2j + 1] words
+    // 4l + 2, 4l + 3.
+    let t: [__m512i; 8] = std::array::from_fn(|i| {
+        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // Lane l of u[i] (i < 4) holds word 4l + i of rows 0..4; u[4 + i] of rows 4..8.
+    let u: [__m512i; 8] = std::array::from_fn(|i| {
+        let base = if i < 4 { 0 } else { 4 };
+        let (a, b) = (t[base + (i % 4) / 2], t[base + 2 + (i % 4) / 2]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    for i in 0..4 {
+        // Word i + 4l of all 8 rows is lane l of u[i] then lane l of u[4 + i].
+        let a = _mm512_shuffle_i32x4::<0b01_00_01_00>(u[i], u[4 + i]);
+        let a = _mm512_shuffle_i32x4::<0b11_01_10_00>(a, a);
+        let b = _mm512_shuffle_i32x4::<0b11_10_11_10>(u[i], u[4 + i]);
+        let b = _mm512_shuffle_i32x4::<0b11_01_10_00>(b, b);
+        // SAFETY: the caller's promise: words i, 4 + i, 8 + i, 12 + i of the rows.
+        unsafe {
+            _mm256_storeu_si256(dst.add(i * stride) as *mut __m256i, _mm512_castsi512_si256(a));
+            _mm256_storeu_si256(dst.add((4 + i) * stride) as *mut __m256i, _mm512_extracti64x4_epi64::<1>(a));
+            _mm256_storeu_si256(dst.add((8 + i) * stride) as *mut __m256i, _mm512_castsi512_si256(b));
+            _mm256_storeu_si256(dst.add((12 + i) * stride) as *mut __m256i, _mm512_extracti64x4_epi64::<1>(b));
         }
     }
 }
