@@ -572,6 +572,15 @@ mod tests {
     }
 
     #[test]
+    fn key_rows_are_an_odd_number_of_whole_lines_holding_every_slot() {
+        for slots in [1, 8, 15, 16, 17, 64, 512, 1000, 1024, 4096] {
+            for (elems, size) in [(stride::<f32>(slots), 4), (stride::<u16>(slots), 2), (stride::<i8>(slots), 1)] {
+                assert!(elems >= slots && (elems * size) % 64 == 0 && (elems * size / 64) % 2 == 1, "{slots} slots of {size} bytes");
+            }
+        }
+    }
+
+    #[test]
     fn a_block_read_out_and_written_into_a_fresh_cache_is_the_same_bits() {
         for &dtype in KvDtype::ALL {
             let (layers, d, block) = (2, 64, 32);
