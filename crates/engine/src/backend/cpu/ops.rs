@@ -4,7 +4,7 @@
 use crate::backend::cpu::kernels::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::backend::cpu::kernels::Level;
-use crate::backend::cpu::kv::{f16_value, hadamard, Plane, Store};
+use crate::backend::cpu::kv::{f16_value, hadamard, Store};
 use crate::config::{Activation, RopeStyle};
 use std::ops::Range;
 
@@ -165,8 +165,7 @@ fn sigmoid(x: f32) -> f32 {
 /// and value read serves them all. A stored f16 or q8_0 value is read as the f32 it stands for
 /// (exactly: an f16 widened, an int8 times its f16 scale), so such a cache attends bitwise as an
 /// f32 cache holding those values would. On AVX-512 an f32 cache, the default, runs its two
-/// sums in kernels of their own (`scores_f32_avx512`, `values_f32_avx512`) with the same
-/// operations in the same order.
+/// sums in a kernel of its own (`sums_f32_avx512`) with the same operations in the same order.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     isa: Isa,
@@ -327,9 +326,16 @@ fn heads_body<const G: usize, const WIDE: bool>(
     let key = |d: usize, j0: usize, len: usize| (offset + d) * stride + start + j0..(offset + d) * stride + start + j0 + len;
     let padded = n.div_ceil(BLOCK) * BLOCK;
     match kv {
-        // SAFETY: `WIDE` is set only by `attend_avx512`, which runs where AVX-512F exists.
         #[cfg(target_arch = "x86_64")]
-        Store::F32(p) if WIDE => unsafe { scores_f32_avx512::<G>(q, p, at, s) },
+        Store::F32(p) if WIDE => {
+            let keys = p.k.as_ptr();
+            let row = |d: usize| keys.wrapping_add((offset + d) * stride + start);
+            // SAFETY: `sums_f32_avx512` asks for i < G and d < hd; `q` holds G heads of hd.
+            let coef = |i: usize, d: usize| unsafe { *q.get_unchecked(i * hd + d) };
+            // SAFETY: `WIDE` is set only by `attend_avx512`, which runs where AVX-512F exists;
+            // `attend` checked that the head's key rows hold its visible slots.
+            unsafe { sums_f32_avx512::<G>(s, n, n, hd, row, coef) }
+        }
         _ => {
             for j0 in (0..n).step_by(BLOCK) {
                 let len = BLOCK.min(n - j0);
@@ -365,9 +371,15 @@ fn heads_body<const G: usize, const WIDE: bool>(
     }
     let s = &*s;
     match kv {
-        // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Store::F32(p) if WIDE => unsafe { values_f32_avx512::<G>(s, p, at, out) },
+        Store::F32(p) if WIDE => {
+            let values = p.v.as_ptr();
+            let row = |j: usize| values.wrapping_add((start + j) * p.width + offset);
+            // SAFETY: likewise, i < G and j < n; `s` holds G rows of n.
+            let coef = |i: usize, j: usize| unsafe { *s.get_unchecked(i * n + j) };
+            // SAFETY: as above; `attend` checked that the values hold the visible positions' rows.
+            unsafe { sums_f32_avx512::<G>(out, hd, hd, n, row, coef) }
+        }
         _ => {
             for o0 in (0..hd).step_by(BLOCK) {
                 let len = BLOCK.min(hd - o0);
@@ -387,81 +399,56 @@ fn heads_body<const G: usize, const WIDE: bool>(
     }
 }
 
-/// `sums`' scores for an f32 cache on AVX-512: `RUN` registers of sixteen positions per head,
-/// the heads sharing each key load, and a last run of fewer positions masked rather than summed
-/// in memory. The multiplies and adds are `sums`' in the same order, so the bits are the same.
+/// `sums` for an f32 cache on AVX-512: for each of `G` heads `i`, `dst[i * stride + l] = Σ
+/// coef(i, t) * row(t)[l]` for `l < len`, over the terms `t < count` in order, `RUN` registers
+/// of sixteen lanes a head at a time, the heads sharing each row's load, and a last short run
+/// masked rather than summed in memory. The multiplies and adds are `sums`' in the same order,
+/// so the bits are the same. A head's scores are such sums over its dimensions, its outputs over
+/// the positions.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `at` lies inside `p` as `attend` checks, `q` holds `G` heads and `s`
-/// `G` rows of `at.n`.
+/// The CPU has AVX-512F; each `row(t)` may be read for `len` values, `dst` written at those
+/// places, and `coef` is called only with `i < G`, `t < count`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn scores_f32_avx512<const G: usize>(q: &[f32], p: &Plane<f32>, at: Head, s: &mut [f32]) {
+#[inline]
+unsafe fn sums_f32_avx512<const G: usize>(
+    dst: &mut [f32],
+    stride: usize,
+    len: usize,
+    count: usize,
+    row: impl Fn(usize) -> *const f32,
+    coef: impl Fn(usize, usize) -> f32,
+) {
     use std::arch::x86_64::*;
-    let Head { stride, start, offset, hd, n } = at;
-    debug_assert!(q.len() >= G * hd && s.len() >= G * n && (offset + hd) * stride <= p.k.len());
-    for j0 in (0..n).step_by(16 * RUN) {
-        let m: [u16; RUN] = std::array::from_fn(|r| lanes((n - j0).saturating_sub(16 * r)));
+    debug_assert!(dst.len() >= (G - 1) * stride + len);
+    for l0 in (0..len).step_by(16 * RUN) {
+        let m: [u16; RUN] = std::array::from_fn(|r| lanes((len - l0).saturating_sub(16 * r)));
         let mut acc = [[_mm512_setzero_ps(); RUN]; G];
-        // SAFETY: the CPU has AVX-512F; every lane read or written lies inside the slices, as
-        // the caller promises, and the masked lanes are neither read nor written.
+        // SAFETY: the CPU has AVX-512F; every lane read or written lies where the caller
+        // promises, and the masked lanes are neither read nor written.
         unsafe {
-            for d in 0..hd {
-                let row = p.k.as_ptr().add((offset + d) * stride + start + j0);
-                let k: [__m512; RUN] = std::array::from_fn(|r| _mm512_maskz_loadu_ps(m[r], row.wrapping_add(16 * r)));
+            for t in 0..count {
+                let row = row(t).wrapping_add(l0);
+                let x: [__m512; RUN] = std::array::from_fn(|r| _mm512_maskz_loadu_ps(m[r], row.wrapping_add(16 * r)));
                 for (i, a) in acc.iter_mut().enumerate() {
-                    let c = _mm512_set1_ps(*q.get_unchecked(i * hd + d));
+                    let c = _mm512_set1_ps(coef(i, t));
                     for r in 0..RUN {
-                        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(c, k[r]));
+                        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(c, x[r]));
                     }
                 }
             }
             for (i, a) in acc.into_iter().enumerate() {
                 for r in 0..RUN {
-                    _mm512_mask_storeu_ps(s.as_mut_ptr().wrapping_add(i * n + j0 + 16 * r), m[r], a[r]);
+                    _mm512_mask_storeu_ps(dst.as_mut_ptr().wrapping_add(i * stride + l0 + 16 * r), m[r], a[r]);
                 }
             }
         }
     }
 }
 
-/// `sums`' outputs for an f32 cache on AVX-512, `RUN` registers of sixteen columns at a time,
-/// as `scores_f32_avx512`.
-///
-/// # Safety
-/// As `scores_f32_avx512`'s, with `s` the `G` heads' weights and `out` `G` heads.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn values_f32_avx512<const G: usize>(s: &[f32], p: &Plane<f32>, at: Head, out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let Head { start, offset, hd, n, .. } = at;
-    debug_assert!(s.len() >= G * n && out.len() >= G * hd && (start + n) * p.width <= p.v.len() && offset + hd <= p.width);
-    for o0 in (0..hd).step_by(16 * RUN) {
-        let m: [u16; RUN] = std::array::from_fn(|r| lanes((hd - o0).saturating_sub(16 * r)));
-        let mut acc = [[_mm512_setzero_ps(); RUN]; G];
-        // SAFETY: as in `scores_f32_avx512`.
-        unsafe {
-            for j in 0..n {
-                let row = p.v.as_ptr().add((start + j) * p.width + offset + o0);
-                let v: [__m512; RUN] = std::array::from_fn(|r| _mm512_maskz_loadu_ps(m[r], row.wrapping_add(16 * r)));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let c = _mm512_set1_ps(*s.get_unchecked(i * n + j));
-                    for r in 0..RUN {
-                        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(c, v[r]));
-                    }
-                }
-            }
-            for (i, a) in acc.into_iter().enumerate() {
-                for r in 0..RUN {
-                    _mm512_mask_storeu_ps(out.as_mut_ptr().wrapping_add(i * hd + o0 + 16 * r), m[r], a[r]);
-                }
-            }
-        }
-    }
-}
-
-/// Registers of sixteen lanes each head sums at once in the AVX-512 f32 kernels: four lines of
-/// a key or value row for each coefficient loaded. Over a 512-position prefill's attention
+/// Registers of sixteen lanes each head sums at once in `sums_f32_avx512`: four lines of a key
+/// or value row for each coefficient loaded. Over a 512-position prefill's attention
 /// (4 heads of 256), measured on Zen 4: ~25 G multiply-adds a second with one, ~31 with four.
 const RUN: usize = 4;
 
