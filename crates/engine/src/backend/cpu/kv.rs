@@ -404,7 +404,7 @@ impl KvCache {
 
     /// Bytes held for the cached positions, as stored.
     pub fn bytes(&self) -> usize {
-        self.store.iter().enumerate().map(|(li, s)| (self.len - self.span(li).0) * s.position_bytes()).sum()
+        self.store.iter().enumerate().map(|(li, s)| (self.len - self.first_held(li)) * s.position_bytes()).sum()
     }
 
     /// Whether its positions can be copied out and in as blocks (`read_block`, `write_block`):
@@ -472,18 +472,18 @@ impl KvCache {
             }
         }
         for li in 0..self.store.len() {
-            let start = self.span(li).0;
+            let start = self.first_held(li);
             self.store[li].truncate(len - start);
         }
         self.len = len;
         Ok(())
     }
 
-    /// Layer `li`'s first held position and its slots per key row.
-    pub(crate) fn span(&self, li: usize) -> (usize, usize) {
+    /// Layer `li`'s first held position (in its slot 0).
+    pub(crate) fn first_held(&self, li: usize) -> usize {
         match &self.window {
-            Some(w) if self.windowed[li] => (w.start, w.slots),
-            _ => (0, self.capacity),
+            Some(w) if self.windowed[li] => w.start,
+            _ => 0,
         }
     }
 
@@ -508,7 +508,7 @@ impl KvCache {
     /// Stores layer `layer`'s keys and values of `rows` new positions, from `len` on (the caller
     /// advances `len` once every layer has its rows, and reserved room for them first).
     pub(crate) fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
-        let (start, _) = self.span(layer);
+        let start = self.first_held(layer);
         self.store[layer].append(self.len - start, keys, values);
     }
 }
@@ -565,7 +565,7 @@ mod tests {
 
     /// The positions layer `li` holds, in slot order, read from keys and values alike.
     fn held(kv: &KvCache, li: usize) -> Vec<f32> {
-        let start = kv.span(li).0;
+        let start = kv.first_held(li);
         let (keys, values): (Vec<f32>, Vec<f32>) = (0..kv.len - start).map(|slot| kv.store[li].at(slot, 0)).unzip();
         assert_eq!(keys, values);
         keys
@@ -633,7 +633,7 @@ mod tests {
                 for rows in chunks {
                     push(&mut kv, rows);
                     most = most.max(rows);
-                    let (start, slots) = kv.span(1);
+                    let (start, slots) = (kv.first_held(1), kv.window.as_ref().map_or(0, |w| w.slots));
                     let all: Vec<f32> = (0..kv.len).map(|p| stored(dtype, p as f32)).collect();
                     assert_eq!(held(&kv, 0), all);
                     assert_eq!(held(&kv, 1), all[start..], "{dtype}: positions {start}.. of {}", kv.len);
@@ -665,7 +665,7 @@ mod tests {
             }
             assert!(spec.truncate(11).is_err(), "past what is held");
             // A window of 4 after 10 positions holds what a row at 9 sees, not at 3.
-            assert!(spec.truncate(3).is_err() && spec.truncate(spec.span(1).0 + 3).is_ok());
+            assert!(spec.truncate(3).is_err() && spec.truncate(spec.first_held(1) + 3).is_ok());
         }
     }
 

@@ -218,7 +218,7 @@ impl Backend for Cpu {
         let jobs = seq_of.len() * per_row;
         let out = Disjoint::new(att);
         // Per sequence: the layer's keys and values, and the position in slot 0.
-        let caches: Vec<(&Store, usize)> = kvs.iter().map(|kv| (&kv.store[li], kv.span(li).0)).collect();
+        let caches: Vec<(&Store, usize)> = kvs.iter().map(|kv| (&kv.store[li], kv.first_held(li))).collect();
         self.pool.run(jobs, 1, &|chunk| {
             SCRATCH.with_borrow_mut(|scratch| {
                 for job in chunk {
