@@ -311,6 +311,8 @@ unsafe fn body<const N: usize, const T: u8>(w: &Rows, n_blocks: usize, acts: &Ac
         let row = &w.bytes[r * w.row_bytes..][..n_blocks * bb];
         let mut acc = [0f32; N];
         for (blk, b) in row.chunks_exact(bb).enumerate() {
+            #[cfg(target_arch = "x86_64")]
+            super::prefetch(b.as_ptr(), bb);
             unpack(ty, b, &mut q, &mut m, &mut o);
             for c in 0..N {
                 let a = &codes[c][blk * e..][..e];
