@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 
-use dgr_driver::{DriveOptions, Flow, GenRequest, Route};
+use dgr_driver::{DriveOptions, Flow, GenRequest, Route, Speculate};
 use dgr_proto::{Sampling, SeamDtype};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -182,15 +182,16 @@ fn sessions_past_the_kv_budget_or_session_cap_are_refused_with_a_clear_error() {
     assert_eq!(e.kind, "overloaded", "{e}");
     assert!(e.message.contains("KV positions"), "{e}");
     // One session fits; a second one at the same time is refused, and the first is unharmed.
-    // The second starts once the first has its first token (so it holds the one slot), and the
-    // first then takes at least 23 × 5 ms more, however loaded the machine is.
+    // The second starts once the first has its first token (so it holds the one slot). The ring
+    // decodes without waiting on its driver, so a slow driver would not keep the first open; it
+    // is as long as the budget allows and decodes a token a step (no drafts), 55 steps more.
     let route = rt.block_on(Route::discover(&w.addrs, Duration::from_secs(5))).expect("route");
     let started = tokio::sync::Notify::new();
     let (first, second) = rt.block_on(async {
-        let (slow, opts) = (request(&p.tokens, 24), DriveOptions::default());
-        let one = dgr_driver::generate(&route, &slow, &opts, |_| {
+        let long = request(&p.tokens, 64 - p.tokens.len());
+        let opts = DriveOptions { speculate: Speculate::Off, ..DriveOptions::default() };
+        let one = dgr_driver::generate(&route, &long, &opts, |_| {
             started.notify_one();
-            std::thread::sleep(Duration::from_millis(5));
             Flow::Continue
         });
         let two = async {
@@ -202,5 +203,5 @@ fn sessions_past_the_kv_budget_or_session_cap_are_refused_with_a_clear_error() {
     let e = second.expect_err("a second session past --max-sessions 1");
     println!("past the session cap: {e}");
     assert_eq!(e.kind, "overloaded", "{e}");
-    assert_eq!(first.expect("the first session").tokens.len(), 24);
+    assert_eq!(first.expect("the first session").tokens.len(), 64 - p.tokens.len());
 }
